@@ -1,0 +1,64 @@
+// Launch helpers shared by every kernel family: cluster launches through
+// cudaLaunchKernelEx (the only way to get clusters of 16, and the only launch
+// whose configuration errors are reported synchronously), with the one-time
+// function attributes (large dynamic shared memory, non-portable clusters).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <unordered_set>
+
+namespace jax_cluster {
+
+#define JAX_CLUSTER_CUDA_RETURN_IF_ERROR(expr) \
+  do {                                          \
+    cudaError_t _err = (expr);                  \
+    if (_err != cudaSuccess) return _err;       \
+  } while (0)
+
+// Sets a kernel's attributes once per process (not per call: the decode
+// path must do no host work beyond the launch).
+inline cudaError_t configure_kernel_once(const void* kernel) {
+  static std::mutex mu;
+  static std::unordered_set<const void*> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(kernel)) return cudaSuccess;
+  int device = 0, optin = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attrs;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, kernel));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      optin - static_cast<int>(attrs.sharedSizeBytes)));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  done.insert(kernel);
+  return cudaSuccess;
+}
+
+// grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           int cluster_size, cudaStream_t stream, Args&&... args) {
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_size;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return cudaGetLastError();
+}
+
+}  // namespace jax_cluster

@@ -1,0 +1,22 @@
+"""jax_cluster: fused NVIDIA Hopper kernels for LLM decoding and DiT attention.
+
+Every op is a JAX primitive backed by an XLA FFI custom call, with a CPU
+handler (plain C++) and a CUDA handler (the fused kernel). jnp references of
+every op live in `jax_cluster.reference`.
+"""
+
+from jax_cluster import reference
+from jax_cluster._extension import cuda_module_built, register_targets
+from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
+
+__version__ = "0.1.0"
+
+register_targets()
+
+__all__ = [
+    "cluster_gather",
+    "cluster_reduce",
+    "cuda_module_built",
+    "reference",
+    "register_targets",
+]

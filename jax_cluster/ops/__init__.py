@@ -1,0 +1,1 @@
+"""One module per op family: primitive, abstract eval, lowering, batching."""

@@ -1,0 +1,155 @@
+"""cluster_reduce / cluster_gather vs the jnp reference (CPU handler always,
+CUDA handler on a GPU): every cluster size, dtype, op and implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cluster as jc
+from jax_cluster import reference
+from jax_cluster.testing import TOLERANCE, rel_l2
+
+DTYPES = ["float32", "float16", "bfloat16"]
+SIZES = [1, 7, 37, 256, 1000]  # not multiples of the 256 threads or of a 16-byte vector
+
+
+def _inputs(rng, groups, n, size, dtype):
+    return jnp.asarray(rng.standard_normal((groups, n, size)), dtype=dtype)
+
+
+def _check_reduce(x, op, impl, repeat, device):
+    x = jax.device_put(x, device)
+    out = jax.jit(
+        lambda x: jc.cluster_reduce(x, op, impl=impl, all_blocks=True, repeat=repeat)
+    )(x)
+    ref = reference.cluster_reduce(x, op, all_blocks=True, repeat=repeat)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert rel_l2(out, ref) <= TOLERANCE[jnp.dtype(x.dtype).name]
+    # Every block of the cluster ends with the full, bitwise-identical result.
+    copies = np.asarray(out.astype(jnp.float32))
+    assert (copies == copies[:, :1]).all()
+    single = jc.cluster_reduce(x, op, impl=impl, repeat=repeat)
+    np.testing.assert_array_equal(np.asarray(single), np.asarray(out[:, 0]))
+
+
+def _check_gather(x, impl, repeat, device):
+    x = jax.device_put(x, device)
+    out = jax.jit(lambda x: jc.cluster_gather(x, impl=impl, all_blocks=True, repeat=repeat))(x)
+    ref = reference.cluster_gather(x, all_blocks=True, repeat=repeat)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))  # a copy is exact
+    single = jc.cluster_gather(x, impl=impl, repeat=repeat)
+    np.testing.assert_array_equal(np.asarray(single), np.asarray(ref[:, 0]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_reduce_cpu(rng, n, dtype, op):
+    for size in (1, 37, 1000):
+        _check_reduce(_inputs(rng, 3, n, size, dtype), op, "dsmem", 1, jax.devices("cpu")[0])
+    _check_reduce(_inputs(rng, 2, n, 37, dtype), op, "dsmem", 3, jax.devices("cpu")[0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_cpu(rng, n, dtype):
+    for size, repeat in ((1, 1), (37, 1), (1000, 3)):
+        _check_gather(_inputs(rng, 3, n, size, dtype), "dsmem", repeat, jax.devices("cpu")[0])
+
+
+def test_vmap(rng):
+    x = _inputs(rng, 5, 4, 33, "float32")
+    xs = jnp.stack([x, 2 * x, -x])
+    out = jax.vmap(lambda x: jc.cluster_reduce(x, "sum"))(xs)
+    np.testing.assert_allclose(out, reference.cluster_reduce(xs.reshape(15, 4, 33)).reshape(3, 5, 33), rtol=1e-6, atol=1e-6)
+    g = jax.vmap(jc.cluster_gather, in_axes=1)(jnp.stack([x, x + 1], axis=1))
+    assert g.shape == (2, 5, 4 * 33)
+    np.testing.assert_array_equal(g[1], reference.cluster_gather(x + 1))
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs, message",
+    [
+        ((2, 3, 8), {}, "power of two"),
+        ((2, 32, 8), {}, "power of two"),
+        ((2, 4, 8), {"cluster_size": 8}, "must equal cluster_size"),
+        ((4, 8), {}, "must be \\[groups, cluster_size, size\\]"),
+        ((1, 2, 40000), {}, "limit is 231424 bytes"),
+        ((1, 4, 8), {"impl": "nvlink"}, "impl must be one of"),
+        ((1, 4, 8), {"repeat": 0}, "repeat must be a positive int"),
+    ],
+)
+def test_bad_inputs(shape, kwargs, message):
+    x = jnp.ones(shape, jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        jc.cluster_reduce(x, **kwargs)
+
+
+def test_bad_dtype_and_op():
+    with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
+        jc.cluster_gather(jnp.ones((1, 2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="op must be 'sum' or 'max'"):
+        jc.cluster_reduce(jnp.ones((1, 2, 8)), op="min")
+
+
+def test_shared_memory_limit_per_kind():
+    # gather holds N segments + a staging copy: 16 x 16 KiB fp32 does not fit
+    with pytest.raises(ValueError, match="shared memory"):
+        jc.cluster_gather(jnp.ones((1, 16, 4096), jnp.float32))
+    jc.cluster_reduce(jnp.ones((1, 16, 4096), jnp.float32))  # 5 x 16 KiB fits
+
+
+# ---------------------------------------------------------------- GPU
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["dsmem", "global"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_gpu(rng, impl, n, dtype):
+    for op in ("sum", "max"):
+        for size in SIZES:
+            _check_reduce(_inputs(rng, 3, n, size, dtype), op, impl, 1, _gpu())
+        # repeated calls in one kernel exercise buffer reuse across calls
+        _check_reduce(_inputs(rng, 5, n, 1000, dtype), op, impl, 4, _gpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["dsmem", "global"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_gpu(rng, impl, n, dtype):
+    for size in SIZES:
+        _check_gather(_inputs(rng, 3, n, size, dtype), impl, 1, _gpu())
+    _check_gather(_inputs(rng, 5, n, 1000, dtype), impl, 5, _gpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_gpu_matches_cpu_bitwise(rng, n):
+    """The CPU handler follows the same butterfly and rounding as the kernel."""
+    x = _inputs(rng, 7, n, 500, "bfloat16")
+    for repeat in (1, 3):
+        gpu = jc.cluster_reduce(jax.device_put(x, _gpu()), repeat=repeat)
+        cpu = jc.cluster_reduce(jax.device_put(x, jax.devices("cpu")[0]), repeat=repeat)
+        np.testing.assert_array_equal(np.asarray(gpu), np.asarray(cpu))
+
+
+@pytest.mark.gpu
+def test_large_slices_and_many_clusters(rng):
+    """64 KiB per block (Table 1's largest case) and more clusters than SMs."""
+    x = _inputs(rng, 300, 4, 16384, "float32")
+    _check_reduce(x, "sum", "dsmem", 1, _gpu())
+    _check_gather(_inputs(rng, 2, 4, 8192, "float16"), "dsmem", 2, _gpu())
+
+
+@pytest.mark.gpu
+def test_deterministic(rng):
+    x = jax.device_put(_inputs(rng, 64, 8, 4000, "float32"), _gpu())
+    f = jax.jit(lambda x: jc.cluster_reduce(x, "sum"))
+    first = np.asarray(f(x))
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(f(x)), first)
