@@ -1,0 +1,113 @@
+"""Shared benchmark plumbing: timing inside one jit, HBM bandwidth, results files.
+
+Results follow DESIGN.md: benchmarks/results/<name>.json (device, versions,
+date, command, rows) plus a Markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def versions() -> dict:
+    import jaxlib
+
+    info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
+    try:
+        backend = jax.extend.backend.get_backend()
+        info["platform_version"] = backend.platform_version
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return info
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, trials: int = 7) -> float:
+    """Median wall time (seconds) of fn(*args) to completion; fn should be jitted
+    and do many iterations of work so host overhead is negligible."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def loop(step: Callable, iters: int) -> Callable:
+    """jit(x -> step applied `iters` times): per-iteration time without dispatch."""
+
+    @jax.jit
+    def run(x):
+        return jax.lax.fori_loop(0, iters, lambda i, x: step(x), x)
+
+    return run
+
+
+def measure_bandwidth(gib: float = 1.0) -> float:
+    """Device memory bandwidth (bytes/s) of an elementwise pass: read + write."""
+    n = int(gib * 2**30) // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    step = loop(lambda x: x * 1.0001 + 1.0, 10)
+    t = time_fn(step, x)
+    return 2 * n * 4 * 10 / t
+
+
+def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",
+                  extra: dict | None = None) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "device": device_name(),
+        "versions": versions(),
+        "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "notes": notes,
+        **(extra or {}),
+        "rows": list(rows),
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    lines = [f"# {name}", "", f"{payload['device']}, jax {payload['versions']['jax']}, {payload['date']}",
+             "", f"`{payload['command']}`", ""]
+    if notes:
+        lines += [notes, ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def random_normal(key, shape, dtype, scale: float = 1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def dtype_tag(dtype) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[np.dtype(dtype).name]

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build there, run the GPU tests, the sanitizers
+# and the named benchmarks; logs under $OUT (default ./gpu_out). Short table last.
+#   bash benchmarks/gpu_check.sh [--tests PATTERN] [--no-sanitize] [bench ...]
+#   e.g. bash benchmarks/gpu_check.sh cluster_collectives
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+TESTS="tests"
+SANITIZE=1
+BENCHES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests) TESTS="$2"; shift 2 ;;
+    --no-sanitize) SANITIZE=0; shift ;;
+    *) BENCHES+=("$1"); shift ;;
+  esac
+done
+summary=()
+step() {  # step NAME LOGFILE CMD...
+  local name="$1" log="$2"; shift 2
+  local t0=$SECONDS
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$log")")
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/device.txt" 2>&1
+export JAX_CLUSTER_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
+step build build.log python3 -m pip install --no-build-isolation --no-deps -v . || {
+  tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
+grep -E "registers|spill" -B1 build/*/CMakeFiles 2>/dev/null | head -0
+step gpu-tests gpu_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --import-mode=importlib $TESTS
+tail -5 "$OUT/gpu_tests.log"
+if [ "$SANITIZE" = 1 ]; then
+  for tool in memcheck racecheck; do
+    step "sanitize-$tool" "sanitize_$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 benchmarks/sanitize_targets.py
+  done
+fi
+for b in "${BENCHES[@]}"; do
+  step "bench-$b" "bench_$b.log" python3 -m benchmarks."$b"
+  cp benchmarks/results/"$b".* "$OUT"/ 2>/dev/null
+done
+echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
+printf '%s\n' "${summary[@]}"
+for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done
