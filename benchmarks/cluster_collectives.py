@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cluster as jc
-from benchmarks.common import dtype_tag, loop, random_normal, time_fn, write_results
+from common import dtype_tag, loop, random_normal, time_fn, write_results
 
 PAPER_SPEEDUP = {  # ClusterFusion Table 1, H100, cluster size 4
     ("reduce", 32): 1.18, ("reduce", 64): 1.36, ("reduce", 128): 2.01, ("reduce", 256): 2.44,

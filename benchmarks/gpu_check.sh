@@ -31,8 +31,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/devi
 export JAX_CLUSTER_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
 step build build.log python3 -m pip install --no-build-isolation --no-deps -v . || {
   tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
-grep -E "registers|spill" -B1 build/*/CMakeFiles 2>/dev/null | head -0
-step gpu-tests gpu_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --import-mode=importlib $TESTS
+# -P: the source tree (no compiled modules) must not shadow the installed package
+step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider $TESTS
 tail -5 "$OUT/gpu_tests.log"
 if [ "$SANITIZE" = 1 ]; then
   for tool in memcheck racecheck; do
@@ -41,7 +41,7 @@ if [ "$SANITIZE" = 1 ]; then
   done
 fi
 for b in "${BENCHES[@]}"; do
-  step "bench-$b" "bench_$b.log" python3 -m benchmarks."$b"
+  step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py"
   cp benchmarks/results/"$b".* "$OUT"/ 2>/dev/null
 done
 echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
