@@ -1,0 +1,85 @@
+"""Llama-2 / Llama-3 decoder (GQA, Llama-3 RoPE scaling, RMSNorm, SwiGLU, tied or untied head).
+
+Q, K and V projections are stored fused, one [hidden, (Hq + 2 Hkv) D] kernel with columns
+[Q heads | K heads | V heads], the layout jax_cluster.attention_decode takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from . import ops
+from .base import CausalLM, mha_prefill
+from .cache import KVCache
+from .config import LlamaConfig
+from .layers import Linear, RMSNorm, SwiGLU, rms_norm
+
+
+class LlamaLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.qkv = Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+
+class Llama(CausalLM):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, impl="auto", rngs: nnx.Rngs):
+        self.config = cfg
+        self.impl = impl
+        self._init_head(cfg, dtype, rngs)
+        self.layers = nnx.List([LlamaLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def _rope_dim(self):
+        return self.config.head_dim
+
+    def _final_norm(self, x):
+        return self.norm(x)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        return KVCache.create(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_kv_heads,
+                              max_len=max_len, head_dim=c.head_dim, dtype=dtype or self.dtype)
+
+    def _attn_kw(self):
+        c = self.config
+        return dict(num_q_heads=c.num_heads, num_kv_heads=c.num_kv_heads, scale=c.head_dim ** -0.5)
+
+    def _prefill_layers(self, x, cos, sin, cache: KVCache):
+        c = self.config
+        ks, vs = [], []
+        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+            y, kc, vc = mha_prefill(layer.input_norm(x), layer.qkv.kernel[...], layer.qkv.bias_value(),
+                                    layer.o.kernel[...], layer.o.bias_value(), kc, vc, cos, sin,
+                                    head_dim=c.head_dim, **self._attn_kw())
+            x = x + y
+            x = ops.swiglu_mlp_xla(layer.post_norm(x), residual=x, **layer.mlp.weights())
+            ks.append(kc)
+            vs.append(vc)
+        return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
+
+    def _decode_layers(self, x, cache: KVCache, impl):
+        c = self.config
+        inv_freq = self.inv_freq()
+        a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
+        ks, vs = [], []
+        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+            x, kc, vc = ops.decode_attention(
+                x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
+                norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
+                qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
+                rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(), impl=a_impl,
+                **self._attn_kw(),
+            )
+            h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)
+            x = ops.swiglu_mlp(h, residual=x, impl=m_impl, **layer.mlp.weights())
+            ks.append(kc)
+            vs.append(vc)
+        return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
+
