@@ -1,0 +1,180 @@
+"""Generation: jitted prefill and decode steps over a split model (graphdef static, state an
+argument), the cache donated to every step so it is updated in place.
+
+``generate`` pads prompts on the right (see base.py for why), prefills once, then runs one jitted
+decode step per token from Python (tokens stay on device; no host sync per step) and times each
+phase after ahead-of-time compilation. ``decode_loop`` runs many steps inside ONE jit
+(lax.fori_loop), for benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .sampling import SamplingParams, sample
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _prefill(graphdef, sampling, state, tokens, lengths, cache, key):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    return sample(logits, sub, sampling), cache, key
+
+
+def _step(graphdef, sampling, impl, state, tokens, cache, key):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.decode(tokens, cache, impl=impl)
+    key, sub = jax.random.split(key)
+    return sample(logits, sub, sampling), cache, key
+
+
+def _loop(graphdef, sampling, impl, steps, state, tokens, cache, key):
+    def body(_, carry):
+        tok, c, k = carry
+        return _step(graphdef, sampling, impl, state, tok, c, k)
+
+    return jax.lax.fori_loop(0, steps, body, (tokens, cache, key))
+
+
+class Engine:
+    """Compiled prefill / step / loop functions for one model structure and one sampling setting.
+
+    Use :meth:`for_model`: engines are cached per (graphdef, sampling, impl), so models of the same
+    structure share compiled code (weights are an argument, not a constant).
+    """
+
+    _cache: dict = {}
+
+    @classmethod
+    def for_model(cls, model, sampling: SamplingParams = SamplingParams(), impl=None) -> "Engine":
+        graphdef, state = nnx.split(model)
+        key = (graphdef, sampling, impl if isinstance(impl, (str, type(None))) else tuple(sorted(impl.items())))
+        eng = cls._cache.get(key)
+        if eng is None:
+            eng = cls._cache[key] = cls(model, sampling, impl)
+        eng.state = state
+        return eng
+
+    def compiled(self, name: str, *args):
+        """AOT-compiled prefill/step for these argument shapes (cached)."""
+        sig = (name, *(jax.tree.map(lambda a: (a.shape, str(a.dtype)), x) for x in args))
+        hit = self._compiled.get(str(sig))
+        if hit is None:
+            hit = self._compiled[str(sig)] = getattr(self, name).lower(*args).compile()
+        return hit
+
+    def __init__(self, model, sampling: SamplingParams = SamplingParams(), impl=None):
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self.sampling = sampling
+        self.prefill = jax.jit(functools.partial(_prefill, self.graphdef, sampling), donate_argnums=(3,))
+        self.step = jax.jit(functools.partial(_step, self.graphdef, sampling, impl), donate_argnums=(2,))
+        self._impl = impl
+        self._compiled = {}
+
+    def loop(self, steps: int):
+        """jitted (state, tokens, cache, key) -> (tokens, cache, key) after `steps` decode steps."""
+        return jax.jit(functools.partial(_loop, self.graphdef, self.sampling, self._impl, steps), donate_argnums=(2,))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row (cut after an end-of-sequence token)
+    prompt_lengths: list[int]
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def time_per_token_s(self) -> float:
+        """Wall time of one decode step (one new token for every row)."""
+        return self.decode_s / max(self.decode_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput over the whole batch."""
+        return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16):
+    """Right-pads prompts to a common length (rounded up to `multiple`): (tokens [B, T], lengths [B])."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    t = _round_up(max(len(p) for p in prompts), multiple)
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             sampling: SamplingParams = SamplingParams(), seed: int = 0, eos_token_ids: Sequence[int] = (),
+             impl=None, progress: bool = False, pad_multiple: int = 16) -> GenerationResult:
+    """Generates max_new_tokens tokens (fewer if every row ended) for a batch of prompts."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    tokens, lengths = pad_prompts(prompts, pad_multiple)
+    b, t = tokens.shape
+    cache = model.init_cache(b, _round_up(t + max_new_tokens, pad_multiple))
+    engine = Engine.for_model(model, sampling, impl)
+    key = jax.random.key(seed)
+    tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+
+    t0 = time.perf_counter()
+    prefill = engine.compiled("prefill", engine.state, tokens_d, lengths_d, cache, key)
+    tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32)
+    cache_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
+    step = engine.compiled("step", engine.state, tok_shape, cache_shape, key)
+    compile_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    tok, cache, key = prefill(engine.state, tokens_d, lengths_d, cache, key)
+    tok.block_until_ready()
+    prefill_s = time.perf_counter() - t0
+
+    out = [tok]
+    eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
+    done = jnp.isin(tok, eos)
+    bar = None
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", leave=False)
+        bar.update(1)
+    t0 = time.perf_counter()
+    for i in range(1, max_new_tokens):
+        tok, cache, key = step(engine.state, tok, cache, key)
+        out.append(tok)
+        if bar is not None:
+            bar.update(1)
+        if eos_token_ids:
+            done = done | jnp.isin(tok, eos)
+            if i % 16 == 0 and bool(done.all()):
+                break
+    jax.block_until_ready(tok)
+    decode_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+
+    ids = np.asarray(jnp.stack(out, axis=1))
+    rows = []
+    for r in ids.tolist():
+        for j, v in enumerate(r):
+            if v in eos_token_ids:
+                r = r[: j + 1]
+                break
+        rows.append(r)
+    return GenerationResult(rows, lengths.tolist(), compile_s, prefill_s, decode_s, len(out) - 1)
