@@ -1,0 +1,120 @@
+"""XLA backend: executes a :class:`~.schedules.Schedule` with ``jax.shard_map``,
+``lax.all_to_all`` and ``lax.ppermute``.
+
+Inputs and output are ``[B, L, H, Dh]`` arrays sharded along the sequence over all mesh axes
+(device g holds block g). Each op of the description becomes one collective or one local
+kernel call; overlap of a step's transfers with its attention is left to XLA's async
+collectives and latency-hiding scheduler (see ``flags``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from . import local_attention as la
+from .schedules import AllToAll, Attend, Finalize, JoinHeads, Schedule, Shift, SplitHeads
+
+if hasattr(jax, "shard_map"):  # jax >= 0.6
+    def _shard_map(f, mesh, in_specs, out_specs):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+else:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _old_shard_map
+
+    def _shard_map(f, mesh, in_specs, out_specs):
+        return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _axis_size(schedule: Schedule, axes) -> int:
+    return math.prod(schedule.layout.size(a) for a in axes)
+
+
+def _coord(axis: str):
+    return jax.lax.axis_index(axis)
+
+
+def _split_heads(x, n, axis):
+    b, l, h, d = x.shape
+    x = x.reshape(b, l, n, h // n, d)
+    if axis is not None:
+        x = jnp.roll(x, -_coord(axis), axis=2)  # block j = (coord + j) mod n
+    return [x[:, :, j] for j in range(n)]
+
+
+def _join_heads(xs, axis):
+    x = jnp.stack(xs, axis=2)
+    if axis is not None:
+        x = jnp.roll(x, _coord(axis), axis=2)
+    b, l, n, h, d = x.shape
+    return x.reshape(b, l, n * h, d)
+
+
+def _attend(kernel, scale, env, states, op: Attend):
+    if not op.kv:
+        return
+    kvs = [(env[k], env[v]) for k, v in op.kv]
+    qs = [env[q] for q in op.q]
+    sts = [states.get(q) for q in op.q]
+    if len(qs) == 1:
+        states[op.q[0]] = kernel(qs[0], kvs, sts[0], scale=scale)
+        return
+    # several query chunks share the KV: one launch over their concatenation
+    b, _, h, d = qs[0].shape
+    sts = [s if s is not None else la.empty_state(b, x.shape[1], h, d) for s, x in zip(sts, qs)]
+    st = la.State(jnp.concatenate([s.o for s in sts], 1), jnp.concatenate([s.lse for s in sts], 2))
+    out = kernel(jnp.concatenate(qs, 1), kvs, st, scale=scale)
+    start = 0
+    for name, x in zip(op.q, qs):
+        n = x.shape[1]
+        states[name] = la.State(out.o[:, start:start + n], out.lse[:, :, start:start + n])
+        start += n
+
+
+def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None):
+    """Body of the shard_map: one device's part of the schedule on its local blocks."""
+    kernel = la.get_kernel(kernel)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    dtype = q.dtype
+    env = {"q": q, "k": k, "v": v}
+    states: dict[str, la.State] = {}
+    lay = schedule.layout
+    for step in schedule.steps:
+        for op in step.ops:
+            if isinstance(op, AllToAll):
+                g = _axis_size(schedule, op.axes)
+                split, concat = (2, 1) if op.gather == "seq" else (1, 2)
+                for s, d in zip(op.src, op.dst):
+                    x = env[s]
+                    env[d] = x if g == 1 else jax.lax.all_to_all(x, op.axes, split, concat, tiled=True)
+            elif isinstance(op, Shift):
+                n = lay.size(op.axis)
+                perm = [(i, (i + op.shift) % n) for i in range(n)]
+                for s, d in zip(op.src, op.dst):
+                    env[d] = env[s] if op.shift % n == 0 else jax.lax.ppermute(env[s], op.axis, perm)
+            elif isinstance(op, SplitHeads):
+                for d, x in zip(op.dst, _split_heads(env[op.src], len(op.dst), op.axis)):
+                    env[d] = x
+            elif isinstance(op, JoinHeads):
+                env[op.dst] = _join_heads([env[s] for s in op.src], op.axis)
+            elif isinstance(op, Attend):
+                _attend(kernel, scale, env, states, op)
+            elif isinstance(op, Finalize):
+                for s, d in zip(op.src, op.dst):
+                    st = states.get(s)
+                    env[d] = jnp.zeros_like(env[s]) if st is None else la.finalize(st, dtype)
+            else:  # pragma: no cover
+                raise TypeError(f"unknown op {op!r}")
+    return env[schedule.output]
+
+
+def execute(schedule: Schedule, mesh, q, k, v, *, kernel=None, scale=None):
+    """Run ``schedule`` on ``mesh`` (axes named as in the schedule's layout) over global
+    ``[B, L, H, Dh]`` arrays; the result is sharded along the sequence like the inputs."""
+    spec = PartitionSpec(None, tuple(schedule.layout.axis_names), None, None)
+    body = functools.partial(run_local, schedule, kernel=kernel, scale=scale)
+    f = _shard_map(body, mesh, (spec, spec, spec), spec)
+    return f(q, k, v)
