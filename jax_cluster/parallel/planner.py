@@ -13,7 +13,8 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from .layout import Layout, make_layout
-from .schedules import LAYOUT_ORDER, SCHEDULES, AttnShape, Schedule, build_schedule, default_degrees
+from .description import AttnShape, Schedule
+from .schedules import LAYOUT_ORDER, SCHEDULES, build_schedule, default_degrees
 from .topology import Topology, find_topology
 
 

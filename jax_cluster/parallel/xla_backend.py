@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import local_attention as la
-from .schedules import AllToAll, Attend, Finalize, JoinHeads, Schedule, Shift, SplitHeads
+from .description import AllToAll, Attend, Finalize, JoinHeads, Schedule, Shift, SplitHeads
 
 if hasattr(jax, "shard_map"):  # jax >= 0.6
     def _shard_map(f, mesh, in_specs, out_specs):
