@@ -1,0 +1,121 @@
+"""DeepSeek-V2 conformance against transformers (CPU, fp32), and the YaRN softmax scale.
+
+The installed transformers (checked at run time below) multiplies DeepSeek-V2's softmax scale by
+mscale(factor, mscale_all_dim)^2 (the fix of PR #47435); older versions did not. When it does not,
+the conformance test sets transformers' per-layer scale to the reference formula, so the rest of
+the model is still compared, and the formula itself is tested against hand-computed numbers.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import flax_models.deepseek_v2 as ds  # noqa: E402
+import flax_models.mla as mla  # noqa: E402
+from flax_models.config import DeepseekV2Config, RopeConfig  # noqa: E402
+from flax_models.testing import compare_greedy, compare_logits, hf_roundtrip  # noqa: E402
+
+TOL = 1e-4
+BASE = dict(vocab_size=96, initializer_range=0.2, max_position_embeddings=256)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+YARN_AF = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+           "mscale": 1.0, "mscale_all_dim": 0.5}  # cos/sin factor mscale/mscale_all_dim != 1
+
+CONFIGS = {
+    "qlora-moe4-top2-yarn": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                                 num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                 n_shared_experts=1, first_k_dense_replace=1, rope_parameters=YARN),
+    "noqlora-moe8-top3-shared2": dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=24,
+                                      num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=32, q_lora_rank=None,
+                                      qk_nope_head_dim=16, qk_rope_head_dim=4, v_head_dim=16, n_routed_experts=8,
+                                      num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=0,
+                                      tie_word_embeddings=True),
+    "group-limited-bias-yarn-af": dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                                       num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=8, q_lora_rank=12,
+                                       qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
+                                       num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                       topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                       routed_scaling_factor=2.0, attention_bias=True, rope_parameters=YARN_AF),
+    "dense-only-noqlora": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                               v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                               first_k_dense_replace=2),
+}
+
+
+def hf_has_mscale(hf_model, cfg) -> bool:
+    plain = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    return abs(hf_model.model.layers[0].self_attn.scaling - plain) > 1e-12
+
+
+def _align_hf_scale(hf, ours_cfg):
+    """Older transformers omit the YaRN mscale: give them the reference scale so the rest is compared."""
+    for layer in hf.model.layers:
+        layer.self_attn.scaling = mla.softmax_scale(ours_cfg)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_deepseek_v2_matches_transformers(name, tmp_path):
+    cfg = transformers.DeepseekV2Config(**BASE, **CONFIGS[name])
+    hf, model = hf_roundtrip(cfg, tmp_path)
+    if not hf_has_mscale(hf, cfg):
+        _align_hf_scale(hf, model.config)
+    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
+    assert err["prefill"] <= TOL, err
+    assert err["decode"] <= TOL, err
+    ours, theirs = compare_greedy(hf, model)
+    assert ours == theirs
+
+
+def test_wrong_softmax_scale_is_detected(tmp_path, monkeypatch):
+    """Negative control: dropping the mscale^2 factor must fail the comparison by a wide margin."""
+    cfg = transformers.DeepseekV2Config(**BASE, **CONFIGS["qlora-moe4-top2-yarn"])
+    hf, model = hf_roundtrip(cfg, tmp_path)
+    if not hf_has_mscale(hf, cfg):
+        _align_hf_scale(hf, model.config)
+    plain = lambda c: c.qk_head_dim ** -0.5  # noqa: E731
+    monkeypatch.setattr(mla, "softmax_scale", plain)
+    monkeypatch.setattr(ds, "softmax_scale", plain)
+    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=4)
+    assert err["prefill"] > 100 * TOL and err["decode"] > 100 * TOL, err
+
+
+def test_installed_transformers_softmax_scale():
+    """Records what the installed transformers does (see module docstring); both behaviours are handled."""
+    cfg = transformers.DeepseekV2Config(**BASE, **CONFIGS["qlora-moe4-top2-yarn"])
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    scale = hf.model.layers[0].self_attn.scaling
+    m = 0.1 * 0.707 * math.log(4.0) + 1.0
+    assert scale == pytest.approx(16 ** -0.5 * m * m, rel=1e-9) or scale == pytest.approx(16 ** -0.5, rel=1e-9)
+
+
+def _v2_lite(**rope):
+    return DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                            num_layers=27, num_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128, rope=RopeConfig(**rope))
+
+
+def test_softmax_scale_formula_against_hand_computed_values():
+    """YaRN: sqrt(1/t) = 0.1 ln(s) + 1, with DeepSeek's mscale_all_dim weight on ln(s), squared in the logits.
+
+    DeepSeek-V2-Lite: qk_head_dim = 192, factor 40, mscale_all_dim 0.707:
+    m = 0.1 * 0.707 * ln 40 + 1 = 1.2608038..., scale = 192^-1/2 * m^2 = 0.1147214...
+    """
+    cfg = _v2_lite(theta=10000.0, rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                   mscale=0.707, mscale_all_dim=0.707)
+    m = 0.1 * 0.707 * 3.6888794541139363 + 1.0
+    assert m == pytest.approx(1.2608037774, rel=1e-9)
+    assert mla.softmax_scale(cfg) == pytest.approx(0.0721687836487032 * m * m, rel=1e-12)
+    assert mla.softmax_scale(cfg) == pytest.approx(0.11472139, rel=1e-6)
+    # no scaling, factor <= 1, or no mscale_all_dim: the plain 1/sqrt(d)
+    assert mla.softmax_scale(_v2_lite()) == pytest.approx(192 ** -0.5)
+    assert mla.softmax_scale(_v2_lite(rope_type="yarn", factor=1.0, original_max_position_embeddings=4096,
+                                      mscale_all_dim=0.707)) == pytest.approx(192 ** -0.5)
+    assert mla.softmax_scale(_v2_lite(rope_type="yarn", factor=40.0,
+                                      original_max_position_embeddings=4096)) == pytest.approx(192 ** -0.5)
