@@ -14,7 +14,7 @@ import numpy as np
 
 from .layout import Layout, make_layout
 from .description import AttnShape, Schedule
-from .schedules import LAYOUT_ORDER, SCHEDULES, build_schedule, default_degrees
+from .schedules import LAYOUT_ORDER, SCHEDULES, build_schedule, check_layout, default_degrees
 from .topology import Topology, find_topology
 
 
@@ -117,6 +117,7 @@ def plan(
     if heads is not None and heads % pu:
         raise ValueError(f"{schedule}: heads H={heads} must be divisible by the Ulysses degree P_u={pu}")
     layout = make_layout(LAYOUT_ORDER[schedule], topo.machines, topo.gpus_per_machine, pu, pr)
+    check_layout(schedule, layout)
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(topo.devices, dtype=object).reshape(layout.axis_sizes), layout.axis_names)

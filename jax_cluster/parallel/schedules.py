@@ -133,8 +133,8 @@ def _torus(layout: Layout, new) -> list[Step]:
     return steps
 
 
-def build_schedule(name: str, layout: Layout, shape: AttnShape) -> Schedule:
-    """The schedule ``name`` on ``layout`` for a global attention ``shape``."""
+def check_layout(name: str, layout: Layout) -> None:
+    """Raise ValueError if schedule ``name`` cannot run on ``layout``."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
     if name == "torus" and layout.size("uo") > 1 and layout.size("ro") > 1:
@@ -142,6 +142,11 @@ def build_schedule(name: str, layout: Layout, shape: AttnShape) -> Schedule:
             f"torus: Ring degree P_r={layout.ring_degree} exceeds the GPUs per machine "
             f"M={layout.gpus_per_machine}, so every Torus stage would repeat a ring across machines; "
             f"Torus needs N | P_u (P_r <= M), as in StreamFusion §4.3 -- use tas or a larger P_u")
+
+
+def build_schedule(name: str, layout: Layout, shape: AttnShape) -> Schedule:
+    """The schedule ``name`` on ``layout`` for a global attention ``shape``."""
+    check_layout(name, layout)
     new = _Names()
     steps = _torus(layout, new) if name == "torus" else _ulysses_ring(layout, new)
     steps = tuple(steps)
