@@ -1,0 +1,219 @@
+"""Unit tests of the model building blocks (no torch needed): RoPE, ops dispatch, MoE, cache
+consistency of every architecture (prefill + decode == full forward), dtypes."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_models import moe, ops, rope
+from flax_models.config import RopeConfig
+from flax_models.presets import PRESETS, random_model
+
+
+def test_import_does_not_import_jax_cluster():
+    code = "import sys, flax_models, flax_models.generate; print('jax_cluster' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- rope
+def test_rope_layouts_are_permutations_of_each_other():
+    x = jax.random.normal(jax.random.key(0), (3, 2, 16))
+    inv = rope.inv_frequencies(RopeConfig(), 16)
+    cos, sin = rope.cos_sin(jnp.arange(3), inv)
+    cos, sin = cos[:, None], sin[:, None]
+    perm = np.concatenate([np.arange(0, 16, 2), np.arange(1, 16, 2)])  # pairs -> halves
+    inter = rope.apply_rope(x, cos, sin, "interleaved")
+    half = rope.apply_rope(x[..., perm], cos, sin, "half")
+    np.testing.assert_allclose(inter[..., perm], half, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jnp.linalg.norm(inter, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_partial_rotary_passes_the_rest_through():
+    x = jax.random.normal(jax.random.key(1), (4, 2, 20))
+    cos, sin = rope.cos_sin(jnp.arange(4) + 7, rope.inv_frequencies(RopeConfig(), 8))
+    y = rope.apply_rope(x, cos[:, None], sin[:, None], "half")
+    np.testing.assert_array_equal(y[..., 8:], x[..., 8:])
+    assert not np.allclose(y[..., :8], x[..., :8])
+
+
+def test_rope_position_zero_is_identity_and_relative():
+    q = jax.random.normal(jax.random.key(2), (16,))
+    k = jax.random.normal(jax.random.key(3), (16,))
+    inv = rope.inv_frequencies(RopeConfig(theta=500.0), 16)
+
+    def rot(v, p):
+        c, s = rope.cos_sin(jnp.asarray(p), inv)
+        return rope.apply_rope(v, c, s, "half")
+
+    np.testing.assert_allclose(rot(q, 0), q, rtol=1e-6)
+    # <R(m) q, R(n) k> depends on m - n only
+    np.testing.assert_allclose(jnp.dot(rot(q, 9), rot(k, 4)), jnp.dot(rot(q, 5), rot(k, 0)), rtol=1e-4)
+
+
+def test_inverse_frequencies_of_each_scaling():
+    base = rope.inv_frequencies(RopeConfig(theta=10000.0), 64)
+    np.testing.assert_allclose(base, 10000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-6)
+    lin = rope.inv_frequencies(RopeConfig(rope_type="linear", factor=4.0), 64)
+    np.testing.assert_allclose(lin, base / 4, rtol=1e-6)
+    l3 = rope.inv_frequencies(RopeConfig(rope_type="llama3", factor=8.0, original_max_position_embeddings=64), 64)
+    wavelen = 2 * np.pi / base
+    np.testing.assert_allclose(l3[wavelen < 64 / 4], base[wavelen < 64 / 4], rtol=1e-6)  # high freq kept
+    np.testing.assert_allclose(l3[wavelen > 64], base[wavelen > 64] / 8, rtol=1e-6)  # low freq / factor
+    mid = (wavelen >= 16) & (wavelen <= 64)
+    assert mid.any() and np.all(l3[mid] <= base[mid]) and np.all(l3[mid] >= base[mid] / 8)
+    y = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707)
+    yi = rope.inv_frequencies(y, 64)
+    assert yi[0] == pytest.approx(base[0]) and yi[-1] == pytest.approx(base[-1] / 4)
+    assert rope.attention_factor(y, 64) == pytest.approx(1.0)
+    y2 = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    assert rope.attention_factor(y2, 64) == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
+def test_unknown_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="longrope"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+
+
+# ----------------------------------------------------------------------------- caches: prefill + decode == full
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-deepseek"])
+def test_cached_decode_matches_full_forward(name):
+    model = random_model(PRESETS[name], std=0.1)
+    toks = jax.random.randint(jax.random.key(0), (2, 14), 0, model.config.vocab_size)
+    full = np.asarray(jax.jit(lambda t: model(t))(toks))
+    cache = model.init_cache(2, 16)
+    logits, cache = jax.jit(lambda t, c: model.prefill(t, jnp.array([6, 6]), c, all_logits=True))(toks[:, :6], cache)
+    np.testing.assert_allclose(logits, full[:, :6], rtol=2e-5, atol=2e-5)
+    step = jax.jit(lambda tok, c: model.decode(tok, c, impl="xla"), donate_argnums=(1,))
+    for t in range(6, 14):
+        logits, cache = step(toks[:, t], cache)
+        np.testing.assert_allclose(logits, full[:, t], rtol=2e-5, atol=2e-5)
+    assert cache.lengths.tolist() == [14, 14]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 5e-2), (jnp.float16, 1e-2)])
+def test_low_precision_models_run_close_to_fp32(dtype, tol):
+    m32 = random_model(PRESETS["tiny-llama"], jnp.float32, std=0.1)
+    mlo = random_model(PRESETS["tiny-llama"], dtype, std=0.1)
+    assert mlo.layers[0].qkv.kernel[...].dtype == dtype
+    toks = jnp.arange(10)[None] % 512
+    ref = np.asarray(jax.jit(lambda t: m32(t))(toks))
+    got = np.asarray(jax.jit(lambda t: mlo(t))(toks))
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+
+
+# ----------------------------------------------------------------------------- ops dispatch
+def _attn_args(b=2, hq=4, hkv=2, d=8, hidden=16, s=12):
+    ks = jax.random.split(jax.random.key(5), 6)
+    x = jax.random.normal(ks[0], (b, hidden))
+    w_qkv = 0.2 * jax.random.normal(ks[1], (hidden, (hq + 2 * hkv) * d))
+    w_o = 0.2 * jax.random.normal(ks[2], (hq * d, hidden))
+    kc = jax.random.normal(ks[3], (b, hkv, s, d))
+    vc = jax.random.normal(ks[4], (b, hkv, s, d))
+    lengths = jnp.array([3, 7], jnp.int32)
+    inv = rope.inv_frequencies(RopeConfig(), d)
+    kw = dict(norm_weight=jnp.ones(hidden), norm="rms", eps=1e-6, residual=True, rotary_dim=d, rope_layout="half",
+              num_q_heads=hq, num_kv_heads=hkv, scale=d ** -0.5)
+    return (x, w_qkv, w_o, kc, vc, lengths, inv), kw
+
+
+def test_fused_raises_clearly_when_jax_cluster_is_missing(monkeypatch):
+    monkeypatch.setattr(ops, "_load_jax_cluster", lambda: (None, "ImportError: no module named jax_cluster"))
+    args, kw = _attn_args()
+    with pytest.raises(RuntimeError, match="attention_decode"):
+        ops.decode_attention(*args, impl="fused", **kw)
+    y, kc, vc = jax.jit(lambda *a: ops.decode_attention(*a, impl="auto", **kw))(*args)  # falls back
+    y2, _, _ = jax.jit(lambda *a: ops.decode_attention_xla(*a, **kw))(*args)
+    np.testing.assert_array_equal(y, y2)
+    with pytest.raises(RuntimeError, match="GELU"):
+        ops.gelu_mlp(args[0], jnp.ones((16, 4)), None, jnp.ones((4, 16)), None, impl="fused")
+    with pytest.raises(ValueError, match="impl"):
+        ops.decode_attention(*args, impl="cuda", **kw)
+
+
+def test_fused_calls_the_jax_cluster_op_with_the_documented_signature(monkeypatch):
+    calls = []
+
+    class FakeJaxCluster:
+        @staticmethod
+        def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kw):
+            calls.append(sorted(kw))
+            return ops.decode_attention_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kw)
+
+        @staticmethod
+        def swiglu(x, w_gate, w_up, w_down, residual=None):
+            calls.append("swiglu")
+            return ops.swiglu_mlp_xla(x, w_gate, w_up, w_down, residual)
+
+    monkeypatch.setattr(ops, "_load_jax_cluster", lambda: (FakeJaxCluster, None))
+    args, kw = _attn_args()
+    jax.eval_shape(lambda *a: ops.decode_attention(*a, impl="fused", **kw), *args)
+    assert calls[0] == sorted(kw)
+    model = random_model(PRESETS["tiny-llama"])
+    cache = model.init_cache(1, 8)
+    _, cache = jax.jit(lambda c: model.prefill(jnp.array([[1, 2, 3]]), jnp.array([3]), c))(cache)
+    ref, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="xla"))(cache)
+    calls.clear()
+    got, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="fused"))(cache)
+    assert calls.count("swiglu") == model.config.num_layers and len(calls) == 2 * model.config.num_layers
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    calls.clear()
+    jax.eval_shape(lambda c: model.decode(jnp.array([4]), c, impl="auto"), cache)  # CPU: auto stays on xla
+    assert calls == []
+
+
+def test_real_fused_ops_on_cpu_if_built():
+    op = ops.fused_op("attention_decode")
+    if op is None:
+        pytest.skip("jax_cluster.attention_decode not available")
+    model = random_model(PRESETS["tiny-llama"], jnp.float32, std=0.1)
+    cache = model.init_cache(2, 16)
+    _, cache = model.prefill(jnp.array([[1, 2, 3, 4], [5, 6, 0, 0]]), jnp.array([4, 2]), cache)
+    ref, _ = model.decode(jnp.array([7, 8]), cache, impl="xla")
+    got, _ = model.decode(jnp.array([7, 8]), cache, impl={"attention": "fused", "mlp": "xla"})
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------- MoE
+def _moe_inputs(n, h=16, e=8, i=12):
+    ks = jax.random.split(jax.random.key(9), 5)
+    return (jax.random.normal(ks[0], (n, h)), jax.random.normal(ks[1], (h, e)),
+            0.3 * jax.random.normal(ks[2], (e, h, i)), 0.3 * jax.random.normal(ks[3], (e, h, i)),
+            0.3 * jax.random.normal(ks[4], (e, i, h)))
+
+
+def test_moe_gather_and_grouped_paths_agree():
+    x, router, wg, wu, wd = _moe_inputs(10)
+    w, ids = jax.jit(lambda x, r: moe.route(x, r, top_k=3))(x, router)
+    a = jax.jit(moe.experts_gather)(x, w, ids, wg, wu, wd)
+    b = jax.jit(moe.experts_grouped)(x, w, ids, wg, wu, wd)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # against a dense loop over tokens
+    xn, wn, idn = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(ids)
+    wgn, wun, wdn = (np.asarray(t, np.float64) for t in (wg, wu, wd))
+    ref = np.zeros_like(xn)
+    for n in range(10):
+        for j in range(3):
+            e = idn[n, j]
+            g = xn[n] @ wgn[e]
+            ref[n] += wn[n, j] * (((g / (1 + np.exp(-g))) * (xn[n] @ wun[e])) @ wdn[e])
+    np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_group_limited_routing_and_normalisation():
+    x, router, *_ = _moe_inputs(32)
+    w, ids = moe.route(x, router, top_k=2, method="group_limited_greedy", n_group=4, topk_group=1)
+    assert np.all(ids[:, 0] // 2 == ids[:, 1] // 2)  # both experts from the single kept group
+    scores = jax.nn.softmax(x @ router, axis=-1)
+    best_group = jnp.argmax(scores.reshape(32, 4, 2).max(-1), axis=-1)
+    assert np.all(ids[:, 0] // 2 == best_group)
+    wn, _ = moe.route(x, router, top_k=2, norm_topk_prob=True)
+    np.testing.assert_allclose(wn.sum(-1), 1.0, rtol=1e-6)
+    ws, _ = moe.route(x, router, top_k=2, routed_scaling_factor=3.0)
+    w1, _ = moe.route(x, router, top_k=2)
+    np.testing.assert_allclose(ws, 3.0 * w1, rtol=1e-6)
