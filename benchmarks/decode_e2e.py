@@ -1,0 +1,172 @@
+"""End-to-end decode: time per output token of whole models (random weights) with flax_models.
+
+Llama-2-7B and Llama-3-8B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
+cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_decode,
+swiglu). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
+in the loop, KV cache donated), so dispatch is excluded. The cache is filled with random values.
+
+Roofline: floor = (all weight bytes + KV bytes read per step) / HBM bandwidth, the bandwidth
+measured in the same run (elementwise device copy); roofline_fraction = floor / measured time.
+Cases that do not fit in device memory are listed as skipped.
+
+    python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
+    python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+try:
+    import flax_models  # noqa: F401
+except ImportError:  # running from a source checkout: the repo root, after installed packages
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from flax_models import ops  # noqa: E402
+from flax_models.engine import Engine  # noqa: E402
+from flax_models.loading import parse_dtype  # noqa: E402
+from flax_models.presets import PRESETS, random_model  # noqa: E402
+
+MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b"}
+SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia"}
+
+
+def fused_impl():
+    """Per-component impl using every fused op that exists, or None when there is none."""
+    comp = {"attention": "fused" if ops.fused_available("attention_decode") else "xla",
+            "mlp": "fused" if ops.fused_available("swiglu") else "xla"}
+    return comp if "fused" in comp.values() else None
+
+
+def param_bytes(model) -> int:
+    from flax import nnx  # noqa: PLC0415
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def kv_bytes_per_step(cfg, batch, ctx, itemsize) -> int:
+    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx * cfg.head_dim * itemsize
+
+
+def random_cache(model, batch, max_len, ctx, seed=0):
+    cache = model.init_cache(batch, max_len)
+    key = jax.random.key(seed)
+    fill = jax.jit(lambda k, a: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype), donate_argnums=(1,))
+    k = tuple(fill(jax.random.fold_in(key, 2 * i), a) for i, a in enumerate(cache.k))
+    v = tuple(fill(jax.random.fold_in(key, 2 * i + 1), a) for i, a in enumerate(cache.v))
+    return dataclasses.replace(cache, k=k, v=v, lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
+def time_decode(model, impl, batch, ctx, steps, trials):
+    """Seconds per decode step (one token for every row) at context ctx."""
+    engine = Engine(model, impl=impl)
+    loop = engine.loop(steps)
+
+    def run(state, tok, cache, key):
+        cache = dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, ctx))  # same slots every call
+        return loop(state, tok, cache, key)
+
+    run = jax.jit(run, donate_argnums=(2,))
+    cache = random_cache(model, batch, ctx + steps, ctx)
+    tok = jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size
+    key = jax.random.key(1)
+    times = []
+    for i in range(trials + 1):  # the first call compiles and warms up
+        t0 = time.perf_counter()
+        tok, cache, key = run(engine.state, tok, cache, key)
+        jax.block_until_ready(tok)
+        if i:
+            times.append(time.perf_counter() - t0)
+    del cache
+    return statistics.median(times) / steps
+
+
+def device_memory_bytes() -> int | None:
+    try:
+        return int(jax.devices()[0].memory_stats()["bytes_limit"])
+    except Exception:  # noqa: BLE001 - CPU has no memory_stats
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="b1 ctx4096 and b16 ctx1024 only")
+    p.add_argument("--smoke", action="store_true", help="tiny models, tiny contexts (CPU)")
+    p.add_argument("--dtype", default="fp16", help="fp16, bf16 or a comma list")
+    p.add_argument("--models", default=None, help="comma list of " + ", ".join(MODELS))
+    p.add_argument("--steps", type=int, default=None, help="decode steps inside one jit (default 16; smoke 2)")
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+
+    if args.smoke:
+        models, batches, contexts = SMOKE_MODELS, [1, 2], [64]
+        steps, trials, name = args.steps or 2, args.trials or 1, "decode_e2e_smoke"
+        dtypes = ["fp32"] if args.dtype == "fp16" else args.dtype.split(",")
+    else:
+        models = {m: MODELS[m] for m in (args.models.split(",") if args.models else MODELS)}
+        batches, contexts = [1, 16], [1024, 4096, 16384]
+        steps, trials, name = args.steps or 16, args.trials or 5, "decode_e2e"
+        dtypes = args.dtype.split(",")
+    combos = [(b, c) for b in batches for c in contexts]
+    if args.quick and not args.smoke:
+        combos = [(1, 4096), (16, 1024)]
+    if args.out_dir:
+        common.RESULTS_DIR = Path(args.out_dir)
+
+    bw = common.measure_bandwidth(0.0625 if args.smoke else 2.0)
+    mem = device_memory_bytes()
+    fused = fused_impl()
+    print(f"device {common.device_name()}, bandwidth {bw / 1e9:.0f} GB/s, fused ops: {fused or 'none'}")
+    rows = []
+    for tag, preset in models.items():
+        cfg = PRESETS[preset]
+        for dt in dtypes:
+            dtype = parse_dtype(dt)
+            t0 = time.perf_counter()
+            model = random_model(cfg, dtype, seed=0)
+            wbytes = param_bytes(model)
+            print(f"{tag} {dt}: {wbytes / 1e9:.2f} GB of weights, made in {time.perf_counter() - t0:.1f} s")
+            for batch, ctx in combos:
+                kv = kv_bytes_per_step(cfg, batch, ctx, jnp.dtype(dtype).itemsize)
+                base = f"{tag} b{batch} ctx{ctx} {dt}"
+                need = wbytes + kv * (ctx + steps) / ctx
+                if mem is not None and need > 0.92 * mem:
+                    rows.append({"case": f"{base} xla", "skipped": f"needs {need / 1e9:.0f} GB > device memory"})
+                    print(rows[-1])
+                    continue
+                floor_s = (wbytes + kv) / bw
+                variants = [("xla", "xla")] + ([("fused", fused)] if fused else [])
+                xla_s = None
+                for vname, impl in variants:
+                    s = time_decode(model, impl, batch, ctx, steps, trials)
+                    xla_s = s if vname == "xla" else xla_s
+                    row = {"case": f"{base} {vname}", "ours_us": s * 1e6, "xla_us": xla_s * 1e6,
+                           "speedup_vs_xla": xla_s / s, "roofline_fraction": floor_s / s, "bytes": wbytes + kv,
+                           "weight_bytes": wbytes, "kv_bytes": kv, "tokens_per_s": batch / s,
+                           "impl": impl if isinstance(impl, str) else ",".join(f"{k}={v}" for k, v in impl.items())}
+                    rows.append(row)
+                    print(f"{row['case']:38s} {row['ours_us']:10.1f} us/token  x{row['speedup_vs_xla']:.2f} vs xla  "
+                          f"{100 * row['roofline_fraction']:5.1f}% of roofline")
+            del model
+    notes = (f"Per output token (one decode step of the whole batch), {steps} steps inside one jit, median of "
+             f"{trials}. Roofline floor = (all weight bytes + KV bytes at ctx) / {bw / 1e9:.0f} GB/s measured. "
+             f"fused = {fused or 'no fused op available'}.")
+    path = common.write_results(name, rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},
+                                columns=["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "bytes",
+                                         "tokens_per_s", "skipped"])
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
