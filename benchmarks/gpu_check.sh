@@ -34,16 +34,17 @@ step build build.log python3 -m pip install --no-build-isolation --no-deps -v . 
 # -P: the source tree (no compiled modules) must not shadow the installed package
 step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider $TESTS
 tail -5 "$OUT/gpu_tests.log"
-if [ "$SANITIZE" = 1 ]; then
-  for tool in memcheck racecheck; do
-    step "sanitize-$tool" "sanitize_$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 benchmarks/sanitize_targets.py
-  done
-fi
 for b in "${BENCHES[@]}"; do
   step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py"
   cp benchmarks/results/"$b".* "$OUT"/ 2>/dev/null
 done
+if [ "$SANITIZE" = 1 ]; then
+  step sanitize-memcheck sanitize_memcheck.log timeout 150 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 python3 benchmarks/sanitize_targets.py
+  step sanitize-racecheck sanitize_racecheck.log timeout 180 compute-sanitizer --tool racecheck \
+    --error-exitcode 9 python3 benchmarks/sanitize_targets.py --quick
+  grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\|collectives ok" "$OUT"/sanitize_*.log
+fi
 echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
 printf '%s\n' "${summary[@]}"
 for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done

@@ -14,32 +14,40 @@ DTYPES = ["float32", "float16", "bfloat16"]
 SIZES = [1, 7, 37, 256, 1000]  # not multiples of the 256 threads or of a 16-byte vector
 
 
-def _inputs(rng, groups, n, size, dtype):
-    return jnp.asarray(rng.standard_normal((groups, n, size)), dtype=dtype)
+def _inputs(rng, groups, n, size, dtype, repeat=1):
+    # repeat=k sums k times (x N each): scale so fp16 cannot overflow.
+    scale = float(n) ** -(repeat - 1)
+    return jnp.asarray(rng.standard_normal((groups, n, size)) * scale, dtype=dtype)
+
+
+def _on(device, fn, x):
+    return np.asarray(jax.jit(fn)(jax.device_put(x, device)))
 
 
 def _check_reduce(x, op, impl, repeat, device):
-    x = jax.device_put(x, device)
-    out = jax.jit(
-        lambda x: jc.cluster_reduce(x, op, impl=impl, all_blocks=True, repeat=repeat)
-    )(x)
+    def run(x):
+        return jc.cluster_reduce(x, op, impl=impl, all_blocks=True, repeat=repeat)
+
+    out = _on(device, run, x)
     ref = reference.cluster_reduce(x, op, all_blocks=True, repeat=repeat)
     assert out.shape == ref.shape and out.dtype == x.dtype
-    assert rel_l2(out, ref) <= TOLERANCE[jnp.dtype(x.dtype).name]
+    # Each call rounds to the storage dtype: independent roundings add in quadrature.
+    assert rel_l2(out, ref) <= TOLERANCE[jnp.dtype(x.dtype).name] * np.sqrt(repeat)
     # Every block of the cluster ends with the full, bitwise-identical result.
-    copies = np.asarray(out.astype(jnp.float32))
+    copies = out.astype(np.float32)
     assert (copies == copies[:, :1]).all()
-    single = jc.cluster_reduce(x, op, impl=impl, repeat=repeat)
-    np.testing.assert_array_equal(np.asarray(single), np.asarray(out[:, 0]))
+    single = _on(device, lambda x: jc.cluster_reduce(x, op, impl=impl, repeat=repeat), x)
+    np.testing.assert_array_equal(single, out[:, 0])
+    if device.platform != "cpu":  # the CPU handler replays the kernel's order of operations
+        np.testing.assert_array_equal(out, _on(jax.devices("cpu")[0], run, x))
 
 
 def _check_gather(x, impl, repeat, device):
-    x = jax.device_put(x, device)
-    out = jax.jit(lambda x: jc.cluster_gather(x, impl=impl, all_blocks=True, repeat=repeat))(x)
+    out = _on(device, lambda x: jc.cluster_gather(x, impl=impl, all_blocks=True, repeat=repeat), x)
     ref = reference.cluster_gather(x, all_blocks=True, repeat=repeat)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))  # a copy is exact
-    single = jc.cluster_gather(x, impl=impl, repeat=repeat)
-    np.testing.assert_array_equal(np.asarray(single), np.asarray(ref[:, 0]))
+    np.testing.assert_array_equal(out, np.asarray(ref))  # a copy is exact
+    single = _on(device, lambda x: jc.cluster_gather(x, impl=impl, repeat=repeat), x)
+    np.testing.assert_array_equal(single, np.asarray(ref[:, 0]))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
@@ -48,7 +56,8 @@ def _check_gather(x, impl, repeat, device):
 def test_reduce_cpu(rng, n, dtype, op):
     for size in (1, 37, 1000):
         _check_reduce(_inputs(rng, 3, n, size, dtype), op, "dsmem", 1, jax.devices("cpu")[0])
-    _check_reduce(_inputs(rng, 2, n, 37, dtype), op, "dsmem", 3, jax.devices("cpu")[0])
+    for impl in ("dsmem", "global"):
+        _check_reduce(_inputs(rng, 2, n, 37, dtype, 3), op, impl, 3, jax.devices("cpu")[0])
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
@@ -114,7 +123,7 @@ def test_reduce_gpu(rng, impl, n, dtype):
         for size in SIZES:
             _check_reduce(_inputs(rng, 3, n, size, dtype), op, impl, 1, _gpu())
         # repeated calls in one kernel exercise buffer reuse across calls
-        _check_reduce(_inputs(rng, 5, n, 1000, dtype), op, impl, 4, _gpu())
+        _check_reduce(_inputs(rng, 5, n, 1000, dtype, 4), op, impl, 4, _gpu())
 
 
 @pytest.mark.gpu
@@ -125,17 +134,6 @@ def test_gather_gpu(rng, impl, n, dtype):
     for size in SIZES:
         _check_gather(_inputs(rng, 3, n, size, dtype), impl, 1, _gpu())
     _check_gather(_inputs(rng, 5, n, 1000, dtype), impl, 5, _gpu())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [2, 4, 16])
-def test_gpu_matches_cpu_bitwise(rng, n):
-    """The CPU handler follows the same butterfly and rounding as the kernel."""
-    x = _inputs(rng, 7, n, 500, "bfloat16")
-    for repeat in (1, 3):
-        gpu = jc.cluster_reduce(jax.device_put(x, _gpu()), repeat=repeat)
-        cpu = jc.cluster_reduce(jax.device_put(x, jax.devices("cpu")[0]), repeat=repeat)
-        np.testing.assert_array_equal(np.asarray(gpu), np.asarray(cpu))
 
 
 @pytest.mark.gpu

@@ -14,6 +14,17 @@ void cluster_reduce(const ClusterCollectiveParams& p) {
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t i = 0; i < n * size; ++i) cur[i] = load(p.dtype, p.x, g * n * size + i);
     for (int c = 0; c < p.repeat; ++c) {
+      if (p.impl == CollectiveImpl::kGlobal) {  // rank order in fp32, one rounding
+        for (int64_t i = 0; i < size; ++i) {
+          float acc = cur[i];
+          for (int b = 1; b < n; ++b) {
+            acc = p.op == ReduceOp::kSum ? acc + cur[b * size + i] : std::max(acc, cur[b * size + i]);
+          }
+          for (int b = 0; b < n; ++b) next[b * size + i] = round_to(p.dtype, acc);
+        }
+        std::swap(cur, next);
+        continue;
+      }
       for (int stride = 1; stride < n; stride *= 2) {
         for (int b = 0; b < n; ++b) {
           const float* mine = &cur[b * size];

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Off-chip baseline: each block publishes its slice in global memory, one
 // cluster barrier, then every block reads all N slices and reduces them in
-// rank order. Double-buffered by call parity: call c+2 rewrites slot c&1 only
+// rank order in fp32 (one rounding per call). Double-buffered by call parity: call c+2 rewrites slot c&1 only
 // after call c+1's barrier, which no block passes before finishing call c.
 template <typename T, ReduceOp Op>
 __global__ void __launch_bounds__(kThreads)
@@ -110,9 +110,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int v = threadIdx.x; v < s.vecs; v += blockDim.x) slots[rank * s.vecs + v] = data[v];
     ptx::cluster_sync();
     for (int v = threadIdx.x; v < s.vecs; v += blockDim.x) {
-      uint4 acc = __ldcg(&slots[v]);
-      for (int j = 1; j < n; ++j) acc = combine<T, Op>(acc, __ldcg(&slots[j * s.vecs + v]));
-      data[v] = acc;
+      constexpr int L = Vec16<T>::kLanes;
+      float acc[L], lane[L];
+      unpack<T>(__ldcg(&slots[v]), acc);
+      for (int j = 1; j < n; ++j) {  // fp32 accumulation in rank order, one rounding
+        unpack<T>(__ldcg(&slots[j * s.vecs + v]), lane);
+#pragma unroll
+        for (int i = 0; i < L; ++i) acc[i] = reduce_op<Op>(acc[i], lane[i]);
+      }
+      data[v] = pack<T>(acc);
     }
   }
   __syncthreads();

@@ -191,6 +191,7 @@ class ClusterGather : public ClusterCollectiveBase {
       ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
     }
     ++calls_;
+    __syncthreads();  // no thread rewrites its segment while another still sends it
   }
 
  private:
