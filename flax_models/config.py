@@ -224,6 +224,8 @@ class DeepseekV2Config:
         method = cfg.get("topk_method") or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"DeepSeek-V2: unsupported topk_method {method!r}")
+        if cfg.get("scoring_func", "softmax") != "softmax":
+            raise ValueError(f"DeepSeek-V2: unsupported scoring_func {cfg['scoring_func']!r} (only 'softmax')")
         q_lora = cfg.get("q_lora_rank")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
