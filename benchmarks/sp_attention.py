@@ -35,10 +35,11 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--simulate-only", action="store_true", help="predictions only, no devices needed")
     ap.add_argument("--fake-devices", action="store_true", help="CPU smoke run on 8 fake devices, tiny shapes")
-    ap.add_argument("--lengths", default="16384,32768,65536")
+    ap.add_argument("--lengths", default="8192,16384,32768,65536",
+                    help="8K is there to make overlap visible: at 32K+ two GPUs are compute-bound")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--kernel", default="auto", choices=["auto", "jnp", "cudnn"])
-    ap.add_argument("--no-overlap-length", type=int, default=32768, help="length of the no-overlap runs (0: none)")
+    ap.add_argument("--no-overlap-lengths", default="8192,32768", help="lengths of the no-overlap runs ('': none)")
     ap.add_argument("--machines", default="2,4,8", help="machines for the predictions (x --gpus)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--predict-lengths", default="16384,32768,65536,131072")
@@ -100,13 +101,13 @@ def calibrate_kernel(kernel, dtype, lengths, device):
     """Single-GPU times of the local kernel at the shapes the schedules launch -> KernelModel."""
     samples, table = [], []
     shapes = sorted({(l // 2, l // 2, HEADS // 2) for l in lengths} | {(l, l, HEADS // 2) for l in lengths[:1]}
-                    | {(l // 2, l // 2, HEADS) for l in lengths[:1]})
+                    | {(l // 2, l // 2, HEADS) for l in lengths[:1]} | {(1024, 1024, 12), (2048, 2048, 12)})
     for lq, lk, h in shapes:
         key = jax.random.split(jax.random.key(lq + lk + h), 3)
         q = jax.device_put(common.random_normal(key[0], (1, lq, h, HEAD_DIM), dtype), device)
         k = jax.device_put(common.random_normal(key[1], (1, lk, h, HEAD_DIM), dtype), device)
         v = jax.device_put(common.random_normal(key[2], (1, lk, h, HEAD_DIM), dtype), device)
-        iters = max(2, int(4e13 / (4 * lq * lk * h * HEAD_DIM)))
+        iters = max(2, min(1000, int(4e13 / (4 * lq * lk * h * HEAD_DIM))))
         step = lambda x, k, v: sp.finalize(kernel(x, [(k, v)], None, scale=HEAD_DIM ** -0.5), dtype)  # noqa: E731
         t = _time(_layer_loop(step, iters), q, k, v) / iters
         flops = 4 * lq * lk * h * HEAD_DIM
@@ -239,7 +240,7 @@ def main(args):
     if args.fake_devices:
         devices = jax.devices()
         common.RESULTS_DIR = Path(tempfile.mkdtemp(prefix="sp_attention_smoke_"))
-        lengths = [int(x) for x in (args.lengths if args.lengths != "16384,32768,65536" else "256,512").split(",")]
+        lengths = [int(x) for x in (args.lengths if args.lengths != _args([]).lengths else "256,512").split(",")]
         kname, kernel = "jnp", sp.attend
         rows = measure_schedules(devices, lengths, schedules, kernel, jnp.float32, lambda l: 2)
         km = sp.KernelModel()
@@ -262,9 +263,9 @@ def main(args):
     print(f"p2p: {p2p_bw / 1e9:.0f} GB/s per direction", flush=True)
     rows = measure_schedules(devices, lengths, schedules, kernel, dtype, _iters_for)
     nov = {}
-    if args.no_overlap_length:
-        nov = no_overlap_child(args, [args.no_overlap_length], [s for s in ("ulysses", "ring", "torus")
-                                                                 if s in schedules])
+    if args.no_overlap_lengths:
+        nov = no_overlap_child(args, [int(x) for x in args.no_overlap_lengths.split(",")],
+                               [s for s in ("ulysses", "ring", "torus") if s in schedules])
     links2 = sp.Links(intra_bw=p2p_bw, inter_bw=p2p_bw, intra_latency=10e-6, inter_latency=10e-6, nic_per_gpu=True)
     by_len = {}
     for row in rows:
