@@ -292,7 +292,7 @@ def main(args):
              f"launch. On 2 GPUs ulysses, usp and tas are the same program (P_u = 2, P_r = 1). Rows 'predicted': "
              f"simulator only, N machines x {args.gpus} GPUs, {args.inter_gbps:.0f} Gb/s per machine between "
              f"machines, {args.intra_gbs:.0f} GB/s per GPU within; not measured.")
-    common.write_results("sp_attention", rows, columns=MEAS_COLUMNS + PRED_COLUMNS[1:], notes=notes, extra={
+    common.write_results("sp_attention", rows, columns=MEAS_COLUMNS + EXTRA_COLUMNS, notes=notes, extra={
         "kernel": kname, "kernel_model": {"tflops": km.tflops, "launch_us": km.launch_s * 1e6},
         "kernel_calibration": ktable, "p2p_gbytes_per_s": p2p_bw / 1e9,
         "xla_flags": os.environ.get("XLA_FLAGS", "")})
@@ -301,6 +301,7 @@ def main(args):
 MEAS_COLUMNS = ["case", "ours_us", "no_overlap_us", "overlap_speedup", "speedup_vs_usp", "predicted_us",
                 "prediction_ratio"]
 PRED_COLUMNS = ["case", "predicted_us", "compute_us", "exposed_comm_us", "speedup_vs_usp", "bytes", "error"]
+EXTRA_COLUMNS = ["predicted_no_overlap_us", "compute_us", "exposed_comm_us", "bytes", "error"]
 
 
 def _print(rows):
