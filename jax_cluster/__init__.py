@@ -7,6 +7,7 @@ every op live in `jax_cluster.reference`.
 
 from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
+from jax_cluster.ops.attention_decode import attention_decode
 from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 register_targets()
 
 __all__ = [
+    "attention_decode",
     "cluster_gather",
     "cluster_reduce",
     "cuda_module_built",

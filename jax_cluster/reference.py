@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -23,3 +24,64 @@ def cluster_gather(x, *, all_blocks: bool = False, repeat: int = 1):
     out = (x.astype(jnp.float32) + (repeat - 1)).astype(x.dtype) if repeat > 1 else x
     out = out.reshape(groups, n * size)
     return jnp.broadcast_to(out[:, None], (groups, n, n * size)) if all_blocks else out
+
+
+def _rope(v, pos, inv_freq, rotary_dim: int, layout: str):
+    """v [..., Dh] fp32 rotated at integer positions pos (broadcast over leading dims)."""
+    half = rotary_dim // 2
+    angle = pos.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if layout == "half":
+        x1, x2 = v[..., :half], v[..., half:rotary_dim]
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = v[..., 0:rotary_dim:2], v[..., 1:rotary_dim:2]
+        rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        rotated = rotated.reshape(v.shape[:-1] + (rotary_dim,))
+    return jnp.concatenate([rotated, v[..., rotary_dim:]], axis=-1)
+
+
+def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
+                     num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
+                     qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,
+                     rope_layout="half", scale=None):
+    """One decode step of an attention block (fp32 math); returns (y, k_cache, v_cache).
+
+    Rows with lengths outside [0, S_max) produce NaN and leave the caches alone."""
+    batch, hidden = x.shape
+    _, hkv, max_seq, dh = k_cache.shape
+    rotary_dim = dh if rotary_dim is None else rotary_dim
+    scale = 1.0 / (dh ** 0.5) if scale is None else scale
+    group = num_q_heads // num_kv_heads
+    h = x.astype(jnp.float32)
+    if norm == "rms":
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * norm_weight.astype(jnp.float32)
+    elif norm == "layer":
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.maximum(jnp.mean(h * h, -1, keepdims=True) - mean * mean, 0.0)
+        h = (h - mean) * jax.lax.rsqrt(var + eps) * norm_weight.astype(jnp.float32) + norm_bias.astype(jnp.float32)
+    qkv = jnp.dot(h, w_qkv.astype(jnp.float32), precision="highest")
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias.astype(jnp.float32)
+    q = qkv[:, : num_q_heads * dh].reshape(batch, num_q_heads, dh)
+    k = qkv[:, num_q_heads * dh : (num_q_heads + num_kv_heads) * dh].reshape(batch, num_kv_heads, dh)
+    v = qkv[:, (num_q_heads + num_kv_heads) * dh :].reshape(batch, num_kv_heads, dh)
+    valid = (lengths >= 0) & (lengths < max_seq)
+    pos = jnp.where(valid, lengths, 0)
+    q = _rope(q, pos[:, None], inv_freq, rotary_dim, rope_layout)
+    k = _rope(k, pos[:, None], inv_freq, rotary_dim, rope_layout)
+    new = (jnp.arange(max_seq)[None, :] == pos[:, None]) & valid[:, None]  # [B, S]
+    k_cache = jnp.where(new[:, None, :, None], k.astype(k_cache.dtype)[:, :, None], k_cache)
+    v_cache = jnp.where(new[:, None, :, None], v.astype(v_cache.dtype)[:, :, None], v_cache)
+    kf = jnp.repeat(k_cache.astype(jnp.float32), group, axis=1)  # [B, Hq, S, Dh]
+    vf = jnp.repeat(v_cache.astype(jnp.float32), group, axis=1)
+    s = jnp.einsum("bhd,bhsd->bhs", q, kf, precision="highest") * scale
+    s = jnp.where((jnp.arange(max_seq)[None, :] <= pos[:, None])[:, None], s, -jnp.inf)
+    o = jnp.einsum("bhs,bhsd->bhd", jax.nn.softmax(s, axis=-1), vf, precision="highest")
+    y = jnp.dot(o.reshape(batch, -1), w_o.astype(jnp.float32), precision="highest")
+    if o_bias is not None:
+        y = y + o_bias.astype(jnp.float32)
+    if residual:
+        y = y + x.astype(jnp.float32)
+    y = jnp.where(valid[:, None], y, jnp.nan)
+    return y.astype(x.dtype), k_cache, v_cache

@@ -3,6 +3,13 @@
 
 #include <cstdint>
 
+// Small helpers of params structs that kernels call too.
+#ifdef __CUDACC__
+#define JAX_CLUSTER_HOST_DEVICE __host__ __device__
+#else
+#define JAX_CLUSTER_HOST_DEVICE
+#endif
+
 namespace jax_cluster {
 
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };

@@ -1,0 +1,56 @@
+// One decode step of a Llama-family attention block, fused (ClusterFusion
+// Alg. 3): norm -> QKV projection -> RoPE -> KV-cache write -> attention over
+// the cache -> output projection (+ bias, + residual). No XLA includes here.
+#pragma once
+
+#include <cstdint>
+
+#include "jax_cluster/types.h"
+
+namespace jax_cluster {
+
+enum class NormKind : int32_t { kNone = 0, kRms = 1, kLayer = 2 };
+enum class RopeLayout : int32_t { kHalf = 0, kInterleaved = 1 };
+
+inline constexpr int kAttnMaxHeadsPerCluster = 8;  // query heads one cluster serves
+
+struct AttentionDecodeParams {
+  DType dtype;  // activations, weights and caches: fp16 or bf16
+  int64_t batch, hidden;         // B, D
+  int64_t num_q_heads, num_kv_heads, head_dim, max_seq;  // Hq, Hkv, Dh, S_max
+  int64_t rotary_dim;
+  RopeLayout rope_layout;
+  NormKind norm;
+  float eps, scale;
+  bool residual, has_qkv_bias, has_o_bias;
+  int cluster_size;  // blocks per cluster: 1, 2, 4, 8, 16
+
+  const void* x;          // [B, D]
+  const void* norm_w;     // [D] (norm != kNone)
+  const void* norm_b;     // [D] (norm == kLayer)
+  const void* w_qkv;      // [D, (Hq + 2 Hkv) Dh], columns [Q heads | K heads | V heads]
+  const void* qkv_bias;   // [(Hq + 2 Hkv) Dh]
+  const void* w_o;        // [Hq Dh, D]
+  const void* o_bias;     // [D]
+  const float* inv_freq;  // [rotary_dim / 2]
+  const int32_t* lengths; // [B]: tokens already cached; the new token goes at lengths[b]
+  void* k_cache;          // [B, Hkv, S_max, Dh], updated in place
+  void* v_cache;
+  void* y;                // [B, D]
+  float* partial;         // workspace [B, Hkv * head_chunks, D]: per-cluster output partials
+
+  // Query heads per KV head, and how they are split over clusters.
+  JAX_CLUSTER_HOST_DEVICE int64_t group() const { return num_q_heads / num_kv_heads; }
+  JAX_CLUSTER_HOST_DEVICE int64_t head_chunks() const {
+    int64_t c = (group() + kAttnMaxHeadsPerCluster - 1) / kAttnMaxHeadsPerCluster;
+    while (group() % c) ++c;
+    return c;
+  }
+  JAX_CLUSTER_HOST_DEVICE int64_t heads_per_cluster() const { return group() / head_chunks(); }
+};
+
+inline int64_t attention_decode_workspace_bytes(const AttentionDecodeParams& p) {
+  return p.batch * p.num_kv_heads * p.head_chunks() * p.hidden * 4;
+}
+
+}  // namespace jax_cluster

@@ -1,0 +1,206 @@
+"""attention_decode: one fused decode step of a Llama-family attention block.
+
+    h      = norm(x[b])                        (RMSNorm / LayerNorm / none)
+    q,k,v  = h @ w_qkv (+ qkv_bias)            columns [Q heads | K heads | V heads]
+    q, k   = rope(q, k, position=lengths[b])   inv_freq given, rotary_dim <= head_dim
+    caches[b, :, lengths[b]] = k, v            in place (the caches are aliased outputs)
+    o_h    = softmax(scale * q_h . K[:len+1]) V[:len+1]   (GQA: kv head = h // (Hq/Hkv))
+    y[b]   = concat(o) @ w_o (+ o_bias) (+ x[b] if residual)
+
+On a Hopper GPU this is ONE cluster kernel (ClusterFusion Alg. 3) plus a tiny
+deterministic combine; shapes it does not cover run the jnp reference with a
+one-time warning. Donate the caches (jax.jit(..., donate_argnums=...)) so the
+update happens in place.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+
+from jax_cluster import reference
+from jax_cluster.ops._primitive import ffi_primitive
+
+NORMS = {None: 0, "rms": 1, "layer": 2}
+ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
+CUDA_HEAD_DIMS = (64, 80, 96, 128)
+MAX_HEADS_PER_CLUSTER = 8
+
+
+def _heads_per_cluster(group: int) -> int:
+    chunks = -(-group // MAX_HEADS_PER_CLUSTER)
+    while group % chunks:
+        chunks += 1
+    return group // chunks
+
+
+def _workspace_bytes(batch, hidden, num_q_heads, num_kv_heads):
+    group = num_q_heads // num_kv_heads
+    chunks = group // _heads_per_cluster(group)
+    return batch * num_kv_heads * chunks * hidden * 4
+
+
+def _abstract(x, norm_w, norm_b, w_qkv, qkv_bias, w_o, o_bias, inv_freq, lengths, k_cache,
+              v_cache, *, num_q_heads, num_kv_heads, **_):
+    ws = _workspace_bytes(x.shape[0], x.shape[1], num_q_heads, num_kv_heads)
+    return (ShapedArray(x.shape, x.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
+            ShapedArray(v_cache.shape, v_cache.dtype), ShapedArray((ws,), np.uint8))
+
+
+def _batching(args, dims, **params):
+    """vmap: fold the mapped axis into the batch when only per-row operands are
+    mapped (x, lengths, caches); otherwise map sequentially."""
+    per_row = {0, 8, 9, 10}
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if all(d is None for i, d in enumerate(dims) if i not in per_row):
+        moved = []
+        for i, (a, d) in enumerate(zip(args, dims)):
+            if i in per_row:
+                a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+                a = a.reshape((size * a.shape[1],) + a.shape[2:])
+            moved.append(a)
+        y, k, v, ws = _PRIM.bind(*moved, **params)
+        unfold = lambda t: t.reshape((size, t.shape[0] // size) + t.shape[1:])  # noqa: E731
+        return (unfold(y), unfold(k), unfold(v), ws), (0, 0, 0, None)
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+
+    def one(i):
+        return _PRIM.bind(*[a[i] if d is not None else a for a, d in zip(moved, dims)], **params)[:3]
+
+    y, k, v = jax.lax.map(one, jnp.arange(size))
+    return (y, k, v, jnp.zeros((0,), np.uint8)), (0, 0, 0, None)
+
+
+_PRIM = ffi_primitive(
+    "attention_decode",
+    abstract_eval=_abstract,
+    batching_rule=_batching,
+    operand_output_aliases={9: 1, 10: 2},
+)
+
+_warned: set = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _check(name, array, shape, dtype=None):
+    if array is None:
+        return
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"attention_decode: {name} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+    if dtype is not None and jnp.dtype(array.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"attention_decode: {name} has dtype {array.dtype}, expected {jnp.dtype(dtype)}")
+
+
+def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int = 132) -> int:
+    """Heuristic: the smallest power of two whose grid covers the GPU once."""
+    clusters = batch * num_kv_heads * (group // _heads_per_cluster(group))
+    for n in CLUSTER_SIZES:
+        if clusters * n >= num_sms:
+            return n
+    return 16
+
+
+def attention_decode(
+    x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
+    num_q_heads: int, num_kv_heads: int,
+    norm: str | None = "rms", norm_weight=None, norm_bias=None, eps: float = 1e-6,
+    qkv_bias=None, o_bias=None, residual: bool = False,
+    rotary_dim: int | None = None, rope_layout: str = "half", scale: float | None = None,
+    cluster_size: int | None = None, impl: str = "auto",
+):
+    """One fused decode step; returns (y [B, D], k_cache, v_cache).
+
+    x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
+    lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
+    impl: "auto" (the kernel where supported, else the reference with a warning),
+    "kernel" (the FFI op; an error where unsupported), "reference" (plain jnp).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"attention_decode: x must be [B, D], got shape {x.shape}")
+    if k_cache.ndim != 4:
+        raise ValueError(f"attention_decode: k_cache must be [B, Hkv, S_max, Dh], got {k_cache.shape}")
+    batch, hidden = x.shape
+    _, hkv, max_seq, head_dim = k_cache.shape
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"attention_decode: num_q_heads ({num_q_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"attention_decode: x dtype must be float16, bfloat16 or float32, got {x.dtype}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim:
+        raise ValueError(f"attention_decode: rotary_dim ({rotary_dim}) must be even and <= head_dim ({head_dim})")
+    if norm not in NORMS:
+        raise ValueError(f"attention_decode: norm must be one of {list(NORMS)}, got {norm!r}")
+    if rope_layout not in ROPE_LAYOUTS:
+        raise ValueError(f"attention_decode: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
+    dt = x.dtype
+    cols = (num_q_heads + 2 * num_kv_heads) * head_dim
+    _check("k_cache", k_cache, (batch, num_kv_heads, max_seq, head_dim), dt)
+    _check("v_cache", v_cache, k_cache.shape, dt)
+    _check("w_qkv", w_qkv, (hidden, cols), dt)
+    _check("w_o", w_o, (num_q_heads * head_dim, hidden), dt)
+    _check("qkv_bias", qkv_bias, (cols,), dt)
+    _check("o_bias", o_bias, (hidden,), dt)
+    _check("lengths", lengths, (batch,), jnp.int32)
+    _check("inv_freq", inv_freq, (rotary_dim // 2,), jnp.float32)
+    if norm is not None:
+        if norm_weight is None:
+            raise ValueError(f"attention_decode: norm={norm!r} needs norm_weight")
+        _check("norm_weight", norm_weight, (hidden,), dt)
+    if norm == "layer":
+        if norm_bias is None:
+            raise ValueError("attention_decode: norm='layer' needs norm_bias")
+        _check("norm_bias", norm_bias, (hidden,), dt)
+    if not isinstance(lengths, jax.core.Tracer):
+        lens = np.asarray(lengths)
+        if lens.size and (lens.min() < 0 or lens.max() >= max_seq):
+            raise ValueError(f"attention_decode: lengths must be in [0, S_max={max_seq}) (the new token "
+                             f"is written at lengths[b]); got min {lens.min()}, max {lens.max()}")
+    if cluster_size is not None and cluster_size not in CLUSTER_SIZES:
+        raise ValueError(f"attention_decode: cluster_size must be one of {CLUSTER_SIZES}, got {cluster_size}")
+    if impl not in ("auto", "kernel", "reference"):
+        raise ValueError(f"attention_decode: impl must be 'auto', 'kernel' or 'reference', got {impl!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm,
+                  norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, qkv_bias=qkv_bias,
+                  o_bias=o_bias, residual=residual, rotary_dim=rotary_dim,
+                  rope_layout=rope_layout, scale=scale)
+    if impl == "reference":
+        return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and (head_dim not in CUDA_HEAD_DIMS or hidden % 64 or jnp.dtype(dt) == jnp.float32):
+        if impl == "kernel":
+            raise ValueError(f"attention_decode: no CUDA kernel for head_dim={head_dim}, hidden={hidden}, "
+                             f"dtype={jnp.dtype(dt).name} (supported: head_dim {CUDA_HEAD_DIMS}, "
+                             "hidden % 64 == 0, fp16/bf16)")
+        _warn_once((head_dim, hidden, str(dt)),
+                   f"attention_decode: no CUDA kernel for head_dim={head_dim}, hidden={hidden}, "
+                   f"dtype={jnp.dtype(dt).name}; using the jnp reference")
+        return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+
+    if cluster_size is None:
+        sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
+        cluster_size = default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads, sms)
+    empty = jnp.zeros((0,), dt)
+    y, k, v, _ = _PRIM.bind(
+        x, norm_weight if norm_weight is not None else empty,
+        norm_bias if norm_bias is not None else empty, w_qkv,
+        qkv_bias if qkv_bias is not None else empty, w_o,
+        o_bias if o_bias is not None else empty, inv_freq, lengths, k_cache, v_cache,
+        num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
+        rope_layout=ROPE_LAYOUTS[rope_layout], norm=NORMS[norm], eps=np.float32(eps),
+        scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
+        has_o_bias=o_bias is not None, cluster_size=int(cluster_size))
+    return y, k, v

@@ -1,0 +1,201 @@
+"""attention_decode vs the jnp reference: CPU handler always, CUDA kernel on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cluster as jc
+from jax_cluster import reference
+from jax_cluster.testing import TOLERANCE, rel_l2
+
+
+def make_inputs(rng, *, batch, hidden, hq, hkv, dh, max_seq, dtype, lengths=None,
+                norm="rms", bias=False, rotary_dim=None, fill=None):
+    rotary_dim = dh if rotary_dim is None else rotary_dim
+    cols = (hq + 2 * hkv) * dh
+    f = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)  # noqa: E731
+    if lengths is None:
+        lengths = rng.integers(0, max_seq, size=batch)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    args = dict(
+        x=f(batch, hidden),
+        w_qkv=f(hidden, cols, scale=hidden ** -0.5),
+        w_o=f(hq * dh, hidden, scale=(hq * dh) ** -0.5),
+        k_cache=f(batch, hkv, max_seq, dh),
+        v_cache=f(batch, hkv, max_seq, dh),
+        lengths=lengths,
+        inv_freq=jnp.asarray(10000.0 ** (-np.arange(0, rotary_dim, 2) / rotary_dim), jnp.float32),
+    )
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm=norm, rotary_dim=rotary_dim)
+    if norm is not None:
+        kw["norm_weight"] = f(hidden, scale=0.2) + jnp.asarray(1.0, dtype)
+    if norm == "layer":
+        kw["norm_bias"] = f(hidden, scale=0.1)
+    if bias:
+        kw["qkv_bias"] = f(cols, scale=0.1)
+        kw["o_bias"] = f(hidden, scale=0.1)
+    return args, kw
+
+
+def run(args, kw, device, **extra):
+    args = jax.device_put(args, device)
+    fn = jax.jit(lambda a: jc.attention_decode(**a, **kw, **extra))
+    return fn(args)
+
+
+def check(args, kw, device, **extra):
+    y, k, v = run(args, kw, device, **extra)
+    ry, rk, rv = reference.attention_decode(**args, **kw)
+    tol = TOLERANCE[jnp.dtype(args["x"].dtype).name]
+    assert rel_l2(y, ry) <= tol, rel_l2(y, ry)
+    # Only index lengths[b] of each row changed, and it holds the new k / v.
+    np.testing.assert_array_equal(_except_new(k, args), _except_new(args["k_cache"], args))
+    np.testing.assert_array_equal(_except_new(v, args), _except_new(args["v_cache"], args))
+    assert rel_l2(k, rk) <= tol and rel_l2(v, rv) <= tol
+    return y
+
+
+def _except_new(cache, args):
+    cache = np.asarray(cache.astype(jnp.float32)).copy()
+    for b, n in enumerate(np.asarray(args["lengths"])):
+        cache[b, :, n] = 0
+    return cache
+
+
+CPU_CASES = [  # batch, hidden, hq, hkv, dh, max_seq, norm, bias, rotary
+    (1, 64, 2, 2, 16, 9, "rms", False, None),
+    (3, 128, 8, 2, 16, 17, "layer", True, 8),
+    (2, 64, 4, 1, 32, 5, None, False, 16),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_cpu_handler(rng, case, dtype, layout):
+    batch, hidden, hq, hkv, dh, max_seq, norm, bias, rot = case
+    args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
+                           max_seq=max_seq, dtype=dtype, norm=norm, bias=bias, rotary_dim=rot)
+    kw["rope_layout"] = layout
+    kw["residual"] = True
+    check(args, kw, jax.devices("cpu")[0])
+
+
+def test_first_and_last_token_cpu(rng):
+    args, kw = make_inputs(rng, batch=3, hidden=64, hq=4, hkv=2, dh=16, max_seq=7,
+                           dtype="float32", lengths=[0, 6, 3])
+    check(args, kw, jax.devices("cpu")[0])
+
+
+def test_vmap_folds_batch(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=6, dtype="float32")
+    stacked = {k: (jnp.stack([v, v]) if k in ("x", "k_cache", "v_cache", "lengths") else v)
+               for k, v in args.items()}
+    f = lambda x, kc, vc, ln: jc.attention_decode(  # noqa: E731
+        x, args["w_qkv"], args["w_o"], kc, vc, ln, args["inv_freq"], **kw)
+    y, k, v = jax.vmap(f)(stacked["x"], stacked["k_cache"], stacked["v_cache"], stacked["lengths"])
+    ry, _, _ = reference.attention_decode(**args, **kw)
+    assert y.shape == (2, 2, 64) and k.shape == (2,) + args["k_cache"].shape
+    assert rel_l2(y[1], ry) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_q_heads=6, num_kv_heads=4), "must be a multiple of num_kv_heads"),
+        (dict(rotary_dim=15), "rotary_dim"),
+        (dict(norm="batch"), "norm must be one of"),
+        (dict(rope_layout="spiral"), "rope_layout"),
+        (dict(cluster_size=3), "cluster_size must be one of"),
+        (dict(num_kv_heads=1, num_q_heads=4), "k_cache has shape"),
+    ],
+)
+def test_bad_arguments(rng, change, message):
+    args, kw = make_inputs(rng, batch=1, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32")
+    kw.update(change)
+    with pytest.raises(ValueError, match=message):
+        jc.attention_decode(**args, **kw)
+
+
+def test_bad_shapes_and_lengths(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32")
+    with pytest.raises(ValueError, match="w_o has shape"):
+        jc.attention_decode(**{**args, "w_o": args["w_o"][:-1]}, **kw)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        jc.attention_decode(**{**args, "lengths": jnp.asarray([1, 5], jnp.int32)}, **kw)
+    with pytest.raises(ValueError, match="dtype"):
+        jc.attention_decode(**{**args, "k_cache": args["k_cache"].astype(jnp.float16)}, **kw)
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        jc.attention_decode(**args, **{**kw, "norm_weight": None})
+
+
+def test_invalid_length_inside_jit_gives_nan_row(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=2, hkv=2, dh=16, max_seq=5,
+                           dtype="float32", lengths=[2, 9])
+    y, k, _ = jax.jit(lambda a: jc.attention_decode(**a, **kw))(args)
+    assert np.isnan(np.asarray(y[1])).all() and np.isfinite(np.asarray(y[0])).all()
+    np.testing.assert_array_equal(k[1], args["k_cache"][1])
+
+
+# ---------------------------------------------------------------- GPU
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+GPU_SHAPES = [  # hidden, hq, hkv, dh
+    (512, 4, 4, 128),    # MHA
+    (512, 8, 2, 64),     # GQA 4
+    (640, 8, 1, 80),     # MQA 8, head_dim 80
+    (768, 16, 2, 96),    # GQA 8, head_dim 96
+    (512, 12, 1, 64),    # group 12 -> 2 clusters of 6 heads
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_gpu_vs_reference(rng, dtype, shape, n):
+    hidden, hq, hkv, dh = shape
+    for batch, max_seq, lengths in ((1, 40, [0]), (3, 300, [1, 299, 157]), (16, 77, None)):
+        args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
+                               max_seq=max_seq, dtype=dtype, lengths=lengths,
+                               bias=batch == 3, norm="layer" if batch == 3 else "rms",
+                               rotary_dim=dh // 2 if batch == 16 else None)
+        kw["residual"] = batch != 1
+        check(args, kw, _gpu(), cluster_size=n, impl="kernel")
+
+
+@pytest.mark.gpu
+def test_gpu_long_context_and_interleaved(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=4096, hq=32, hkv=8, dh=128, max_seq=5000,
+                           dtype="bfloat16", lengths=[4999, 3001])
+    kw["rope_layout"] = "interleaved"
+    check(args, kw, _gpu(), impl="kernel")
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic(rng):
+    args, kw = make_inputs(rng, batch=4, hidden=1024, hq=16, hkv=4, dh=128, max_seq=2048,
+                           dtype="float16")
+    args = jax.device_put(args, _gpu())
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4)[0])
+    first = np.asarray(f(args))
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(f(args)), first)
+
+
+@pytest.mark.gpu
+def test_gpu_donated_caches_update_in_place(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=512, hq=4, hkv=4, dh=128, max_seq=64,
+                           dtype="float16", lengths=[5, 6])
+    args = jax.device_put(args, _gpu())
+    step = jax.jit(lambda x, kc, vc, ln: jc.attention_decode(
+        x, args["w_qkv"], args["w_o"], kc, vc, ln, args["inv_freq"], **kw), donate_argnums=(1, 2))
+    kc, vc = args["k_cache"] + 0, args["v_cache"] + 0
+    ln = args["lengths"]
+    for _ in range(3):  # a few steps, feeding caches back
+        _, kc, vc = step(args["x"], kc, vc, ln)
+        ln = ln + 1
+    assert np.isfinite(np.asarray(kc.astype(jnp.float32))).all()
