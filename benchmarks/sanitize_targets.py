@@ -31,6 +31,25 @@ def collectives(dtypes):
     print("collectives ok")
 
 
+def attention_decode():
+    """Every head dim and cluster size on a small GQA shape, vs the CPU handler."""
+    rng = np.random.default_rng(0)
+    for dh, (hq, hkv) in ((64, (8, 2)), (80, (4, 4)), (96, (12, 1)), (128, (4, 2))):
+        for n in (1, 2, 4, 8, 16):
+            f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)  # noqa: E731
+            args = dict(x=f(3, 256), w_qkv=f(256, (hq + 2 * hkv) * dh, sc=1 / 16),
+                        w_o=f(hq * dh, 256, sc=0.05), k_cache=f(3, hkv, 50, dh), v_cache=f(3, hkv, 50, dh),
+                        lengths=jnp.asarray([0, 49, 17], jnp.int32),
+                        inv_freq=jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
+            kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(256))
+            y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel")[0]
+            ref = jc.reference.attention_decode(**args, **kw)[0]
+            err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+            assert err < 1e-2, (dh, n, err)
+    print("attention_decode ok")
+
+
 if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
     collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
+    attention_decode()

@@ -1,0 +1,163 @@
+"""attention_decode vs the peers a JAX user has, in one run on one GPU.
+
+Peers: (a) plain jnp under jax.jit (the same math, native dtype, fp32
+accumulation); (b) Pallas' decode_attention (gqa) + XLA matmuls. Each step is
+timed inside one jit (a fori_loop of decode steps, caches carried in place).
+Roofline = (weights + KV cache bytes) / bandwidth measured in the same run.
+Run: python benchmarks/attention_decode.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_cluster as jc
+from common import dtype_tag, measure_bandwidth, random_normal, time_fn, write_results
+
+MODELS = {  # hidden, q heads, kv heads, head dim
+    "llama2-7b": (4096, 32, 32, 128),
+    "llama3-8b": (4096, 32, 8, 128),
+}
+STEPS = 20
+
+
+def rope(v, pos, inv_freq):
+    half = inv_freq.shape[0]
+    ang = pos.astype(jnp.float32)[:, None, None] * inv_freq
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = v[..., :half], v[..., half:]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def qkv_proj(x, w, nw, hq, hkv, dh, lengths, inv_freq):
+    xf = x.astype(jnp.float32)
+    h = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype) * nw
+    qkv = jnp.dot(h, w, preferred_element_type=jnp.float32)
+    b = x.shape[0]
+    q = rope(qkv[:, : hq * dh].reshape(b, hq, dh), lengths, inv_freq)
+    k = rope(qkv[:, hq * dh : (hq + hkv) * dh].reshape(b, hkv, dh), lengths, inv_freq)
+    v = qkv[:, (hq + hkv) * dh :].reshape(b, hkv, dh)
+    return q, k.astype(x.dtype), v.astype(x.dtype)
+
+
+def write_cache(cache, new, lengths):
+    return jax.vmap(lambda c, n, l: jax.lax.dynamic_update_slice(c, n[:, None], (0, l, 0)))(cache, new, lengths)
+
+
+def plain_jnp_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
+    q, k, v = qkv_proj(x, w_qkv, nw, hq, hkv, dh, lengths, inv_freq)
+    kc, vc = write_cache(kc, k, lengths), write_cache(vc, v, lengths)
+    b, g = x.shape[0], hq // hkv
+    qg = q.reshape(b, hkv, g, dh).astype(x.dtype)
+    s = jnp.einsum("bhgd,bhsd->bhgs", qg, kc, preferred_element_type=jnp.float32) / math.sqrt(dh)
+    s = jnp.where(jnp.arange(kc.shape[2]) <= lengths[:, None, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, -1).astype(x.dtype)
+    o = jnp.einsum("bhgs,bhsd->bhgd", p, vc, preferred_element_type=jnp.float32)
+    y = jnp.dot(o.reshape(b, -1).astype(x.dtype), w_o, preferred_element_type=jnp.float32)
+    return (y + x.astype(jnp.float32)).astype(x.dtype), kc, vc
+
+
+def pallas_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    q, k, v = qkv_proj(x, w_qkv, nw, hq, hkv, dh, lengths, inv_freq)
+    kc, vc = write_cache(kc, k, lengths), write_cache(vc, v, lengths)
+    o = decode_attention.gqa(q.astype(x.dtype), jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2),
+                             kv_seq_len=lengths + 1)
+    y = jnp.dot(o.reshape(x.shape[0], -1), w_o, preferred_element_type=jnp.float32)
+    return (y + x.astype(jnp.float32)).astype(x.dtype), kc, vc
+
+
+def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None):
+    return jc.attention_decode(x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq,
+                               num_kv_heads=hkv, norm="rms", norm_weight=nw, residual=True,
+                               cluster_size=cluster_size, impl="kernel")
+
+
+def time_steps(step, state, consts):
+    def body(i, s):
+        x, kc, vc = s
+        return step(x, consts["w_qkv"], consts["w_o"], consts["nw"], kc, vc, consts["lengths"], consts["inv_freq"])
+
+    run = jax.jit(lambda s: jax.lax.fori_loop(0, STEPS, body, s), donate_argnums=0)
+    holder = [state]
+
+    def call():
+        holder[0] = run(holder[0])
+        return holder[0]
+
+    return time_fn(call) / STEPS * 1e6
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    bw = measure_bandwidth()
+    print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
+    dtypes = [jnp.float16] if args.quick else [jnp.float16, jnp.bfloat16]
+    rows = []
+    key = jax.random.key(0)
+    for model, (d, hq, hkv, dh) in MODELS.items():
+        for dtype in dtypes:
+            for batch in (1, 16):
+                for ctx in (1024, 4096, 16384):
+                    if args.quick and (ctx == 1024 or (batch == 16 and ctx == 16384)):
+                        continue
+                    ks = jax.random.split(key, 6)
+                    cols = (hq + 2 * hkv) * dh
+                    consts = {
+                        "w_qkv": random_normal(ks[0], (d, cols), dtype, d ** -0.5),
+                        "w_o": random_normal(ks[1], (hq * dh, d), dtype, (hq * dh) ** -0.5),
+                        "nw": jnp.ones((d,), dtype),
+                        "lengths": jnp.full((batch,), ctx - 1, jnp.int32),
+                        "inv_freq": jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32),
+                    }
+                    fresh = lambda: (random_normal(ks[2], (batch, d), dtype),  # noqa: E731
+                                     random_normal(ks[3], (batch, hkv, ctx, dh), dtype),
+                                     random_normal(ks[4], (batch, hkv, ctx, dh), dtype))
+                    nbytes = (d * cols + hq * dh * d) * jnp.dtype(dtype).itemsize + \
+                        2 * batch * hkv * ctx * dh * jnp.dtype(dtype).itemsize
+                    floor_us = nbytes / bw * 1e6
+                    shape = (hq, hkv, dh)
+                    t = {}
+                    for name, step in (("jnp", plain_jnp_step), ("pallas", pallas_step), ("ours", ours_step)):
+                        f = lambda *a, step=step: step(*a, *shape)  # noqa: E731
+                        try:
+                            t[name] = time_steps(f, fresh(), consts)
+                        except Exception as exc:  # noqa: BLE001 - a peer may not run here
+                            print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                            t[name] = None
+                    sweep = {}
+                    for n in (1, 2, 4, 8, 16):
+                        f = lambda *a, n=n: ours_step(*a, *shape, cluster_size=n)  # noqa: E731
+                        sweep[n] = time_steps(f, fresh(), consts)
+                    best_n = min(sweep, key=sweep.get)
+                    case = f"{model} b{batch} ctx{ctx} {dtype_tag(dtype)}"
+                    row = {"case": case + " auto", "ours_us": t["ours"], "jnp_us": t["jnp"],
+                           "pallas_us": t["pallas"], "bytes": nbytes,
+                           "roofline_fraction": floor_us / t["ours"],
+                           "speedup_vs_jnp": t["jnp"] / t["ours"] if t["jnp"] else None,
+                           "speedup_vs_pallas": t["pallas"] / t["ours"] if t["pallas"] else None,
+                           "best_cluster_size": best_n,
+                           **{f"n{n}_us": v for n, v in sweep.items()}}
+                    rows.append(row)
+                    print(f"  {case:32s} ours {t['ours']:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
+                          f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
+                          f"  sweep {', '.join(f'{n}:{v:.0f}' for n, v in sweep.items())}")
+    write_results("attention_decode", rows,
+                  columns=["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas",
+                           "roofline_fraction", "best_cluster_size", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"],
+                  notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
+                         f"{bw / 1e12:.2f} TB/s measured in the same run (elementwise read+write). "
+                         "'auto' = the default cluster-size heuristic; nK_us = cluster size K."),
+                  extra={"bandwidth_bytes_per_s": bw})
+
+
+if __name__ == "__main__":
+    main()
