@@ -35,7 +35,7 @@ step build build.log python3 -m pip install --no-build-isolation --no-deps -v . 
 step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider $TESTS
 tail -5 "$OUT/gpu_tests.log"
 for b in "${BENCHES[@]}"; do
-  step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py"
+  step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}
   cp benchmarks/results/"$b".* "$OUT"/ 2>/dev/null
 done
 if [ "$SANITIZE" = 1 ]; then
