@@ -37,7 +37,7 @@ class DeepseekV2Layer(nnx.Module):
 class DeepseekV2(CausalLM):
     def __init__(self, cfg: DeepseekV2Config, *, dtype=jnp.float32, impl="auto", rngs: nnx.Rngs):
         self.config = cfg
-        self.impl = impl
+        self.impl = ops.normalize_impl(impl)
         self._init_head(cfg, dtype, rngs)
         self.layers = nnx.List([DeepseekV2Layer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

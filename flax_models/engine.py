@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import ops
 from .sampling import SamplingParams, sample
 
 
@@ -60,7 +61,8 @@ class Engine:
     @classmethod
     def for_model(cls, model, sampling: SamplingParams = SamplingParams(), impl=None) -> "Engine":
         graphdef, state = nnx.split(model)
-        key = (graphdef, sampling, impl if isinstance(impl, (str, type(None))) else tuple(sorted(impl.items())))
+        impl = ops.normalize_impl(impl)
+        key = (graphdef, sampling, impl)
         eng = cls._cache.get(key)
         if eng is None:
             eng = cls._cache[key] = cls(model, sampling, impl)
@@ -79,6 +81,7 @@ class Engine:
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.sampling = sampling
+        impl = ops.normalize_impl(impl)
         self.prefill = jax.jit(functools.partial(_prefill, self.graphdef, sampling), donate_argnums=(3,))
         self.step = jax.jit(functools.partial(_step, self.graphdef, sampling, impl), donate_argnums=(2,))
         self._impl = impl

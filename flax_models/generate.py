@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from . import ops
 from .engine import generate
 from .presets import PRESETS, load_model
 from .sampling import SamplingParams
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for several prompts (of different lengths) in one batch")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "fused"])
+    p.add_argument("--impl", default="auto",
+                   help="auto | xla | fused, or per component: attention=fused,mlp=xla (default auto)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="default: the checkpoint's dtype; for presets bf16 on GPU, fp32 on CPU")
     p.add_argument("--batch", type=int, default=None, help="rows (prompts are repeated to fill it)")
@@ -60,15 +62,20 @@ def main(argv=None) -> int:
         dtype = "bf16" if jax.default_backend() != "cpu" else "fp32"
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-        model, tokenizer = load_model(args.model, dtype, impl=args.impl, seed=args.seed)
+        impl = ops.normalize_impl(args.impl)
+        model, tokenizer = load_model(args.model, dtype, impl=impl, seed=args.seed)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
     rows = [encode(prompts[i % len(prompts)], tokenizer, cfg.vocab_size) for i in range(batch)]
     eos = () if args.ignore_eos or tokenizer is None else cfg.eos_token_ids
-    res = generate(model, rows, args.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=eos,
-                   progress=not args.no_progress)
+    try:
+        res = generate(model, rows, args.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=eos,
+                       progress=not args.no_progress)
+    except RuntimeError as e:  # e.g. --impl fused without the fused op
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for i, toks in enumerate(res.tokens):
         shown = tokenizer.decode(toks) if tokenizer is not None else " ".join(map(str, toks))
         label = "text" if tokenizer is not None else "token ids"

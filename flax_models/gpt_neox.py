@@ -31,7 +31,7 @@ class GPTNeoXLayer(nnx.Module):
 class GPTNeoX(CausalLM):
     def __init__(self, cfg: GPTNeoXConfig, *, dtype=jnp.float32, impl="auto", rngs: nnx.Rngs):
         self.config = cfg
-        self.impl = impl
+        self.impl = ops.normalize_impl(impl)
         self._init_head(cfg, dtype, rngs)
         self.layers = nnx.List([GPTNeoXLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)

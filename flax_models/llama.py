@@ -31,7 +31,7 @@ class LlamaLayer(nnx.Module):
 class Llama(CausalLM):
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, impl="auto", rngs: nnx.Rngs):
         self.config = cfg
-        self.impl = impl
+        self.impl = ops.normalize_impl(impl)
         self._init_head(cfg, dtype, rngs)
         self.layers = nnx.List([LlamaLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

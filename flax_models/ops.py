@@ -48,6 +48,25 @@ def fused_available(name: str) -> bool:
     return fused_op(name) is not None
 
 
+def normalize_impl(impl):
+    """A hashable impl: a string, or a sorted tuple of (component, impl) pairs (from a dict or from
+    "attention=fused,mlp=xla"). None stays None (= the model's own)."""
+    if impl is None:
+        return None
+    if isinstance(impl, str) and "=" in impl:
+        impl = dict(part.split("=", 1) for part in impl.split(",") if part)
+    if isinstance(impl, str):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        return impl
+    pairs = tuple(sorted(dict(impl).items()))
+    for comp, value in pairs:
+        if comp not in COMPONENTS or value not in IMPLS:
+            raise ValueError(f"impl entries are component=impl with component in {COMPONENTS} and impl in {IMPLS}, "
+                             f"got {comp}={value}")
+    return pairs
+
+
 def component_impl(impl, component: str) -> str:
     """impl may be one string for every component or a dict {component: impl} (missing -> "auto")."""
     if isinstance(impl, str):

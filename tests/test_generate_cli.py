@@ -59,6 +59,14 @@ def test_cli_errors(capsys):
     assert main(["--model", "no-such-model", "--no-progress"]) == 2
     assert "unknown preset 'no-such-model'" in capsys.readouterr().err
     assert main(["--top-p", "0", "--no-progress"]) == 2
+    assert main(["--impl", "attention=cuda", "--no-progress"]) == 2
+    assert "attention=cuda" in capsys.readouterr().err
+
+
+def test_cli_per_component_impl(capsys):
+    assert main(["--model", "tiny-pythia", "--impl", "attention=xla,mlp=xla", "--max-new-tokens", "2",
+                 "--no-progress"]) == 0
+    assert "impl=attention=xla,mlp=xla" in capsys.readouterr().out
 
 
 def test_cli_as_module_with_progress_bar():
