@@ -9,6 +9,7 @@ from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
 from jax_cluster.ops.attention_decode import attention_decode
 from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
+from jax_cluster.ops.swiglu import swiglu, swiglu_tp
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,6 @@ __all__ = [
     "cuda_module_built",
     "reference",
     "register_targets",
+    "swiglu",
+    "swiglu_tp",
 ]

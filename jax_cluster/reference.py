@@ -85,3 +85,24 @@ def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_
         y = y + x.astype(jnp.float32)
     y = jnp.where(valid[:, None], y, jnp.nan)
     return y.astype(x.dtype), k_cache, v_cache
+
+
+def swiglu(x, w_gate, w_up, w_down=None, residual=None):
+    """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down (+ residual).
+
+    x [..., D], w_gate / w_up [D, F], w_down [F, D] or None (then the activation A2
+    [..., F] is returned). Both GEMMs accumulate in fp32 (highest precision); A2 is
+    rounded to x.dtype, as every implementation stores it or feeds it to a 16-bit GEMM;
+    the output is rounded once, after the residual is added in fp32.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    xf = x.astype(jnp.float32)
+    g = jnp.matmul(xf, w_gate.astype(jnp.float32), precision=hi)
+    u = jnp.matmul(xf, w_up.astype(jnp.float32), precision=hi)
+    a2 = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
+    if w_down is None:
+        return a2
+    y = jnp.matmul(a2.astype(jnp.float32), w_down.astype(jnp.float32), precision=hi)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y.astype(x.dtype)

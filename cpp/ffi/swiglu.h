@@ -1,0 +1,138 @@
+// Decodes and validates swiglu's FFI arguments into one SwigluParams, shared by the CPU
+// and CUDA handlers. The Python wrapper (jax_cluster/ops/swiglu.py) checks the same
+// things first with friendlier messages; this is the last line of defence.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "ffi/common.h"
+#include "kernels/swiglu.h"
+
+namespace jax_cluster {
+
+namespace ffi = xla::ffi;
+
+inline ffi::ErrorOr<SwigluParams> decode_swiglu(
+    ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
+    ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order, int64_t cluster_up,
+    int64_t cluster_down, int64_t row_tiles, int64_t f_group, int64_t num_clusters,
+    bool has_down, bool has_residual) {
+  auto fail = [](const std::string& m) {
+    return ffi::Unexpected(ffi_util::invalid("swiglu: " + m));
+  };
+  auto xd = x.dimensions(), gd = w_gate.dimensions();
+  if (xd.size() != 2) return fail("x must be [M, D], got " + ffi_util::dims_str(xd));
+  if (gd.size() != 2) return fail("w_gate must be [D, F], got " + ffi_util::dims_str(gd));
+  auto dtype = ffi_util::to_dtype(x.element_type(), "x");
+  if (!dtype) return ffi::Unexpected(dtype.error());
+  if (*dtype == DType::kF32) return fail("x dtype must be float16 or bfloat16");
+  SwigluParams p;
+  p.dtype = *dtype;
+  p.variant = static_cast<SwigluVariant>(variant);
+  p.order = static_cast<SwigluOrder>(order);
+  p.m = xd[0];
+  p.d = xd[1];
+  p.f = gd[1];
+  p.has_down = has_down;
+  p.has_residual = has_residual;
+  p.cluster_up = static_cast<int>(cluster_up);
+  p.cluster_down = static_cast<int>(cluster_down);
+  p.row_tiles = static_cast<int>(row_tiles);
+  p.f_group = static_cast<int>(f_group);
+  p.num_clusters = static_cast<int>(num_clusters);
+  if (p.m < 1) return fail("x must have at least one row");
+  if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
+  if (p.d % kSwigluAlign || p.f % kSwigluAlign) {
+    return fail("D (" + std::to_string(p.d) + ") and F (" + std::to_string(p.f) +
+                ") must be multiples of 64");
+  }
+  auto wd = w_up.dimensions();
+  if (wd.size() != 2 || wd[0] != p.d || wd[1] != p.f) return fail("w_up must have w_gate's shape [D, F]");
+  for (const ffi::AnyBuffer* b : {&w_gate, &w_up}) {
+    if (b->element_type() != x.element_type()) return fail("weights must have x's dtype");
+  }
+  const int64_t out_cols = has_down ? p.d : p.f;
+  if (out->element_type() != x.element_type() ||
+      static_cast<int64_t>(out->element_count()) != p.m * out_cols) {
+    return fail("output must be [M, " + std::to_string(out_cols) + "] of x's dtype");
+  }
+  if (has_down) {
+    auto dd = w_down.dimensions();
+    if (dd.size() != 2 || dd[0] != p.f || dd[1] != p.d) return fail("w_down must be [F, D], got " + ffi_util::dims_str(dd));
+    if (w_down.element_type() != x.element_type()) return fail("w_down must have x's dtype");
+  }
+  if (has_residual) {
+    if (!has_down) return fail("residual needs w_down");
+    if (residual.element_type() != x.element_type() ||
+        static_cast<int64_t>(residual.element_count()) != p.m * p.d) {
+      return fail("residual must be [M, D] of x's dtype");
+    }
+  }
+  if (variant != 0 && variant != 1) return fail("variant must be 0 (split) or 1 (fused)");
+  if (order != 0 && order != 1) return fail("order must be 0 (col) or 1 (row)");
+  if (row_tiles != 1 && row_tiles != 2 && row_tiles != 4) return fail("row_tiles must be 1, 2 or 4");
+  if (!is_valid_cluster_size(cluster_up) || cluster_up > p.d / 64) {
+    return fail("cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64");
+  }
+  if (p.variant == SwigluVariant::kSplit && has_down &&
+      (!is_valid_cluster_size(cluster_down) || cluster_down > p.f / 64)) {
+    return fail("cluster_down must be 1, 2, 4, 8 or 16 and at most F / 64");
+  }
+  const bool fused = p.variant == SwigluVariant::kFused && has_down;
+  if (fused) {
+    if (f_group < 1 || f_group > 64) return fail("f_group must be in 1..64");
+    if (num_clusters < 1 || num_clusters > p.f / 64) return fail("num_clusters must be in 1..F/64");
+  }
+  const SwigluSmemPlan plan = fused ? swiglu_fused_smem(p) : swiglu_tile_smem(p);
+  if (plan.stages == 0) {
+    return fail("this configuration needs more shared memory than a block has (row_tiles " +
+                std::to_string(row_tiles) + ", f_group " + std::to_string(f_group) +
+                ", cluster " + std::to_string(cluster_up) + ")");
+  }
+  if (static_cast<int64_t>(workspace->size_bytes()) < swiglu_workspace_bytes(p)) {
+    return fail("workspace too small");
+  }
+  p.x = x.untyped_data();
+  p.w_gate = w_gate.untyped_data();
+  p.w_up = w_up.untyped_data();
+  p.w_down = w_down.untyped_data();
+  p.residual = residual.untyped_data();
+  p.out = out->untyped_data();
+  p.workspace = workspace->untyped_data();
+  return p;
+}
+
+// Ffi binding shared by both handlers (the CUDA one prepends the stream).
+template <typename Binding>
+auto bind_swiglu(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x [M, D]
+      .template Arg<ffi::AnyBuffer>()                 // w_gate [D, F]
+      .template Arg<ffi::AnyBuffer>()                 // w_up [D, F]
+      .template Arg<ffi::AnyBuffer>()                 // w_down [F, D] (or empty)
+      .template Arg<ffi::AnyBuffer>()                 // residual [M, D] (or empty)
+      .template Ret<ffi::AnyBuffer>()                 // y [M, D] or A2 [M, F]
+      .template Ret<ffi::AnyBuffer>()                 // workspace
+      .template Attr<int64_t>("variant")
+      .template Attr<int64_t>("order")
+      .template Attr<int64_t>("cluster_up")
+      .template Attr<int64_t>("cluster_down")
+      .template Attr<int64_t>("row_tiles")
+      .template Attr<int64_t>("f_group")
+      .template Attr<int64_t>("num_clusters")
+      .template Attr<bool>("has_down")
+      .template Attr<bool>("has_residual");
+}
+
+}  // namespace jax_cluster
+
+#define JAX_CLUSTER_SWIGLU_ARGS                                                              \
+  ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,        \
+      ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,                               \
+      ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order,                  \
+      int64_t cluster_up, int64_t cluster_down, int64_t row_tiles, int64_t f_group,           \
+      int64_t num_clusters, bool has_down, bool has_residual
+#define JAX_CLUSTER_SWIGLU_DECODE                                                             \
+  decode_swiglu(x, w_gate, w_up, w_down, residual, out, workspace, variant, order, cluster_up, \
+                cluster_down, row_tiles, f_group, num_clusters, has_down, has_residual)

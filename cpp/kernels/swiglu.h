@@ -1,0 +1,127 @@
+// SwiGLU MLP (DeepFusionKernel): y = (silu(x @ w_gate) * (x @ w_up)) @ w_down (+ residual),
+// x [M, D], w_gate/w_up [D, F], w_down [F, D]; without w_down the op returns the
+// activation A2 = silu(x @ w_gate) * (x @ w_up), [M, F]. fp16/bf16, fp32 accumulation,
+// A2 rounded to the activation dtype (it feeds a 16-bit tensor-core GEMM).
+//
+// Variants (all deterministic; no floating-point atomics):
+//  * kSplit: the two-kernel form. Kernel 1 ("up"): each cluster owns a 64-column tile of
+//    w_gate AND w_up (they share every x tile), its N blocks split D, the fp32 partials
+//    are reduce-scattered over DSMEM and each block applies SiLU*mul to its piece and
+//    writes A2. Kernel 2 ("down"): same engine on A2 @ w_down (128 output columns per
+//    cluster, F split over the cluster), residual fused into the epilogue.
+//  * kFused: ONE persistent kernel; A2 never reaches global memory. Cluster c owns a
+//    contiguous range of 64-column F tiles, processed in groups of `f_group` tiles. Its N
+//    blocks split D for the gate/up GEMMs; per group the partials are reduce-scattered
+//    (fixed rank order), each block computes its piece of A2 and all-gathers it into
+//    every block's shared memory; then block r multiplies the group's A2 [rows, group]
+//    by w_down[group rows, columns of rank r] and accumulates in shared memory across
+//    groups. Each cluster's partial y goes to the workspace; the last cluster to finish
+//    a column range (integer counter) sums all clusters' partials in cluster order.
+//  Tile order: kCol = a weight tile's row groups run next to each other (weights read
+//  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
+//  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds
+//  as many rows per pass as shared memory allows, kRow one 16-row tile per pass.
+//
+// Engine: mma.sync m16n8k16 (fp32 accumulate) on tiles staged in shared memory by a
+// multi-stage cp.async pipeline (16-byte copies, swizzled, many in flight); M is padded
+// to 16-row tiles, so M = 1..16 is the bandwidth-bound "GEMV" regime at no extra HBM cost.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "jax_cluster/types.h"
+
+namespace jax_cluster {
+
+enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1 };
+enum class SwigluOrder : int32_t { kCol = 0, kRow = 1 };
+
+inline constexpr int64_t kSwigluAlign = 64;      // D and F must be multiples of this
+inline constexpr int64_t kSwigluFTile = 64;      // F columns of w_gate/w_up per tile
+inline constexpr int64_t kSwigluDownTile = 128;  // output columns per cluster (split down)
+inline constexpr int64_t kSwigluStageB = 64 * 128 * 2;  // bytes of one B stage [64][128]
+inline constexpr int kSwigluMaxStages = 8;
+// Shared-memory budgets: two blocks per SM, or one.
+inline constexpr int64_t kSwigluSmemBudget2 = 112 * 1024;
+inline constexpr int64_t kSwigluSmemBudget1 = 220 * 1024;
+
+struct SwigluParams {
+  DType dtype;
+  SwigluVariant variant;
+  SwigluOrder order;
+  int64_t m, d, f;
+  bool has_down, has_residual;
+  int cluster_up;    // split: blocks per cluster of the up kernel; fused: of the fused kernel
+  int cluster_down;  // split: blocks per cluster of the down kernel
+  int row_tiles;     // 16-row mma tiles per block (1, 2 or 4)
+  int f_group;       // fused: 64-column F tiles per DSMEM exchange
+  int num_clusters;  // fused: clusters in the persistent grid
+  const void* x;
+  const void* w_gate;
+  const void* w_up;
+  const void* w_down;
+  const void* residual;
+  void* out;        // [M, D] with w_down, else A2 [M, F]
+  void* workspace;  // split: A2 [M, F]; fused: counters + partials (swiglu_workspace_bytes)
+};
+
+inline int64_t swiglu_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int64_t swiglu_rows_per_block(const SwigluParams& p) { return 16 * p.row_tiles; }
+
+// Shared memory of one block: `fixed` (exchange buffers, accumulators) plus stages.
+inline int64_t swiglu_stage_bytes(int64_t rows) { return kSwigluStageB + rows * 128; }
+
+// Receive slots of the split kernels' reduce-scatter (fp32); their partial tile reuses
+// the stage buffers once the main loop is over.
+inline int64_t swiglu_tile_fixed_bytes(int64_t rows) { return rows * kSwigluDownTile * 4; }
+
+// Largest output-column range (64-column chunks) a rank of the fused kernel owns.
+inline int64_t swiglu_fused_cols_per_rank(const SwigluParams& p) {
+  return swiglu_ceil_div(p.d / 64, p.cluster_up) * 64;
+}
+
+inline int64_t swiglu_fused_fixed_bytes(const SwigluParams& p) {
+  const int64_t rows = swiglu_rows_per_block(p), group = 64 * p.f_group;
+  return 2 * rows * 2 * group * 4           // partial + receive slots (gate and up), fp32
+         + rows * group * 2                 // the group's A2 (all-gathered)
+         + rows * swiglu_fused_cols_per_rank(p) * 4;  // output accumulator, fp32
+}
+
+struct SwigluSmemPlan {
+  int stages;     // 0: does not fit
+  int64_t bytes;  // dynamic shared memory per block
+};
+
+// Two blocks per SM when at least 3 stages fit in half the SM, else one block with up
+// to kSwigluMaxStages stages (jax_cluster/ops/swiglu.py mirrors this).
+inline SwigluSmemPlan swiglu_smem_plan(int64_t fixed, int64_t stage) {
+  int64_t budget = kSwigluSmemBudget2;
+  if ((budget - fixed) / stage < 3) budget = kSwigluSmemBudget1;
+  const int64_t s = std::min<int64_t>(kSwigluMaxStages, (budget - fixed) / stage);
+  if (s < 2) return {0, 0};
+  return {static_cast<int>(s), fixed + s * stage};
+}
+
+inline SwigluSmemPlan swiglu_tile_smem(const SwigluParams& p) {
+  const int64_t rows = swiglu_rows_per_block(p);
+  return swiglu_smem_plan(swiglu_tile_fixed_bytes(rows), swiglu_stage_bytes(rows));
+}
+
+inline SwigluSmemPlan swiglu_fused_smem(const SwigluParams& p) {
+  return swiglu_smem_plan(swiglu_fused_fixed_bytes(p), swiglu_stage_bytes(swiglu_rows_per_block(p)));
+}
+
+// Fused workspace: 16 counters (one per rank, 64 bytes) then fp32 partials [C][M][D].
+inline constexpr int64_t kSwigluCounterBytes = 64;
+
+inline int64_t swiglu_workspace_bytes(const SwigluParams& p) {
+  if (p.variant == SwigluVariant::kSplit) {
+    return p.has_down ? p.m * p.f * dtype_size(p.dtype) : 0;
+  }
+  if (!p.has_down) return 0;
+  return kSwigluCounterBytes + (p.num_clusters > 1 ? p.num_clusters * p.m * p.d * 4 : 0);
+}
+
+}  // namespace jax_cluster

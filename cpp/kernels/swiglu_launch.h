@@ -1,0 +1,14 @@
+// CUDA launcher of the SwiGLU MLP kernels (no XLA here).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/swiglu.h"
+
+namespace jax_cluster {
+
+// Runs the variant p.variant (one or two kernel launches, plus a 64-byte memset of the
+// fused kernel's counters); every CUDA return code is checked.
+cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream);
+
+}  // namespace jax_cluster

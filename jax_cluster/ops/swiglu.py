@@ -1,0 +1,457 @@
+"""swiglu: DeepFusionKernel's fused SwiGLU MLP, its scheduler, and its tensor-parallel form.
+
+    A2 = silu(x @ w_gate) * (x @ w_up)          [M, F]  (rounded to x.dtype)
+    y  = A2 @ w_down (+ residual)               [M, D]
+
+x [..., D]; w_gate, w_up [D, F]; w_down [F, D] or None (then A2 is returned, the fused
+"up" stage alone). fp16 / bf16 with fp32 accumulation; D and F multiples of 64 (other
+shapes, and float32, run the jnp reference with a one-time warning).
+
+Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
+  "split"      two kernels: gate+up GEMMs sharing every x tile, SiLU*mul in registers,
+               one write of A2; then the down GEMM with the residual fused. Column-major
+               tile order (a weight tile's row groups side by side: weights read once).
+  "split_row"  the same with row-major tile order (16-row tiles, all weight tiles of one
+               row group before the next: x reuse, for large M).
+  "fused"      ONE persistent cluster kernel: A2 never leaves the chip. Each cluster owns a
+               range of F, its blocks split D, gate/up partials are reduce-scattered and A2
+               all-gathered over DSMEM, each block multiplies A2 by its columns of w_down,
+               and clusters' partial outputs are summed in cluster order by the last one.
+               Column-major: as many rows per pass as shared memory holds (weights once).
+  "fused_row"  the fused kernel with one 16-row tile per pass (row-major).
+  "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
+               GPU), measured once and cached on disk (jax_cluster.tuning); with
+               JAX_CLUSTER_TUNING=0, the heuristic (fused for M <= 16, else split). On CPU
+               the CPU handler computes the same math whatever the variant.
+Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
+16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
+down kernels).
+
+Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
+columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
+single psum combines the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+
+from jax_cluster import reference, tuning
+from jax_cluster.ops._primitive import ffi_primitive
+
+VARIANTS = ("auto", "split", "split_row", "fused", "fused_row")
+ALIGN = 64
+FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
+_KNOBS = {"n", "nu", "nd", "rt", "g", "c"}
+
+# Mirrors cpp/kernels/swiglu.h (shared-memory plan and workspace).
+_STAGE_B = 64 * 128 * 2
+_MAX_STAGES = 8
+_BUDGET2 = 112 * 1024
+_BUDGET1 = 220 * 1024
+_COUNTER_BYTES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One concrete launch configuration (the FFI attributes)."""
+
+    variant: int  # 0 split, 1 fused
+    order: int  # 0 col, 1 row
+    cluster_up: int
+    cluster_down: int
+    row_tiles: int
+    f_group: int
+    num_clusters: int
+
+    def attrs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << max(0, (max(1, v) - 1).bit_length())
+
+
+def _smem_plan(fixed: int, stage: int) -> tuple[int, int]:
+    """(stages, bytes) of one block; (0, 0) when it does not fit."""
+    budget = _BUDGET2 if (_BUDGET2 - fixed) // stage >= 3 else _BUDGET1
+    stages = min(_MAX_STAGES, (budget - fixed) // stage)
+    return (0, 0) if stages < 2 else (stages, fixed + stages * stage)
+
+
+def _stage_bytes(rows: int) -> int:
+    return _STAGE_B + rows * 128
+
+
+def tile_smem(row_tiles: int) -> tuple[int, int]:
+    rows = 16 * row_tiles
+    return _smem_plan(rows * 128 * 4, _stage_bytes(rows))
+
+
+def fused_smem(row_tiles: int, f_group: int, cluster: int, d: int) -> tuple[int, int]:
+    rows, group = 16 * row_tiles, 64 * f_group
+    cols = _ceil_div(d // 64, cluster) * 64
+    fixed = 2 * rows * 2 * group * 4 + rows * group * 2 + rows * cols * 4
+    return _smem_plan(fixed, _stage_bytes(rows))
+
+
+def workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int, has_down: bool) -> int:
+    if not has_down:
+        return 0
+    if cfg.variant == 0:
+        return m * f * itemsize
+    return _COUNTER_BYTES + (cfg.num_clusters * m * d * 4 if cfg.num_clusters > 1 else 0)
+
+
+# ----------------------------------------------------------------------------- configs
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """'fused:n=16:g=2' -> ('fused', {'n': 16, 'g': 2}); ValueError naming what is wrong."""
+    if not isinstance(spec, str):
+        raise ValueError(f"swiglu: variant must be a string, got {spec!r}")
+    name, *knobs = spec.split(":")
+    if name not in VARIANTS:
+        raise ValueError(f"swiglu: variant must be one of {VARIANTS} (optionally with knobs, "
+                         f"e.g. 'fused:n=16'), got {spec!r}")
+    if name == "auto" and knobs:
+        raise ValueError(f"swiglu: variant 'auto' takes no knobs, got {spec!r}")
+    out = {}
+    for knob in knobs:
+        key, _, value = knob.partition("=")
+        if key not in _KNOBS or not value.isdigit():
+            raise ValueError(f"swiglu: bad knob {knob!r} in variant {spec!r}; knobs are "
+                             f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
+                             "exchange), c= (clusters), each an integer")
+        out[key] = int(value)
+    for key in ("n", "nu", "nd"):
+        if key in out and out[key] not in CLUSTER_SIZES:
+            raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: cluster sizes are {CLUSTER_SIZES}")
+    if "rt" in out and out["rt"] not in (1, 2, 4):
+        raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
+    if out.get("g", 1) < 1 or out.get("c", 1) < 1:
+        raise ValueError(f"swiglu: g= and c= must be >= 1 in {spec!r}")
+    return name, out
+
+
+def _default_row_tiles(rows: int) -> int:
+    return 1 if rows <= 16 else 2 if rows <= 32 else 4
+
+
+def _pick_clusters(tiles: int, max_clusters: int) -> int:
+    """Fewest clusters that keep the most-loaded cluster's F-tile count minimal."""
+    c = max(1, min(max_clusters, tiles))
+    per = _ceil_div(tiles, c)
+    return _ceil_div(tiles, per)
+
+
+def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int) -> Config | None:
+    """The concrete configuration of a variant for one shape; None when the fused kernel
+    cannot hold this shape in shared memory (then use split)."""
+    name, kn = parse_variant(spec)
+    dblk, fblk = d // 64, f // 64
+    row = name.endswith("_row")
+    if name.startswith("fused") and has_down:
+        rows = min(m, FUSED_MAX_ROWS)
+        n = min(kn.get("n", 8), _pow2_floor(dblk))
+        g = max(1, min(kn.get("g", 2), fblk))
+        rt = 1 if row else kn.get("rt", _default_row_tiles(rows))
+        while fused_smem(rt, g, n, d)[0] == 0 and (rt > 1 or g > 1):
+            if rt > 1 and "rt" not in kn:
+                rt //= 2
+            elif g > 1:
+                g -= 1
+            else:
+                break
+        stages, smem = fused_smem(rt, g, n, d)
+        if stages == 0:
+            return None
+        per_sm = 2 if smem <= _BUDGET2 else 1
+        max_c = max(1, per_sm * num_sms // n)
+        c = min(kn["c"], fblk) if "c" in kn else _pick_clusters(fblk, max_c)
+        return Config(1, 1 if row else 0, n, 1, rt, g, c)
+    rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
+    groups = _ceil_div(m, 16 * rt)
+    target = 4 * num_sms  # blocks: a few waves of two blocks per SM
+    nu = kn.get("nu", kn.get("n", _pow2_ceil(_ceil_div(target, fblk * groups))))
+    nd = kn.get("nd", kn.get("n", _pow2_ceil(_ceil_div(target, _ceil_div(d, 128) * groups))))
+    nu = min(nu, 16, _pow2_floor(dblk))
+    nd = min(nd, 16, _pow2_floor(fblk))
+    return Config(0, 1 if row else 0, nu, nd, rt, 1, 1)
+
+
+def heuristic_variant(m: int, has_down: bool) -> str:
+    """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU."""
+    return "fused" if has_down and m <= 16 else "split"
+
+
+def candidates(m: int, has_down: bool) -> list[str]:
+    """What the scheduler measures for one shape."""
+    if not has_down:
+        return ["split", "split:rt=1", "split_row"] if m > 16 else ["split", "split:nu=16"]
+    out = ["split", "fused", "fused:n=16", "fused:n=4"]
+    if m > 16:
+        out += ["split:rt=1", "split_row", "fused_row"]
+    return out
+
+
+def _m_bucket(m: int) -> int:
+    return _pow2_ceil(m)
+
+
+def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
+    return (f"m{_m_bucket(m)}|d{d}|f{f}|{jnp.dtype(dtype).name}|"
+            f"{'mlp' if has_down else 'up'}|{tuning.device_name()}")
+
+
+# ----------------------------------------------------------------------------- primitive
+def _abstract(x, w_gate, w_up, w_down, residual, *, variant, order, cluster_up, cluster_down,
+              row_tiles, f_group, num_clusters, has_down, has_residual):
+    m, d = x.shape
+    f = w_gate.shape[1]
+    cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters)
+    ws = workspace_bytes(cfg, m, d, f, jnp.dtype(x.dtype).itemsize, has_down)
+    out_cols = d if has_down else f
+    return ShapedArray((m, out_cols), x.dtype), ShapedArray((ws,), np.uint8)
+
+
+def _batching(args, dims, **params):
+    """vmap: fold the mapped axis into M when only x / residual are mapped; otherwise map
+    over the batch sequentially."""
+    x, w_gate, w_up, w_down, residual = args
+    bx, bg, bu, bd, br = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if bg is None and bu is None and bd is None:
+        def fold(a, d):
+            a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+            return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+        res = fold(residual, br) if params["has_residual"] else residual
+        out, ws = _PRIM.bind(fold(x, bx), w_gate, w_up, w_down, res, **params)
+        return (out.reshape((size, out.shape[0] // size) + out.shape[1:]), ws), (0, None)
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+
+    def one(i):
+        return _PRIM.bind(*[a[i] if d is not None else a for a, d in zip(moved, dims)], **params)[0]
+
+    out = jax.lax.map(one, jnp.arange(size))
+    return (out, jnp.zeros((0,), np.uint8)), (0, None)
+
+
+_PRIM = ffi_primitive("swiglu", abstract_eval=_abstract, batching_rule=_batching)
+
+_warned: set = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda")
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 132) or 132) if _on_gpu() else 132
+
+
+def _bind(x2, w_gate, w_up, w_down, residual2, cfg: Config):
+    has_down, has_res = w_down is not None, residual2 is not None
+    empty = jnp.zeros((0,), x2.dtype)
+    out, _ = _PRIM.bind(x2, w_gate, w_up, w_down if has_down else empty,
+                        residual2 if has_res else empty, has_down=has_down,
+                        has_residual=has_res, **cfg.attrs())
+    return out
+
+
+def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
+    m, d = x2.shape
+    f = w_gate.shape[1]
+    has_down = w_down is not None
+    sms = _num_sms()
+    cfg = make_config(spec, m, d, f, has_down, sms)
+    if cfg is None:
+        _warn_once(("smem", spec, d, f), f"swiglu: variant {spec!r} does not fit D={d} in shared "
+                   "memory; using 'split'")
+        cfg = make_config("split", m, d, f, has_down, sms)
+    if cfg.variant == 1 and m > FUSED_MAX_ROWS:  # bounded workspace: chunks of rows
+        outs = []
+        for r0 in range(0, m, FUSED_MAX_ROWS):
+            r1 = min(m, r0 + FUSED_MAX_ROWS)
+            res = None if residual2 is None else residual2[r0:r1]
+            outs.append(_apply(x2[r0:r1], w_gate, w_up, w_down, res, spec))
+        return jnp.concatenate(outs, axis=0)
+    return _bind(x2, w_gate, w_up, w_down, residual2, cfg)
+
+
+def _check(name, array, shape, dtype):
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"swiglu: {name} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+    if jnp.dtype(array.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"swiglu: {name} has dtype {jnp.dtype(array.dtype).name}, expected "
+                         f"{jnp.dtype(dtype).name} (x's dtype)")
+
+
+def _validate(x, w_gate, w_up, w_down, residual, variant):
+    parse_variant(variant)
+    if x.ndim < 1:
+        raise ValueError(f"swiglu: x must be [..., D], got a scalar")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16),
+                                  jnp.dtype(jnp.float32)):
+        raise ValueError(f"swiglu: x dtype must be float16 or bfloat16 (float32 runs the "
+                         f"reference), got {jnp.dtype(x.dtype).name}")
+    d = x.shape[-1]
+    if w_gate.ndim != 2 or w_gate.shape[0] != d:
+        raise ValueError(f"swiglu: w_gate must be [D, F] with D = x.shape[-1] = {d}, got shape "
+                         f"{tuple(w_gate.shape)}")
+    f = w_gate.shape[1]
+    _check("w_gate", w_gate, (d, f), x.dtype)
+    _check("w_up", w_up, (d, f), x.dtype)
+    if w_down is not None:
+        _check("w_down", w_down, (f, d), x.dtype)
+    if residual is not None:
+        if w_down is None:
+            raise ValueError("swiglu: residual needs w_down (the up stage alone returns [..., F])")
+        _check("residual", residual, x.shape, x.dtype)
+    if d < 1 or f < 1:
+        raise ValueError(f"swiglu: D and F must be positive, got D={d}, F={f}")
+    return d, f
+
+
+def resolve_variant(variant: str, m: int, d: int, f: int, dtype, has_down: bool) -> str:
+    """The variant spec the op will run: `variant` itself unless it is "auto"."""
+    if variant != "auto":
+        return variant
+    heuristic = heuristic_variant(m, has_down)
+    if not _on_gpu():
+        return heuristic  # nothing to tune: the CPU handler ignores the variant
+    return tuning.pick("swiglu", tuning_key(m, d, f, dtype, has_down), candidates(m, has_down),
+                       functools.partial(measure, m=m, d=d, f=f, dtype=dtype, has_down=has_down),
+                       heuristic=heuristic)
+
+
+def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, variant: str = "auto"):
+    """Fused SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down (+ residual).
+
+    x [..., D]; w_gate, w_up [D, F]; w_down [F, D] or None (returns A2 [..., F]);
+    residual [..., D] or None (added in fp32 before the single rounding of y).
+    variant: see the module docstring ("auto", "split", "split_row", "fused", "fused_row",
+    optionally with knobs).
+    """
+    d, f = _validate(x, w_gate, w_up, w_down, residual, variant)
+    lead = tuple(x.shape[:-1])
+    m = math.prod(lead)
+    has_down = w_down is not None
+    out_cols = d if has_down else f
+    if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32) or d % ALIGN or f % ALIGN:
+        _warn_once(("shape", d, f, jnp.dtype(x.dtype).name),
+                   f"swiglu: no kernel for D={d}, F={f}, dtype={jnp.dtype(x.dtype).name} (needs "
+                   "D and F multiples of 64, float16 or bfloat16); using the jnp reference")
+        return reference.swiglu(x, w_gate, w_up, w_down, residual)
+    if m == 0:
+        return jnp.zeros(lead + (out_cols,), x.dtype)
+    spec = resolve_variant(variant, m, d, f, x.dtype, has_down)
+    x2 = x.reshape(m, d)
+    res2 = None if residual is None else residual.reshape(m, d)
+    return _apply(x2, w_gate, w_up, w_down, res2, spec).reshape(lead + (out_cols,))
+
+
+# ----------------------------------------------------------------------------- measuring
+def make_timing_loop(fn, m: int, d: int, f: int, dtype, *, has_down: bool = True,
+                     has_residual: bool = False, calls: int = 24, seed: int = 0,
+                     l2_bytes: int = 64 << 20):
+    """(jitted run, args, calls per run) timing `fn(x, w_gate, w_up, w_down, residual)` on
+    fresh random inputs: many calls inside one jit, each feeding the next (so none is dead
+    code), over enough weight copies that the weights cannot stay in L2."""
+    dtype = jnp.dtype(dtype)
+    wbytes = (3 if has_down else 2) * d * f * dtype.itemsize
+    copies = max(1, min(8, _ceil_div(2 * l2_bytes, wbytes)))
+    reps = max(1, _ceil_div(calls, copies))
+    keys = jax.random.split(jax.random.key(seed), 4 * copies + 2)
+
+    def normal(k, shape, scale):
+        return (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+
+    x = normal(keys[0], (m, d), 1.0)
+    res = normal(keys[1], (m, d), 1.0) if has_residual else None
+    weights = tuple(
+        (normal(keys[2 + 4 * c], (d, f), d ** -0.5), normal(keys[3 + 4 * c], (d, f), d ** -0.5),
+         normal(keys[4 + 4 * c], (f, d), f ** -0.5) if has_down else None)
+        for c in range(copies))
+
+    def run(x, weights, res):
+        def body(_, x):
+            for wg, wu, wd in weights:
+                y = fn(x, wg, wu, wd, res)
+                feed = y if has_down else y[:, :1]
+                x = (x.astype(jnp.float32) + 1e-3 * feed.astype(jnp.float32)).astype(dtype)
+            return x
+        return jax.lax.fori_loop(0, reps, body, x)
+
+    return jax.jit(run), (x, weights, res), reps * copies
+
+
+def measure(spec: str, *, m: int, d: int, f: int, dtype, has_down: bool = True) -> float:
+    """Seconds per call of variant `spec` on the default device (fresh random inputs)."""
+    run, args, calls = make_timing_loop(
+        lambda x, wg, wu, wd, res: swiglu(x, wg, wu, wd, res, variant=spec),
+        m, d, f, dtype, has_down=has_down)
+    return tuning.time_call(run, *args) / calls
+
+
+def autotune(m: int, d: int, f: int, dtype, *, has_down: bool = True) -> str:
+    """Runs the scheduler now for one shape (e.g. at deployment warm-up); returns the
+    variant that `variant="auto"` will use for it."""
+    return resolve_variant("auto", m, d, f, dtype, has_down)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def swiglu_tp(x, w_gate, w_up, w_down, residual=None, *, mesh, axis: str = "tp",
+              variant: str = "auto", psum_dtype=None):
+    """Tensor-parallel SwiGLU MLP (DeepFusionKernel App. A.1) over mesh axis `axis`.
+
+    w_gate / w_up are split by columns and w_down by rows (P(None, axis) and P(axis, None));
+    x is replicated. Each device runs the op on its F-shard (the gate/up/SiLU/down chain
+    stays local) and ONE psum over `axis` combines the partial outputs (in x.dtype, or
+    `psum_dtype`); the residual is added after it. F / axis size should be a multiple of
+    64 for the kernels.
+    """
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    if w_down is None:
+        raise ValueError("swiglu_tp: w_down is required (the up stage alone needs no collective)")
+    size = mesh.shape[axis]
+    f = w_gate.shape[-1]
+    if f % size:
+        raise ValueError(f"swiglu_tp: F ({f}) must be divisible by the size of mesh axis "
+                         f"{axis!r} ({size})")
+    _validate(x, w_gate, w_up, w_down, residual, variant)
+    out_dtype = jnp.dtype(psum_dtype) if psum_dtype is not None else jnp.dtype(x.dtype)
+
+    def local(x, wg, wu, wd):
+        y = swiglu(x, wg, wu, wd, variant=variant)
+        return jax.lax.psum(y.astype(out_dtype), axis)
+
+    spec_x = P(*([None] * x.ndim))
+    y = jax.shard_map(local, mesh=mesh, in_specs=(spec_x, P(None, axis), P(None, axis), P(axis, None)),
+                      out_specs=spec_x, check_vma=False)(x, w_gate, w_up, w_down)
+    if residual is not None:
+        y = y.astype(jnp.float32) + residual.astype(jnp.float32)
+    return y.astype(x.dtype)
