@@ -202,12 +202,13 @@ __device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, 
   __syncthreads();
 }
 
-// Online-softmax state of one thread: heads x its 8 dims of the head.
+// Online-softmax state of one thread: MH heads x its 8 dims of the head.
+template <int MH>
 struct SoftmaxState {
-  float m[kMaxH], l[kMaxH], o[kMaxH][8];
+  float m[MH], l[MH], o[MH][8];
   __device__ void init() {
 #pragma unroll
-    for (int h = 0; h < kMaxH; ++h) {
+    for (int h = 0; h < MH; ++h) {
       m[h] = -INFINITY;
       l[h] = 0.f;
 #pragma unroll
@@ -215,10 +216,10 @@ struct SoftmaxState {
     }
   }
   // Merges another state (same dims) into this one.
-  __device__ void merge(const float (&m2)[kMaxH], const float (&l2)[kMaxH],
-                        const float (&o2)[kMaxH][8]) {
+  __device__ void merge(const float (&m2)[MH], const float (&l2)[MH],
+                        const float (&o2)[MH][8]) {
 #pragma unroll
-    for (int h = 0; h < kMaxH; ++h) {
+    for (int h = 0; h < MH; ++h) {
       const float mn = fmaxf(m[h], m2[h]);
       const float a = mn == -INFINITY ? 0.f : exp2f(m[h] - mn);
       const float b = mn == -INFINITY ? 0.f : exp2f(m2[h] - mn);
@@ -231,7 +232,7 @@ struct SoftmaxState {
 };
 
 // Attention of the block's queries over cached tokens [t0, t1).
-template <typename T, int DH>
+template <typename T, int DH, int MH>
 __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int hpc,
                               const float* qkv, int t0, int t1, float* warp_states) {
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
@@ -242,9 +243,9 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;
 
-  float q[kMaxH][8];
+  float q[MH][8];
 #pragma unroll
-  for (int h = 0; h < kMaxH; ++h) {
+  for (int h = 0; h < MH; ++h) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
@@ -254,7 +255,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   const T* K = static_cast<const T*>(p.k_cache) + row0 * DH + dv * 8;
   const T* V = static_cast<const T*>(p.v_cache) + row0 * DH + dv * 8;
 
-  SoftmaxState st;
+  SoftmaxState<MH> st;
   st.init();
   for (int first = t0 + warp * TPW * U; first < t1; first += kWarps * TPW * U) {
     uint4 kr[U], vr[U];
@@ -271,13 +272,13 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
         vr[u] = make_uint4(0, 0, 0, 0);
       }
     }
-    float s[U][kMaxH];
+    float s[U][MH];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[8];
       unpack<T>(kr[u], kf);
 #pragma unroll
-      for (int h = 0; h < kMaxH; ++h) {
+      for (int h = 0; h < MH; ++h) {
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) d = fmaf(q[h][i], kf[i], d);
@@ -287,7 +288,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
       }
     }
 #pragma unroll
-    for (int h = 0; h < kMaxH; ++h) {
+    for (int h = 0; h < MH; ++h) {
       if (h >= hpc) break;
       float mx = st.m[h];
 #pragma unroll
@@ -312,9 +313,9 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   // Merge the token slots of the warp (lanes LPT apart hold the same dims).
 #pragma unroll
   for (int off = LPT; off < 32; off <<= 1) {
-    float m2[kMaxH], l2[kMaxH], o2[kMaxH][8];
+    float m2[MH], l2[MH], o2[MH][8];
 #pragma unroll
-    for (int h = 0; h < kMaxH; ++h) {
+    for (int h = 0; h < MH; ++h) {
       m2[h] = __shfl_xor_sync(0xffffffffu, st.m[h], off);
       l2[h] = __shfl_xor_sync(0xffffffffu, st.l[h], off);
 #pragma unroll
@@ -325,7 +326,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   // Warp state -> shared: [warp][head][DH + 2] = (o..., m, l).
   if (slot == 0) {
 #pragma unroll
-    for (int h = 0; h < kMaxH; ++h) {
+    for (int h = 0; h < MH; ++h) {
       if (h >= hpc) break;
       float* ws = warp_states + (warp * kMaxH + h) * (DH + 2);
       if (active) {
@@ -341,7 +342,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   __syncthreads();
 }
 
-template <typename T, int DH>
+template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_decode_kernel(const AttentionDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -426,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int total = c.len + 1;
   const int per_block = (total + n - 1) / n;
   const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
-  attend_cached<T, DH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
+  attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
 
   // Combine the warps (fixed order), then the new token, per head.
   const float qscale = p.scale * kLog2e;
@@ -501,26 +502,36 @@ __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const Att
   static_cast<T*>(p.y)[b * p.hidden + col] = from_float<T>(acc);
 }
 
-template <typename T, int DH>
+// MH: register arrays sized for the heads a cluster serves (1, 2, 4 or 8).
+template <typename T, int DH, int MH>
 cudaError_t launch_typed(const AttentionDecodeParams& p, cudaStream_t stream) {
   const Layout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
                  p.cluster_size);
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
-      attention_decode_kernel<T, DH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
+      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
       dim3(kThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p));
   const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
   attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <typename T, int DH>
+cudaError_t launch_heads(const AttentionDecodeParams& p, cudaStream_t stream) {
+  const int64_t hpc = p.heads_per_cluster();
+  if (hpc == 1) return launch_typed<T, DH, 1>(p, stream);
+  if (hpc == 2) return launch_typed<T, DH, 2>(p, stream);
+  if (hpc <= 4) return launch_typed<T, DH, 4>(p, stream);
+  return launch_typed<T, DH, 8>(p, stream);
+}
+
 template <typename T>
 cudaError_t launch_dh(const AttentionDecodeParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_typed<T, 64>(p, stream);
-    case 80: return launch_typed<T, 80>(p, stream);
-    case 96: return launch_typed<T, 96>(p, stream);
-    case 128: return launch_typed<T, 128>(p, stream);
+    case 64: return launch_heads<T, 64>(p, stream);
+    case 80: return launch_heads<T, 80>(p, stream);
+    case 96: return launch_heads<T, 96>(p, stream);
+    case 128: return launch_heads<T, 128>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

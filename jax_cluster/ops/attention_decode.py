@@ -111,6 +111,43 @@ def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int
     return 16
 
 
+def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int:
+    """The tuner's pick on a GPU (measured once per shape, cached on disk; see
+    jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two."""
+    sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
+    heuristic = default_cluster_size(batch, hkv, hq // hkv, sms)
+    if not on_gpu:
+        return heuristic
+    from jax_cluster import tuning
+
+    ctx = 1 << max(0, (max_seq - 1).bit_length())
+    key = (f"{tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+           f"ctx{ctx} {jnp.dtype(dtype).name}")
+
+    def measure(n):
+        rng = np.random.default_rng(0)
+        f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+        kc, vc = f(batch, hkv, ctx, head_dim), f(batch, hkv, ctx, head_dim)
+        consts = (f(hidden, (hq + 2 * hkv) * head_dim, sc=hidden ** -0.5),
+                  f(hq * head_dim, hidden, sc=0.02), jnp.full((batch,), ctx - 1, jnp.int32),
+                  jnp.ones((head_dim // 2,), jnp.float32), f(hidden))
+
+        @jax.jit
+        def loop(x, kc, vc):
+            w_qkv, w_o, lengths, inv_freq, nw = consts
+
+            def body(i, s):
+                return attention_decode(s[0], w_qkv, w_o, s[1], s[2], lengths, inv_freq,
+                                        num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
+                                        residual=True, cluster_size=n, impl="kernel")
+
+            return jax.lax.fori_loop(0, 10, body, (x, kc, vc))
+
+        return tuning.time_call(loop, f(batch, hidden), kc, vc) / 10
+
+    return tuning.pick("attention_decode", key, CLUSTER_SIZES, measure, heuristic=heuristic)
+
+
 def attention_decode(
     x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
     num_q_heads: int, num_kv_heads: int,
@@ -120,6 +157,10 @@ def attention_decode(
     cluster_size: int | None = None, impl: str = "auto",
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
+
+    cluster_size None: on a GPU the tuner measures 1, 2, 4, 8, 16 once per shape
+    (outside any trace; cached in the tuning file, JAX_CLUSTER_TUNING=0 for the
+    heuristic); an explicit size overrides.
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
@@ -191,8 +232,8 @@ def attention_decode(
         return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
 
     if cluster_size is None:
-        sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
-        cluster_size = default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads, sms)
+        cluster_size = _choose_cluster_size(on_gpu, batch, hidden, num_q_heads, num_kv_heads,
+                                            max_seq, head_dim, dt)
     empty = jnp.zeros((0,), dt)
     y, k, v, _ = _PRIM.bind(
         x, norm_weight if norm_weight is not None else empty,
