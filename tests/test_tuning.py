@@ -1,0 +1,175 @@
+"""jax_cluster.tuning: the persistent profile-driven scheduler (generic; CPU only)."""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cluster import tuning
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    path = tmp_path / "sub" / "tuning.json"
+    monkeypatch.setenv(tuning.ENV_CACHE, str(path))
+    monkeypatch.delenv(tuning.ENV_ENABLE, raising=False)
+    tuning.clear_memory_cache()
+    yield path
+    tuning.clear_memory_cache()
+
+
+class Counter:
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, c):
+        self.calls.append(c)
+        t = self.times[c]
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+
+def test_cache_path(monkeypatch, tmp_path):
+    monkeypatch.delenv(tuning.ENV_CACHE, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.cache_path() == tmp_path / "jax_cluster" / "tuning.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning.cache_path() == tmp_path / "home" / ".cache" / "jax_cluster" / "tuning.json"
+    monkeypatch.setenv(tuning.ENV_CACHE, "~/x.json")
+    assert tuning.cache_path() == tmp_path / "home" / "x.json"
+
+
+def test_measures_once_then_reads_cache(cache):
+    m = Counter({"a": 3.0, "b": 1.0, "c": 2.0})
+    assert tuning.pick("op", "k1", ["a", "b", "c"], m, heuristic="a") == "b"
+    assert sorted(m.calls) == ["a", "b", "c"]
+    data = json.loads(cache.read_text())
+    assert data["version"] == tuning.CACHE_VERSION
+    entry = data["entries"]["op|k1"]
+    assert entry["winner"] == "b" and entry["times_us"]["b"] == 1e6
+    assert tuning.pick("op", "k1", ["a", "b", "c"], m, heuristic="a") == "b"
+    assert len(m.calls) == 3  # memory cache
+    tuning.clear_memory_cache()  # a new process: the file answers
+    assert tuning.pick("op", "k1", ["c", "b"], m, heuristic="a") == "b"
+    assert len(m.calls) == 3
+    assert tuning.pick("other", "k1", ["a", "b"], Counter({"a": 1.0, "b": 2.0}), heuristic="b") == "a"
+    assert set(json.loads(cache.read_text())["entries"]) == {"op|k1", "other|k1"}
+
+
+def test_disabled_uses_heuristic(cache, monkeypatch):
+    monkeypatch.setenv(tuning.ENV_ENABLE, "0")
+    assert not tuning.enabled()
+    m = Counter({"a": 3.0, "b": 1.0})
+    assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "a"
+    assert not m.calls and not cache.exists()
+    monkeypatch.setenv(tuning.ENV_ENABLE, "1")
+    assert tuning.enabled()
+
+
+def test_single_candidate_is_not_measured(cache):
+    m = Counter({"a": 1.0})
+    assert tuning.pick("op", "k", ["a"], m, heuristic="z") == "a" and not m.calls
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"version": 999, "entries": {}}',
+                                     '{"version": 1, "entries": 5}', "\xff\xfe"])
+def test_corrupt_or_foreign_file_is_ignored_with_a_warning(cache, content):
+    cache.parent.mkdir(parents=True)
+    cache.write_bytes(content.encode("latin-1"))
+    m = Counter({"a": 2.0, "b": 1.0})
+    with pytest.warns(UserWarning, match="ignoring"):
+        assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
+    assert len(m.calls) == 2
+    data = json.loads(cache.read_text())  # rewritten as a valid cache
+    assert data["entries"]["op|k"]["winner"] == "b"
+
+
+def test_stale_winner_is_remeasured(cache):
+    tuning.record("op", "k", "gone")
+    m = Counter({"a": 2.0, "b": 1.0})
+    with pytest.warns(UserWarning, match="stale"):
+        assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
+    assert json.loads(cache.read_text())["entries"]["op|k"]["winner"] == "b"
+
+
+def test_failing_candidates(cache):
+    m = Counter({"a": RuntimeError("launch failed"), "b": 5.0})
+    with pytest.warns(UserWarning, match="candidate 'a' failed"):
+        assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
+    tuning.clear_memory_cache()
+    cache.unlink()
+    bad = Counter({"a": RuntimeError("x"), "b": ValueError("y")})
+    with pytest.warns(UserWarning, match="no op candidate could be measured"):
+        assert tuning.pick("op", "k", ["a", "b"], bad, heuristic="b") == "b"
+    assert not cache.exists()  # nothing cached: the next run tries again
+
+
+def test_unwritable_cache_only_warns(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(tuning.ENV_CACHE, str(blocker / "tuning.json"))  # parent is a file
+    monkeypatch.delenv(tuning.ENV_ENABLE, raising=False)
+    tuning.clear_memory_cache()
+    m = Counter({"a": 2.0, "b": 1.0})
+    with pytest.warns(UserWarning, match="could not write"):
+        assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
+    assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"  # kept in memory
+    assert len(m.calls) == 2
+    tuning.clear_memory_cache()
+
+
+def test_entries_of_other_processes_are_kept(cache):
+    tuning.record("op", "mine", "a")
+    data = json.loads(cache.read_text())
+    data["entries"]["op|theirs"] = {"winner": "b"}
+    cache.write_text(json.dumps(data))  # another process wrote meanwhile
+    tuning.record("op", "mine2", "c")
+    assert set(json.loads(cache.read_text())["entries"]) == {"op|mine", "op|theirs", "op|mine2"}
+
+
+def test_measuring_inside_a_jit_trace(cache):
+    """pick() called while tracing: measurement runs eagerly (concrete inputs, its own jit
+    calls, block_until_ready) outside the trace; the traced computation only sees the winner."""
+    seen = []
+
+    def measure(c):
+        x = jnp.arange(1000.0)  # concrete even though the caller is being traced
+        f = jax.jit(lambda x: x * (2.0 if c == "double" else 3.0))
+        t = tuning.time_call(f, x, warmup=1, trials=3)
+        seen.append(type(x).__name__)
+        assert not isinstance(x, jax.core.Tracer)
+        return {"double": 1.0, "triple": 2.0}[c] + 0 * t
+
+    @jax.jit
+    def traced(x):
+        c = tuning.pick("op", "in-trace", ["triple", "double"], measure, heuristic="triple")
+        return x * (2.0 if c == "double" else 3.0)
+
+    out = traced(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(out), [2.0, 2.0, 2.0])
+    assert len(seen) == 2
+    # also under vmap and nested jit
+    out = jax.vmap(lambda x: traced(x))(jnp.ones((2, 3)))
+    assert out.shape == (2, 3)
+
+
+def test_run_outside_trace_propagates_errors():
+    with pytest.raises(KeyError):
+        tuning.run_outside_trace(lambda: {}["missing"])
+    assert tuning.run_outside_trace(lambda: 7) == 7
+
+
+def test_time_call():
+    f = jax.jit(lambda x: x + 1)
+    t = tuning.time_call(f, jnp.ones(4), warmup=1, trials=3)
+    assert 0 < t < 10
+
+
+def test_device_name():
+    assert isinstance(tuning.device_name(), str) and tuning.device_name()
