@@ -49,7 +49,36 @@ def attention_decode():
     print("attention_decode ok")
 
 
+def swiglu(dtypes, shapes=((320, 512), (1024, 192))):
+    """Every swiglu kernel path on small shapes: split (cluster sizes 1..16, 64-column
+    down tail), up stage alone, fused (cluster sizes, exchange group widths, one and
+    several clusters, several passes), residual; vs the jnp reference."""
+    rng = np.random.default_rng(0)
+    specs = ["split:nu=1:nd=1", "split:nu=4:nd=16", "split_row:nu=2:nd=2", "fused:n=1:c=1",
+             "fused:n=2:g=1", "fused:n=4:g=2:c=3", "fused:n=16:g=2", "fused_row:n=8:g=3"]
+    for dtype in dtypes:
+        for d, f in shapes:
+            f_ = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+            wg, wu, wd = f_(d, f, sc=d ** -0.5), f_(d, f, sc=d ** -0.5), f_(f, d, sc=f ** -0.5)
+            for m in (1, 33):
+                x, res = f_(m, d), f_(m, d)
+                for spec in specs:
+                    for down in (True, False):
+                        if not down and spec.startswith("fused"):
+                            continue
+                        args = (x, wg, wu, wd, res) if down else (x, wg, wu)
+                        y = jax.jit(lambda *a: jc.swiglu(*a, variant=spec))(*args)
+                        ref = jc.reference.swiglu(*args)
+                        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+                        assert err < 1e-2, (spec, d, f, m, down, err)
+    print("swiglu ok")
+
+
 if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
     collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
     attention_decode()
+    if quick:
+        swiglu((jnp.bfloat16,), shapes=((320, 512),))
+    else:
+        swiglu((jnp.float16, jnp.bfloat16))
