@@ -126,6 +126,25 @@ __device__ __forceinline__ void st_async_8(uint32_t remote_addr, uint2 v, uint32
       : "memory");
 }
 
+// Cluster-scope mbarrier wait that traps after ~seconds instead of hanging forever: a
+// protocol error then surfaces as a launch failure (an error in JAX) rather than a hung
+// device. try_wait suspends in hardware between polls, so the bound is generous.
+__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = ptx::smem_addr(bar);
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins == (1u << 26)) __trap();
+  }
+}
+
 // ------------------------------------------------------------------ math
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
@@ -272,7 +291,7 @@ __device__ __forceinline__ void send_pieces(const float* part, int ld, int seg_o
     ptx::st_async_16(ptx::map_to_rank(ptx::smem_addr(dst), peer), val,
                      ptx::map_to_rank(ptx::smem_addr(full), peer));
   }
-  ptx::mbarrier_wait_cluster(full, parity);
+  mbarrier_wait_or_trap(full, parity);
 }
 
 // Sum over the cluster (rank order) of vector v of segment seg of row `row` of my piece.
@@ -639,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
               st_async_8(ptx::map_to_rank(a2_addr + off, peer), val,
                          ptx::map_to_rank(ptx::smem_addr(&full_ag), peer));
             }
-            ptx::mbarrier_wait_cluster(&full_ag, exchanges & 1);
+            mbarrier_wait_or_trap(&full_ag, exchanges & 1);
             __syncthreads();
           }
           ++exchanges;

@@ -76,6 +76,20 @@ class Config:
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        if self.variant == 1:
+            return (f"fused n{self.cluster_up} g{self.f_group} rt{self.row_tiles} "
+                    f"c{self.num_clusters}")
+        return (f"split nu{self.cluster_up} nd{self.cluster_down} rt{self.row_tiles} "
+                f"{'row' if self.order else 'col'}")
+
+    def effective(self, m: int) -> "Config":
+        """The same configuration with knobs that cannot change the launch normalised
+        (tile order with one row group, or in the fused kernel): equal means same kernels."""
+        if self.variant == 1 or _ceil_div(m, 16 * self.row_tiles) == 1:
+            return dataclasses.replace(self, order=0)
+        return self
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -214,8 +228,11 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
+KERNEL_VERSION = 1  # bump when the kernels change: cached choices are then re-measured
+
+
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
-    return (f"m{_m_bucket(m)}|d{d}|f{f}|{jnp.dtype(dtype).name}|"
+    return (f"v{KERNEL_VERSION}|m{_m_bucket(m)}|d{d}|f{f}|{jnp.dtype(dtype).name}|"
             f"{'mlp' if has_down else 'up'}|{tuning.device_name()}")
 
 
@@ -374,17 +391,15 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, variant: str = "auto"
 
 
 # ----------------------------------------------------------------------------- measuring
-def make_timing_loop(fn, m: int, d: int, f: int, dtype, *, has_down: bool = True,
-                     has_residual: bool = False, calls: int = 24, seed: int = 0,
-                     l2_bytes: int = 64 << 20):
-    """(jitted run, args, calls per run) timing `fn(x, w_gate, w_up, w_down, residual)` on
-    fresh random inputs: many calls inside one jit, each feeding the next (so none is dead
-    code), over enough weight copies that the weights cannot stay in L2."""
+def timing_inputs(m: int, d: int, f: int, dtype, *, has_down: bool = True,
+                  has_residual: bool = False, seed: int = 0, l2_bytes: int = 64 << 20):
+    """Fresh random inputs (x, weight copies, residual) for timing: N(0, 1) activations,
+    weights scaled by 1/sqrt(fan-in), enough copies of the weights that rotating over them
+    defeats the L2 cache."""
     dtype = jnp.dtype(dtype)
     wbytes = (3 if has_down else 2) * d * f * dtype.itemsize
     copies = max(1, min(8, _ceil_div(2 * l2_bytes, wbytes)))
-    reps = max(1, _ceil_div(calls, copies))
-    keys = jax.random.split(jax.random.key(seed), 4 * copies + 2)
+    keys = jax.random.split(jax.random.key(seed), 3 * copies + 2)
 
     def normal(k, shape, scale):
         return (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
@@ -392,28 +407,38 @@ def make_timing_loop(fn, m: int, d: int, f: int, dtype, *, has_down: bool = True
     x = normal(keys[0], (m, d), 1.0)
     res = normal(keys[1], (m, d), 1.0) if has_residual else None
     weights = tuple(
-        (normal(keys[2 + 4 * c], (d, f), d ** -0.5), normal(keys[3 + 4 * c], (d, f), d ** -0.5),
-         normal(keys[4 + 4 * c], (f, d), f ** -0.5) if has_down else None)
+        (normal(keys[2 + 3 * c], (d, f), d ** -0.5), normal(keys[3 + 3 * c], (d, f), d ** -0.5),
+         normal(keys[4 + 3 * c], (f, d), f ** -0.5) if has_down else None)
         for c in range(copies))
+    return x, weights, res
+
+
+def timing_loop(fn, inputs, *, calls: int = 24):
+    """(jitted run(x, weights, res), calls per run): `fn(x, w_gate, w_up, w_down, residual)`
+    called many times inside one jit, each call feeding the next (none is dead code),
+    rotating over the weight copies of `inputs` (from timing_inputs)."""
+    x0, weights, _ = inputs
+    reps = max(1, _ceil_div(calls, len(weights)))
+    dtype = x0.dtype
 
     def run(x, weights, res):
         def body(_, x):
             for wg, wu, wd in weights:
                 y = fn(x, wg, wu, wd, res)
-                feed = y if has_down else y[:, :1]
+                feed = y if wd is not None else y[:, :1]
                 x = (x.astype(jnp.float32) + 1e-3 * feed.astype(jnp.float32)).astype(dtype)
             return x
         return jax.lax.fori_loop(0, reps, body, x)
 
-    return jax.jit(run), (x, weights, res), reps * copies
+    return jax.jit(run), reps * len(weights)
 
 
 def measure(spec: str, *, m: int, d: int, f: int, dtype, has_down: bool = True) -> float:
     """Seconds per call of variant `spec` on the default device (fresh random inputs)."""
-    run, args, calls = make_timing_loop(
-        lambda x, wg, wu, wd, res: swiglu(x, wg, wu, wd, res, variant=spec),
-        m, d, f, dtype, has_down=has_down)
-    return tuning.time_call(run, *args) / calls
+    inputs = timing_inputs(m, d, f, dtype, has_down=has_down)
+    run, calls = timing_loop(lambda x, wg, wu, wd, res: swiglu(x, wg, wu, wd, res, variant=spec),
+                             inputs)
+    return tuning.time_call(run, *inputs) / calls
 
 
 def autotune(m: int, d: int, f: int, dtype, *, has_down: bool = True) -> str:

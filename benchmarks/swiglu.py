@@ -1,0 +1,123 @@
+"""swiglu (DeepFusionKernel) vs plain jnp, every variant and the scheduler's pick, one GPU run.
+
+Shapes: Llama-3.1-70B TP=4 shard (D 8192, F 7168), Llama-2-7B (4096, 11008), Llama-3-8B
+(4096, 14336); M = 1, 2, 4, 8, 16, 32, 64; fp16 and bf16; residual fused (y = x + MLP(x)).
+Each measurement is many calls inside one jit, each feeding the next, rotating over
+weight copies when the weights would fit in L2. Peer: plain jnp under jax.jit
+(silu(x @ w_gate) * (x @ w_up) @ w_down + x). Roofline = bytes (weights + x + residual + y)
+/ HBM bandwidth measured in the same run. `auto` is the scheduler's pick, measured in this
+run (a fresh tuning cache unless --keep-cache).
+Run: python benchmarks/swiglu.py [--quick] [--keep-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jax_cluster as jc
+from jax_cluster import tuning
+from jax_cluster.ops import swiglu as sw
+from common import dtype_tag, measure_bandwidth, time_fn, write_results
+
+SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
+MS = (1, 2, 4, 8, 16, 32, 64)
+VARIANTS = ("split", "split_row", "fused", "fused_row")
+GOALS = "goals: M<=16 >= 92% of roofline, M=64 >= 85%, never slower than jnp, auto within 3% of the best variant"
+
+
+def plain_jnp(x, w_gate, w_up, w_down, residual):
+    y = (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return y + residual if residual is not None else y
+
+
+def time_us(fn, inputs) -> float:
+    run, calls = sw.timing_loop(fn, inputs)
+    return time_fn(run, *inputs) / calls * 1e6
+
+
+def ours(variant):
+    return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a subset (< 2 minutes)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="use the user's tuning cache instead of tuning afresh in this run")
+    args = parser.parse_args(argv)
+    if not args.keep_cache:
+        os.environ[tuning.ENV_CACHE] = os.path.join(tempfile.mkdtemp(), "tuning.json")
+    os.environ.setdefault(tuning.ENV_ENABLE, "1")
+    bw = measure_bandwidth()
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", 132)
+    print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {dev.device_kind} ({sms} SMs)")
+    shapes = {k: SHAPES[k] for k in ("70b-tp4", "llama2-7b")} if args.quick else SHAPES
+    ms = (1, 16, 64) if args.quick else MS
+    dtypes = (jnp.float16,) if args.quick else (jnp.float16, jnp.bfloat16)
+    rows, misses = [], []
+    for model, (d, f) in shapes.items():
+        for dtype in dtypes:
+            for m in ms:
+                item = jnp.dtype(dtype).itemsize
+                nbytes = (3 * d * f + 3 * m * d) * item  # weights, x, residual, y
+                floor_us = nbytes / bw * 1e6
+                inputs = sw.timing_inputs(m, d, f, dtype, has_residual=True)
+                base = f"{model} m{m} {dtype_tag(dtype)}"
+                t_jnp = time_us(plain_jnp, inputs)
+                measured, times = {}, {}
+                for v in VARIANTS:  # variants whose configuration coincides are timed once
+                    cfg = sw.make_config(v, m, d, f, True, sms).effective(m)
+                    if cfg in measured:
+                        times[v] = times[measured[cfg]]
+                        continue
+                    measured[cfg] = v
+                    try:
+                        times[v] = time_us(ours(v), inputs)
+                    except Exception as exc:  # noqa: BLE001 - report, keep going
+                        print(f"  {base} {v} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                        times[v] = None
+                pick = sw.autotune(m, d, f, dtype)  # the scheduler (tunes now if needed)
+                times["auto"] = time_us(ours("auto"), inputs)
+                best = min(t for v, t in times.items() if v != "auto" and t)
+                for v, t in times.items():
+                    if t is None:
+                        rows.append({"case": f"{base} {v}", "note": "failed"})
+                        continue
+                    row = {"case": f"{base} {v}", "ours_us": t, "jnp_us": t_jnp,
+                           "speedup_vs_jnp": t_jnp / t, "roofline_fraction": floor_us / t,
+                           "bytes": nbytes, "config": sw.make_config(pick if v == "auto" else v, m, d, f, True, sms).describe()}
+                    if v == "auto":
+                        row["pick"] = pick
+                        row["auto_vs_best"] = t / best
+                    rows.append(row)
+                auto = rows[-1]
+                goal = 0.92 if m <= 16 else 0.85 if m == 64 else None
+                print(f"  {base:24s} jnp {t_jnp:7.1f} us ({floor_us / t_jnp:4.0%})  " +
+                      "  ".join(f"{v} {t:7.1f}" for v, t in times.items() if t) +
+                      f"  -> auto={pick} {auto['roofline_fraction']:.0%} roofline, "
+                      f"{auto['speedup_vs_jnp']:.2f}x jnp, {auto['auto_vs_best']:.3f} of best")
+                if goal and auto["roofline_fraction"] < goal:
+                    misses.append(f"{base}: {auto['roofline_fraction']:.1%} < {goal:.0%} of roofline")
+                if auto["speedup_vs_jnp"] < 1:
+                    misses.append(f"{base}: slower than jnp ({auto['speedup_vs_jnp']:.2f}x)")
+                if auto["auto_vs_best"] > 1.03:
+                    misses.append(f"{base}: auto {auto['auto_vs_best']:.3f} of the best variant")
+    notes = (f"Bandwidth {bw / 1e12:.2f} TB/s (elementwise read+write, same run). bytes = weights + x + "
+             f"residual + y. jnp = plain jnp under jax.jit. auto = the scheduler's pick (`pick`), tuned in "
+             f"this run; auto_vs_best = its time / the best named variant. {GOALS}. "
+             f"Goals missed: {'; '.join(misses) if misses else 'none'}.")
+    write_results("swiglu", rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},
+                  columns=["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction",
+                           "pick", "auto_vs_best", "config"])
+    print(GOALS)
+    print("goals missed:" if misses else "all goals met", *misses, sep="\n  ")
+
+
+if __name__ == "__main__":
+    main()
