@@ -572,6 +572,9 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
   float* out_acc = reinterpret_cast<float*>(a2 + R * gw);
   const uint32_t a2_addr = ptx::smem_addr(a2);
   const int a2_row_bytes = gw * 2;
+  // Rows of a2 past M are never written by the exchange: zero them once (they only feed
+  // output rows that are discarded, but stay finite and initialised).
+  for (int i = tid; i < R * gw / 8; i += kThreads) reinterpret_cast<uint4*>(a2)[i] = make_uint4(0, 0, 0, 0);
 
   if (n > 1) {
     if (tid == 0) {
