@@ -40,10 +40,12 @@ MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b"}
 SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia"}
 
 
-def fused_impl():
-    """Per-component impl using every fused op that exists, or None when there is none."""
+def fused_impl(cfg=None):
+    """Per-component impl using every fused op that exists for this model, or None when
+    there is none. Only SwiGLU MLPs (Llama, DeepSeek) have a fused MLP op; GELU does not."""
+    swiglu_mlp = cfg is None or getattr(cfg, "architecture", "llama") != "gpt_neox"
     comp = {"attention": "fused" if ops.fused_available("attention_decode") else "xla",
-            "mlp": "fused" if ops.fused_available("swiglu") else "xla"}
+            "mlp": "fused" if swiglu_mlp and ops.fused_available("swiglu") else "xla"}
     return comp if "fused" in comp.values() else None
 
 
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
                     print(rows[-1])
                     continue
                 floor_s = (wbytes + kv) / bw
+                fused = fused_impl(cfg)
                 variants = [("xla", "xla")] + ([("fused", fused)] if fused else [])
                 xla_s = None
                 for vname, impl in variants:
