@@ -10,15 +10,15 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_cluster.tuning import time_call
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -43,14 +43,7 @@ def versions() -> dict:
 def time_fn(fn: Callable, *args, warmup: int = 2, trials: int = 7) -> float:
     """Median wall time (seconds) of fn(*args) to completion; fn should be jitted
     and do many iterations of work so host overhead is negligible."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_call(fn, *args, warmup=warmup, trials=trials)
 
 
 def loop(step: Callable, iters: int) -> Callable:
