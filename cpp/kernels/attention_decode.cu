@@ -538,12 +538,6 @@ cudaError_t launch_dh(const AttentionDecodeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t attention_decode_smem_bytes(const AttentionDecodeParams& p) {
-  return Layout(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()),
-                static_cast<int>(p.head_dim), p.cluster_size)
-      .bytes;
-}
-
 cudaError_t launch_attention_decode(const AttentionDecodeParams& p, cudaStream_t stream) {
   if (p.dtype == DType::kF16) return launch_dh<__half>(p, stream);
   if (p.dtype == DType::kBF16) return launch_dh<__nv_bfloat16>(p, stream);
