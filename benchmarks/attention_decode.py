@@ -97,16 +97,21 @@ def time_steps(step, state, consts):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--dtypes", default="float16,bfloat16")
     args = parser.parse_args(argv)
     bw = measure_bandwidth()
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
-    dtypes = [jnp.float16] if args.quick else [jnp.float16, jnp.bfloat16]
+    dtypes = [jnp.float16] if args.quick else [jnp.dtype(t) for t in args.dtypes.split(",")]
     rows = []
     key = jax.random.key(0)
-    for model, (d, hq, hkv, dh) in MODELS.items():
+    for model in args.models.split(","):
+        d, hq, hkv, dh = MODELS[model]
         for dtype in dtypes:
-            for batch in (1, 16):
-                for ctx in (1024, 4096, 16384):
+            for batch in map(int, args.batches.split(",")):
+                for ctx in map(int, args.contexts.split(",")):
                     if args.quick and (ctx == 1024 or (batch == 16 and ctx == 16384)):
                         continue
                     ks = jax.random.split(key, 6)
@@ -150,12 +155,16 @@ def main(argv=None):
                     print(f"  {case:32s} ours {t['ours']:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
                           f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
                           f"  sweep {', '.join(f'{n}:{v:.0f}' for n, v in sweep.items())}")
+                    save(rows, bw)  # after every case: a cut-off run keeps what it measured
+
+
+def save(rows, bw):
     write_results("attention_decode", rows,
                   columns=["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas",
                            "roofline_fraction", "best_cluster_size", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"],
                   notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
                          f"{bw / 1e12:.2f} TB/s measured in the same run (elementwise read+write). "
-                         "'auto' = the default cluster-size heuristic; nK_us = cluster size K."),
+                         "'auto' = the tuner's cluster size; nK_us = cluster size K."),
                   extra={"bandwidth_bytes_per_s": bw})
 
 
