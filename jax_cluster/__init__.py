@@ -9,6 +9,7 @@ from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
 from jax_cluster.ops.attention_decode import attention_decode
 from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
+from jax_cluster.ops.flash_attention import flash_attention
 from jax_cluster.ops.swiglu import swiglu, swiglu_tp
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "cluster_gather",
     "cluster_reduce",
     "cuda_module_built",
+    "flash_attention",
     "reference",
     "register_targets",
     "swiglu",

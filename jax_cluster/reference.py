@@ -106,3 +106,52 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None):
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def flash_attention(q_chunks, kv_chunks, states=None, *, scale=None, finalize=False):
+    """Non-causal attention of every query chunk over the keys of EVERY (k, v) chunk, merged
+    into each chunk's incoming state (dense, fp32, scores materialised).
+
+    q_chunks [B, Lq_i, H, Dh] each; kv_chunks (k, v) [B, Lk_j, H, Dh] each (lengths may be 0);
+    states None or one entry per query chunk: None (empty) or (o fp32 [B, Lq_i, H, Dh]
+    normalized, lse fp32 [B, H, Lq_i] natural log; lse = -inf marks an empty row, its o unused).
+    Returns a list with, per query chunk, (o, lse): o the softmax-weighted mean of V over every
+    key seen (incoming state included), fp32, 0 where nothing was seen; lse the log-sum-exp of
+    the scaled scores, -inf where nothing was seen. finalize=True: o alone, in q's dtype.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    states = [None] * len(q_chunks) if states is None else list(states)
+    keys = [(k, v) for k, v in kv_chunks if k.shape[1]]
+    out = []
+    for q, st in zip(q_chunks, states):
+        b, lq, h, d = q.shape
+        sc = 1.0 / d ** 0.5 if scale is None else scale
+        if keys:
+            k = jnp.concatenate([k for k, _ in keys], 1).astype(jnp.float32)
+            v = jnp.concatenate([v for _, v in keys], 1).astype(jnp.float32)
+            s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision=hi) * sc
+            lse_new = jax.nn.logsumexp(s, axis=-1)  # [B, H, Lq]
+            p = jnp.exp(s - lse_new[..., None])
+            o_new = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision=hi)
+        else:
+            lse_new = jnp.full((b, h, lq), -jnp.inf, jnp.float32)
+            o_new = jnp.zeros((b, lq, h, d), jnp.float32)
+        if st is None:
+            o, lse = o_new, lse_new
+        else:
+            o_old, lse_old = st[0].astype(jnp.float32), st[1].astype(jnp.float32)
+            empty_old = ~(lse_old > -jnp.inf)  # -inf (or NaN): nothing seen
+            lse_old = jnp.where(empty_old, -jnp.inf, lse_old)
+            lse = jnp.logaddexp(lse_old, lse_new)
+            both = empty_old & jnp.isneginf(lse_new)
+            diff = jnp.where(both, 0.0, lse_old - lse_new)  # weights sigmoid(+-diff) in [0, 1]
+            w_old = jnp.transpose(jax.nn.sigmoid(diff), (0, 2, 1))[..., None]
+            w_new = jnp.transpose(jax.nn.sigmoid(-diff), (0, 2, 1))[..., None]
+            o_old = jnp.where(jnp.transpose(empty_old, (0, 2, 1))[..., None], 0.0, o_old)
+            o = w_old * o_old + w_new * o_new
+        if finalize:
+            seen = jnp.transpose(jnp.isfinite(lse), (0, 2, 1))[..., None]
+            out.append(jnp.where(seen, o, 0.0).astype(q.dtype))
+        else:
+            out.append((o, lse))
+    return out

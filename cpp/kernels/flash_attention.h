@@ -1,0 +1,51 @@
+// Non-causal attention of several query chunks over several key/value chunks in one
+// launch, folded into a running (o, lse) state per query chunk (StreamFusion App. C,
+// Alg. 2). No XLA includes here.
+//
+//   for every query chunk i, every row r, every head h:
+//     s_j   = scale * q_i[r, h] . k[j, h]       over the keys j of ALL kv chunks
+//     new   = (o = softmax(s) V, lse = log sum_j exp(s_j))
+//     state = merge(state_i[r, h], new)          (log-sum-exp / sigmoid form)
+//   out: o fp32 normalized + lse (natural log), or with `finalize` o in the input dtype
+//   (0 where nothing was seen) + lse.
+//
+// Layouts: q, k, v, o [B, L, H, Dh] (row r of head h at ((b L + r) H + h) Dh);
+// lse [B, H, L]. The empty state is lse = -inf (its o is ignored).
+#pragma once
+
+#include <cstdint>
+
+#include "jax_cluster/types.h"
+
+namespace jax_cluster {
+
+// Chunks one launch takes (the Python wrapper concatenates beyond these).
+inline constexpr int kFlashMaxQChunks = 32;
+inline constexpr int kFlashMaxKVChunks = 32;
+
+struct FlashQChunk {
+  const void* q;        // [B, len, H, Dh], dtype
+  const float* o_in;    // [B, len, H, Dh] fp32 normalized; null = empty state
+  const float* lse_in;  // [B, H, len] fp32; null = empty state
+  void* o;              // [B, len, H, Dh]: fp32, or dtype when finalize
+  float* lse;           // [B, H, len]
+  int64_t len;
+};
+
+struct FlashKVChunk {
+  const void* k;  // [B, len, H, Dh], dtype
+  const void* v;
+  int64_t len;
+};
+
+struct FlashAttentionParams {
+  DType dtype;  // q, k, v (and o when finalize)
+  int64_t batch, heads, head_dim;
+  float scale;
+  bool finalize;
+  int num_q, num_kv;
+  FlashQChunk q[kFlashMaxQChunks];
+  FlashKVChunk kv[kFlashMaxKVChunks];
+};
+
+}  // namespace jax_cluster
