@@ -74,6 +74,28 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192))):
     print("swiglu ok")
 
 
+def flash_attention(dtypes=(jnp.float16, jnp.bfloat16)):
+    """Both head dims, ragged / empty query and KV chunks (tile remainders), incoming states,
+    state and finalized outputs, vs the jnp reference."""
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        for dh in (64, 128):
+            f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+            qs = [f(2, n, 2, dh) for n in (130, 0, 7)]
+            kvs = [(f(2, n, 2, dh), f(2, n, 2, dh)) for n in (65, 0, 3)]
+            states = [jc.reference.flash_attention([qs[0]], [(f(2, 9, 2, dh), f(2, 9, 2, dh))])[0], None, None]
+            for finalize in (False, True):
+                out = jc.flash_attention(qs, kvs, states, finalize=finalize, impl="kernel")
+                ref = jc.reference.flash_attention(qs, kvs, states, finalize=finalize)
+                for a, r in zip(out, ref):
+                    a, r = (a, r) if finalize else (a[0], r[0])
+                    if a.size:
+                        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+                        err = np.linalg.norm(a - r) / np.linalg.norm(r)
+                        assert err < 1e-2, (dtype, dh, finalize, err)
+    print("flash_attention ok")
+
+
 if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
     collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
@@ -82,3 +104,4 @@ if __name__ == "__main__":
         swiglu((jnp.bfloat16,), shapes=((320, 512),))
     else:
         swiglu((jnp.float16, jnp.bfloat16))
+    flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
