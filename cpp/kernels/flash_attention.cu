@@ -68,6 +68,7 @@ struct FlashArgs {
 
 // ------------------------------------------------------------------ PTX helpers
 // (swizzled tiles, cp.async, ldmatrix, mma: jax_cluster/mma.cuh)
+
 // 2^x (MUFU.EX2; 2^-inf = 0).
 __device__ __forceinline__ float ex2(float x) {
   float y;
