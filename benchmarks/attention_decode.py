@@ -163,7 +163,7 @@ def save(rows, bw):
                   columns=["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas",
                            "roofline_fraction", "best_cluster_size", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"],
                   notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
-                         f"{bw / 1e12:.2f} TB/s measured in the same run (elementwise read+write). "
+                         f"{bw / 1e12:.2f} TB/s measured in the same run (best of an elementwise pass and a read-only reduction). "
                          "'auto' = the tuner's cluster size; nK_us = cluster size K."),
                   extra={"bandwidth_bytes_per_s": bw})
 

@@ -98,10 +98,13 @@ def flash_attention(dtypes=(jnp.float16, jnp.bfloat16)):
 
 if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
-    collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
-    attention_decode()
-    if quick:
-        swiglu((jnp.bfloat16,), shapes=((320, 512),))
-    else:
-        swiglu((jnp.float16, jnp.bfloat16))
-    flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+    wanted = lambda name: only is None or name in only  # noqa: E731
+    if wanted("collectives"):
+        collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
+    if wanted("attention_decode"):
+        attention_decode()
+    if wanted("swiglu"):
+        swiglu((jnp.bfloat16,), shapes=((320, 512),)) if quick else swiglu((jnp.float16, jnp.bfloat16))
+    if wanted("flash_attention"):
+        flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))

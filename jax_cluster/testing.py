@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 
 # Relative L2 error allowed against the fp32 jnp reference (DESIGN.md).
@@ -15,3 +18,18 @@ def rel_l2(out, ref) -> float:
     if not np.all(np.isfinite(out)):
         return float("inf")
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def on_cpu(fn):
+    """`fn` with its positional array arguments moved to the CPU and run there.
+
+    For references in GPU tests: eager fp32 HIGHEST-precision einsums on a GPU make XLA
+    autotune a GEMM per new shape (tens of seconds each on an H100: a test file of small
+    cases looked hung). On the CPU they compile in milliseconds and stay exact fp32.
+    """
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            return fn(*jax.device_put(args, cpu), **kwargs)
+    return wrapped

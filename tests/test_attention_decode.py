@@ -82,6 +82,28 @@ def test_cpu_handler(rng, case, dtype, layout):
     check(args, kw, jax.devices("cpu")[0])
 
 
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_xla_impl(rng, case, dtype, layout):
+    """impl="xla" (the tuner's other candidate, and the fallback) computes the same step."""
+    batch, hidden, hq, hkv, dh, max_seq, norm, bias, rot = case
+    args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
+                           max_seq=max_seq, dtype=dtype, norm=norm, bias=bias, rotary_dim=rot)
+    kw.update(rope_layout=layout, residual=True)
+    check(args, kw, jax.devices("cpu")[0], impl="xla")
+
+
+def test_xla_impl_invalid_length_writes_nothing(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32",
+                           lengths=[2, 0])
+    lengths = jnp.asarray([2, 5], jnp.int32)  # row 1 out of range: traced, so not caught early
+    y, k, v = jax.jit(lambda a, ln: jc.attention_decode(**{**a, "lengths": ln}, **kw, impl="xla"))(args, lengths)
+    assert np.isnan(np.asarray(y[1])).all() and np.isfinite(np.asarray(y[0])).all()
+    np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(args["k_cache"][1]))
+    np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))
+
+
 def test_first_and_last_token_cpu(rng):
     args, kw = make_inputs(rng, batch=3, hidden=64, hq=4, hkv=2, dh=16, max_seq=7,
                            dtype="float32", lengths=[0, 6, 3])

@@ -15,8 +15,9 @@ from jax_cluster import parallel as sp
 from jax_cluster import reference
 from jax_cluster.ops import flash_attention as fa
 from jax_cluster.parallel import local_attention as la
-from jax_cluster.testing import TOLERANCE, rel_l2
+from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 
+ref_flash = on_cpu(reference.flash_attention)
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -39,7 +40,7 @@ def make_chunks(rng, q_lens, kv_lens, *, batch=2, heads=3, dh=16, dtype="float32
                 states.append(None)
                 continue
             kv = [(_arr(rng, (batch, n, heads, dh), dtype), _arr(rng, (batch, n, heads, dh), dtype))]
-            states.append(la.State(*reference.flash_attention([q], kv)[0]))
+            states.append(la.State(*ref_flash([q], kv)[0]))
     return qs, kvs, states
 
 
@@ -79,7 +80,7 @@ def run(qs, kvs, states=None, device=None, **kw):
 def test_cpu_one_chunk_matches_reference(rng, dtype, dh):
     qs, kvs, _ = make_chunks(rng, [13], [29], dh=dh, dtype=dtype)
     out = run(qs, kvs)
-    check_all(out, reference.flash_attention(qs, kvs), dtype)
+    check_all(out, ref_flash(qs, kvs), dtype)
     # and the independent dense attention of jax_cluster.parallel
     fin = run(qs, kvs, finalize=True)[0]
     assert fin.dtype == jnp.dtype(dtype)
@@ -93,7 +94,7 @@ def test_cpu_chunks_of_different_lengths_and_empty_chunks(rng, dtype):
     qs, kvs, states = make_chunks(rng, [5, 0, 130, 1, 64], [0, 67, 3, 0, 64, 1], dtype=dtype,
                                   state_lens=[9, None, 70, 0, None])
     out = run(qs, kvs, states)
-    check_all(out, reference.flash_attention(qs, kvs, states), dtype)
+    check_all(out, ref_flash(qs, kvs, states), dtype)
     assert out[1].o.shape == (2, 0, 3, 16) and out[1].lse.shape == (2, 3, 0)
 
 
@@ -138,24 +139,24 @@ def test_cpu_empty_rows_of_a_state_are_ignored(rng):
     lse = lse.at[:, 1, 2:5].set(-jnp.inf)
     o = o.at[:, 2:5, 1].set(jnp.nan)
     out = run(qs, kvs, [la.State(o, lse)])
-    ref = reference.flash_attention(qs, kvs, [la.State(jnp.nan_to_num(o), lse)])
+    ref = ref_flash(qs, kvs, [la.State(jnp.nan_to_num(o), lse)])
     check_all(out, ref, "float32")
 
 
 def test_cpu_huge_logits_stable(rng):
     qs, kvs, states = make_chunks(rng, [9], [5, 7], q_scale=300.0, state_lens=[4])
     out = run(qs, kvs, states)
-    check_all(out, reference.flash_attention(qs, kvs, states), "float32", lse_atol=1e-3)
+    check_all(out, ref_flash(qs, kvs, states), "float32", lse_atol=1e-3)
 
 
 def test_cpu_finalize_and_custom_scale(rng):
     qs, kvs, states = make_chunks(rng, [10, 3], [7, 9], dtype="bfloat16", state_lens=[None, 6])
     fin = run(qs, kvs, states, scale=0.3, finalize=True)
-    ref = reference.flash_attention(qs, kvs, states, scale=0.3, finalize=True)
+    ref = ref_flash(qs, kvs, states, scale=0.3, finalize=True)
     for a, r in zip(fin, ref):
         assert a.dtype == jnp.bfloat16 and rel_l2(a, r) <= 1e-2
     st = run(qs, kvs, states, scale=0.3)
-    check_all(st, reference.flash_attention(qs, kvs, states, scale=0.3), "bfloat16")
+    check_all(st, ref_flash(qs, kvs, states, scale=0.3), "bfloat16")
 
 
 def test_single_array_api_and_impls_agree(rng):
@@ -172,11 +173,11 @@ def test_more_chunks_than_one_launch_takes(rng):
     kv_lens = [int(n) for n in rng.integers(0, 3, size=fa.MAX_KV_CHUNKS + 5)]
     qs, kvs, _ = make_chunks(rng, q_lens, kv_lens, batch=1, heads=2, dh=8)
     states = [None] * len(qs)
-    states[1] = la.State(*reference.flash_attention([qs[1]], [kvs[0]])[0])
+    states[1] = la.State(*ref_flash([qs[1]], [kvs[0]])[0])
     out = run(qs, kvs, states)
-    check_all(out, reference.flash_attention(qs, kvs, states), "float32")
+    check_all(out, ref_flash(qs, kvs, states), "float32")
     fin = run(qs, kvs, states, finalize=True)
-    for a, r in zip(fin, reference.flash_attention(qs, kvs, states, finalize=True)):
+    for a, r in zip(fin, ref_flash(qs, kvs, states, finalize=True)):
         assert a.shape == r.shape and (a.size == 0 or rel_l2(a, r) < 1e-5)
 
 
@@ -193,7 +194,7 @@ def test_vmap_folds_into_the_batch(rng):
 
     out = jax.vmap(f)(vq, vk, vst)
     for i, c in enumerate((1.0, 0.5, -1.0)):
-        ref = reference.flash_attention([q * c for q in qs], [(k * c, v) for k, v in kvs],
+        ref = ref_flash([q * c for q in qs], [(k * c, v) for k, v in kvs],
                                         [la.State(states[0].o * c, states[0].lse * c), None])
         check_all([la.State(o.o[i], o.lse[i]) for o in out], ref, "float32")
 
@@ -300,9 +301,9 @@ def test_gpu_vs_reference(rng, dtype, dh, case):
     qs, kvs, states = make_chunks(rng, q_lens, kv_lens, batch=2, heads=3, dh=dh, dtype=dtype,
                                   state_lens=state_lens)
     out = run(qs, kvs, states, _gpu(), impl="kernel")
-    check_all(out, reference.flash_attention(qs, kvs, states), dtype)
+    check_all(out, ref_flash(qs, kvs, states), dtype)
     fin = run(qs, kvs, states, _gpu(), impl="kernel", finalize=True)
-    for a, r in zip(fin, reference.flash_attention(qs, kvs, states, finalize=True)):
+    for a, r in zip(fin, ref_flash(qs, kvs, states, finalize=True)):
         assert a.dtype == jnp.dtype(dtype) and a.shape == r.shape
         assert a.size == 0 or rel_l2(a, r) <= TOLERANCE[dtype], rel_l2(a, r)
 
@@ -315,7 +316,7 @@ def test_gpu_dit_shapes(rng, model, heads, dh, length, dtype):
     4 Q x 4 KV chunked call (uneven split) against the reference."""
     del model
     (q,), (kv,), _ = make_chunks(rng, [length], [length], batch=1, heads=heads, dh=dh, dtype=dtype)
-    ref = reference.flash_attention([q], [kv])
+    ref = ref_flash([q], [kv])
     check_all(run([q], [kv], None, _gpu(), impl="kernel"), ref, dtype)
     cuts = [0, 1000, 2304, 3333, length]
     qs = [q[:, a:b] for a, b in zip(cuts[:-1], cuts[1:])]
@@ -336,7 +337,7 @@ def test_gpu_merge_of_many_partial_states(rng, dtype):
     states = None
     for i in range(0, len(pieces), 2):
         states = run(qs, pieces[i:i + 2], states, _gpu(), impl="kernel")
-    check_all(states, reference.flash_attention(qs, [(k, v)]), dtype)
+    check_all(states, ref_flash(qs, [(k, v)]), dtype)
 
 
 @pytest.mark.gpu
@@ -357,7 +358,7 @@ def test_gpu_empty_rows_huge_logits_and_no_keys(rng):
     o = o.at[:, 5:9, 0].set(jnp.nan)
     st = [la.State(o, lse)]
     out = run(qs, kvs, st, _gpu(), impl="kernel")
-    ref = reference.flash_attention(qs, kvs, [la.State(jnp.nan_to_num(o), lse)])
+    ref = ref_flash(qs, kvs, [la.State(jnp.nan_to_num(o), lse)])
     check_all(out, ref, "float16", lse_atol=2e-2)
     same = run(qs, [(k[:, :0], v[:, :0]) for k, v in kvs], st, _gpu(), impl="kernel")
     np.testing.assert_array_equal(np.isneginf(same[0].lse), np.isneginf(lse))
@@ -382,7 +383,7 @@ def test_gpu_vmap(rng):
     vq = jnp.stack([qs[0], -qs[0]])
     out = jax.jit(jax.vmap(lambda q: jc.flash_attention(q, kvs, impl="kernel")))(jax.device_put(vq, _gpu()))
     for i in range(2):
-        ref = reference.flash_attention([vq[i]], kvs)[0]
+        ref = ref_flash([vq[i]], kvs)[0]
         check_state(la.State(out.o[i], out.lse[i]), ref, "float16")
 
 
@@ -392,7 +393,7 @@ def test_gpu_unsupported_falls_back_with_one_warning(rng):
     qs, kvs, states = make_chunks(rng, [33], [40], dh=96, dtype="bfloat16", state_lens=[5])
     with pytest.warns(UserWarning, match="no CUDA kernel for head_dim=96"):
         out = run(qs, kvs, states, _gpu())
-    check_all(out, reference.flash_attention(qs, kvs, states), "bfloat16")
+    check_all(out, ref_flash(qs, kvs, states), "bfloat16")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(qs, kvs, states, _gpu())  # warned once only

@@ -8,8 +8,8 @@
     y[b]   = concat(o) @ w_o (+ o_bias) (+ x[b] if residual)
 
 On a Hopper GPU this is ONE cluster kernel (ClusterFusion Alg. 3) plus a tiny
-deterministic combine; shapes it does not cover run the jnp reference with a
-one-time warning. Donate the caches (jax.jit(..., donate_argnums=...)) so the
+deterministic combine; shapes it does not cover run XLA's ops (impl="xla") with a
+one-time warning, and the tuner picks "xla" where it measures faster than the kernel. Donate the caches (jax.jit(..., donate_argnums=...)) so the
 update happens in place.
 """
 
@@ -25,10 +25,12 @@ from jax.core import ShapedArray
 
 from jax_cluster import reference
 from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster.ops.attention_decode_xla import attention_decode_xla
 
 NORMS = {None: 0, "rms": 1, "layer": 2}
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
+IMPLS = ("auto", "kernel", "xla", "reference")
 CUDA_HEAD_DIMS = (64, 80, 96, 128)
 MAX_HEADS_PER_CLUSTER = 8
 
@@ -111,9 +113,10 @@ def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int
     return 16
 
 
-def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int:
+def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
-    jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two."""
+    jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two.
+    Candidates: the kernel's cluster sizes and "xla" (XLA's own ops, attention_decode_xla)."""
     sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
     heuristic = default_cluster_size(batch, hkv, hq // hkv, sms)
     if not on_gpu:
@@ -121,7 +124,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"{tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v2 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(n):
@@ -139,13 +142,14 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
             def body(i, s):
                 return attention_decode(s[0], w_qkv, w_o, s[1], s[2], lengths, inv_freq,
                                         num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
-                                        residual=True, cluster_size=n, impl="kernel")
+                                        residual=True, cluster_size=None if n == "xla" else n,
+                                        impl="xla" if n == "xla" else "kernel")
 
             return jax.lax.fori_loop(0, 10, body, (x, kc, vc))
 
         return tuning.time_call(loop, f(batch, hidden), kc, vc) / 10
 
-    return tuning.pick("attention_decode", key, CLUSTER_SIZES, measure, heuristic=heuristic)
+    return tuning.pick("attention_decode", key, CLUSTER_SIZES + ("xla",), measure, heuristic=heuristic)
 
 
 def attention_decode(
@@ -164,8 +168,10 @@ def attention_decode(
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
-    impl: "auto" (the kernel where supported, else the reference with a warning),
-    "kernel" (the FFI op; an error where unsupported), "reference" (plain jnp).
+    impl: "auto" (on a GPU the tuner's pick of the kernel's cluster sizes and "xla"; the
+    kernel where supported, else the reference with a warning), "kernel" (the FFI op; an
+    error where unsupported), "xla" (XLA's own ops in the input dtype, fp32 accumulation),
+    "reference" (plain jnp, fp32 math).
     """
     if x.ndim != 2:
         raise ValueError(f"attention_decode: x must be [B, D], got shape {x.shape}")
@@ -210,8 +216,8 @@ def attention_decode(
                              f"is written at lengths[b]); got min {lens.min()}, max {lens.max()}")
     if cluster_size is not None and cluster_size not in CLUSTER_SIZES:
         raise ValueError(f"attention_decode: cluster_size must be one of {CLUSTER_SIZES}, got {cluster_size}")
-    if impl not in ("auto", "kernel", "reference"):
-        raise ValueError(f"attention_decode: impl must be 'auto', 'kernel' or 'reference', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"attention_decode: impl must be one of {IMPLS}, got {impl!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm,
                   norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, qkv_bias=qkv_bias,
@@ -219,6 +225,8 @@ def attention_decode(
                   rope_layout=rope_layout, scale=scale)
     if impl == "reference":
         return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+    if impl == "xla":
+        return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
 
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and (head_dim not in CUDA_HEAD_DIMS or hidden % 64 or jnp.dtype(dt) == jnp.float32):
@@ -228,12 +236,17 @@ def attention_decode(
                              "hidden % 64 == 0, fp16/bf16)")
         _warn_once((head_dim, hidden, str(dt)),
                    f"attention_decode: no CUDA kernel for head_dim={head_dim}, hidden={hidden}, "
-                   f"dtype={jnp.dtype(dt).name}; using the jnp reference")
-        return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+                   f"dtype={jnp.dtype(dt).name}; using XLA's ops (impl='xla')")
+        return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
 
     if cluster_size is None:
         cluster_size = _choose_cluster_size(on_gpu, batch, hidden, num_q_heads, num_kv_heads,
                                             max_seq, head_dim, dt)
+        if cluster_size == "xla":  # measured faster than every cluster size for this shape
+            if impl == "kernel":
+                cluster_size = default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads)
+            else:
+                return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
     empty = jnp.zeros((0,), dt)
     y, k, v, _ = _PRIM.bind(
         x, norm_weight if norm_weight is not None else empty,

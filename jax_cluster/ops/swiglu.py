@@ -19,10 +19,15 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                and clusters' partial outputs are summed in cluster order by the last one.
                Column-major: as many rows per pass as shared memory holds (weights once).
   "fused_row"  the fused kernel with one 16-row tile per pass (row-major).
+  "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
+               elementwise. A candidate of the scheduler, so "auto" is never slower than
+               plain XLA where our kernels lose (H100, M = 1..64: they do, see
+               benchmarks/results/swiglu.md).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
-               JAX_CLUSTER_TUNING=0, the heuristic (fused for M <= 16, else split). On CPU
-               the CPU handler computes the same math whatever the variant.
+               JAX_CLUSTER_TUNING=0, the heuristic ("split", the fastest kernel measured
+               everywhere on H100). On CPU the CPU handler computes the same math whatever
+               the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
 down kernels).
@@ -47,7 +52,7 @@ from jax.core import ShapedArray
 from jax_cluster import reference, tuning
 from jax_cluster.ops._primitive import ffi_primitive
 
-VARIANTS = ("auto", "split", "split_row", "fused", "fused_row")
+VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "xla")
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
@@ -143,8 +148,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     if name not in VARIANTS:
         raise ValueError(f"swiglu: variant must be one of {VARIANTS} (optionally with knobs, "
                          f"e.g. 'fused:n=16'), got {spec!r}")
-    if name == "auto" and knobs:
-        raise ValueError(f"swiglu: variant 'auto' takes no knobs, got {spec!r}")
+    if name in ("auto", "xla") and knobs:
+        raise ValueError(f"swiglu: variant {name!r} takes no knobs, got {spec!r}")
     out = {}
     for knob in knobs:
         key, _, value = knob.partition("=")
@@ -210,25 +215,27 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
 
 
 def heuristic_variant(m: int, has_down: bool) -> str:
-    """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU."""
-    return "fused" if has_down and m <= 16 else "split"
+    """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: the split
+    kernels, fastest of ours at every measured M on H100 (fused: 2-6x slower there)."""
+    del m, has_down
+    return "split"
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
-    """What the scheduler measures for one shape."""
+    """What the scheduler measures for one shape (XLA's dots included: never slower)."""
     if not has_down:
-        return ["split", "split:rt=1", "split_row"] if m > 16 else ["split", "split:nu=16"]
+        return ["split", "split:rt=1", "split_row", "xla"] if m > 16 else ["split", "split:nu=16", "xla"]
     out = ["split", "fused", "fused:n=16", "fused:n=4"]
     if m > 16:
         out += ["split:rt=1", "split_row", "fused_row"]
-    return out
+    return out + ["xla"]
 
 
 def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 1  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 2  # bump when the kernels change: cached choices are then re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
@@ -298,7 +305,22 @@ def _bind(x2, w_gate, w_up, w_down, residual2, cfg: Config):
     return out
 
 
+def _xla_swiglu(x2, w_gate, w_up, w_down, residual2):
+    """What a JAX user writes: XLA's dots in the input dtype (fp32 accumulation inside, a
+    16-bit result: dots with an fp32 result took a slower GEMV on H100), SiLU*mul in fp32."""
+    g, u = x2 @ w_gate, x2 @ w_up
+    a2 = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
+    if w_down is None:
+        return a2
+    y = a2 @ w_down
+    if residual2 is not None:
+        y = (y.astype(jnp.float32) + residual2.astype(jnp.float32)).astype(x2.dtype)
+    return y
+
+
 def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
+    if spec == "xla":
+        return _xla_swiglu(x2, w_gate, w_up, w_down, residual2)
     m, d = x2.shape
     f = w_gate.shape[1]
     has_down = w_down is not None
