@@ -152,6 +152,14 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     return tuning.pick("attention_decode", key, CLUSTER_SIZES + ("xla",), measure, heuristic=heuristic)
 
 
+def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_seq: int,
+             head_dim: int, dtype) -> int | str:
+    """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
+    impl="auto" will run for it: a cluster size of the kernel, or "xla"."""
+    return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
+                                num_kv_heads, max_seq, head_dim, dtype)
+
+
 def attention_decode(
     x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
     num_q_heads: int, num_kv_heads: int,
