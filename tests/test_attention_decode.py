@@ -190,6 +190,20 @@ def test_gpu_vs_reference(rng, dtype, shape, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_xla_impl_and_auto(rng, dtype, tmp_path, monkeypatch):
+    """impl="xla" on the GPU, and impl="auto" with a fresh tuning cache (its candidates are
+    the cluster sizes and "xla"; whichever wins must compute the same step)."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    args, kw = make_inputs(rng, batch=3, hidden=512, hq=8, hkv=2, dh=128, max_seq=300,
+                           dtype=dtype, lengths=[0, 299, 157], bias=True, rotary_dim=64)
+    kw["residual"] = True
+    check(args, kw, _gpu(), impl="xla")
+    check(args, kw, _gpu(), impl="auto")
+    assert (tmp_path / "tuning.json").exists()
+
+
+@pytest.mark.gpu
 def test_gpu_long_context_and_interleaved(rng):
     args, kw = make_inputs(rng, batch=2, hidden=4096, hq=32, hkv=8, dh=128, max_seq=5000,
                            dtype="bfloat16", lengths=[4999, 3001])

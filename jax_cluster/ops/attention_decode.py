@@ -9,8 +9,8 @@
 
 On a Hopper GPU this is ONE cluster kernel (ClusterFusion Alg. 3) plus a tiny
 deterministic combine; shapes it does not cover run XLA's ops (impl="xla") with a
-one-time warning, and the tuner picks "xla" where it measures faster than the kernel. Donate the caches (jax.jit(..., donate_argnums=...)) so the
-update happens in place.
+one-time warning, and the tuner picks "xla" where it measures faster than the kernel.
+Donate the caches (jax.jit(..., donate_argnums=...)) so the update happens in place.
 """
 
 from __future__ import annotations
@@ -176,10 +176,11 @@ def attention_decode(
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
-    impl: "auto" (on a GPU the tuner's pick of the kernel's cluster sizes and "xla"; the
-    kernel where supported, else the reference with a warning), "kernel" (the FFI op; an
-    error where unsupported), "xla" (XLA's own ops in the input dtype, fp32 accumulation),
-    "reference" (plain jnp, fp32 math).
+    impl: "auto" (on a GPU the tuner's pick among the kernel's cluster sizes and "xla";
+    shapes without a kernel run "xla" with a one-time warning), "kernel" (the FFI op; an
+    error where unsupported; where the tuner picked "xla" it runs the heuristic cluster
+    size), "xla" (XLA's own ops in the input dtype, fp32 accumulation), "reference"
+    (plain jnp, fp32 math).
     """
     if x.ndim != 2:
         raise ValueError(f"attention_decode: x must be [B, D], got shape {x.shape}")
