@@ -130,6 +130,7 @@ def test_vmap_folds_batch(rng):
         (dict(norm="batch"), "norm must be one of"),
         (dict(rope_layout="spiral"), "rope_layout"),
         (dict(cluster_size=3), "cluster_size must be one of"),
+        (dict(heads_per_cluster=9), "heads_per_cluster must be in 1..8"),
         (dict(num_kv_heads=1, num_q_heads=4), "k_cache has shape"),
     ],
 )
@@ -150,6 +151,23 @@ def test_bad_shapes_and_lengths(rng):
         jc.attention_decode(**{**args, "k_cache": args["k_cache"].astype(jnp.float16)}, **kw)
     with pytest.raises(ValueError, match="needs norm_weight"):
         jc.attention_decode(**args, **{**kw, "norm_weight": None})
+
+
+def test_tuner_candidates_and_choices():
+    from jax_cluster.ops import attention_decode as ad
+    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla")  # MHA: nothing to spread
+    gqa = ad._tuner_candidates(4)
+    assert {"n8:h2", "n4:h1"} <= set(gqa) and "n8:h4" not in gqa
+    assert ad.parse_choice("n8:h2") == (8, 2) and ad.parse_choice(4) == (4, None)
+    assert ad.parse_choice("xla") == "xla"
+    assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3])
+def test_cpu_any_heads_per_cluster(rng, heads):
+    """The knob changes only the GPU launch; the CPU handler computes the same step."""
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=6, hkv=2, dh=16, max_seq=9, dtype="float32")
+    check(args, kw, jax.devices("cpu")[0], heads_per_cluster=heads, cluster_size=2)
 
 
 def test_invalid_length_inside_jit_gives_nan_row(rng):
@@ -187,6 +205,20 @@ def test_gpu_vs_reference(rng, dtype, shape, n):
                                rotary_dim=dh // 2 if batch == 16 else None)
         kw["residual"] = batch != 1
         check(args, kw, _gpu(), cluster_size=n, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 8])
+def test_gpu_fewer_heads_per_cluster(rng, dtype, heads, n):
+    """A GQA group spread over several clusters (each re-computes its KV head's K/V; the
+    first writes the cache): group 6 in chunks of 1, 2 or 3 heads."""
+    for batch, max_seq, lengths in ((1, 40, [0]), (3, 300, [1, 299, 157])):
+        args, kw = make_inputs(rng, batch=batch, hidden=512, hq=12, hkv=2, dh=128,
+                               max_seq=max_seq, dtype=dtype, lengths=lengths, bias=batch == 3)
+        kw["residual"] = True
+        check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel")
 
 
 @pytest.mark.gpu

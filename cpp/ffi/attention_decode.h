@@ -23,7 +23,7 @@ struct AttentionDecodeBuffers {
 inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     AttentionDecodeBuffers& a, int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim,
     int64_t rope_layout, int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias,
-    bool has_o_bias, int64_t cluster_size) {
+    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("attention_decode: " + m));
   };
@@ -48,6 +48,10 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
   p.has_qkv_bias = has_qkv_bias;
   p.has_o_bias = has_o_bias;
   p.cluster_size = static_cast<int>(cluster_size);
+  if (max_heads_per_cluster < 1 || max_heads_per_cluster > kAttnMaxHeadsPerCluster) {
+    return fail("max_heads_per_cluster must be in 1..8");
+  }
+  p.max_heads_per_cluster = static_cast<int>(max_heads_per_cluster);
   if (num_kv_heads < 1 || num_q_heads % num_kv_heads) return fail("num_q_heads must be a multiple of num_kv_heads");
   if (kd[0] != p.batch || kd[1] != num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
   if (rotary_dim < 0 || rotary_dim > p.head_dim || rotary_dim % 2) return fail("rotary_dim must be even and <= head_dim");
@@ -109,7 +113,8 @@ auto bind_attention_decode(Binding&& b) {
       .template Attr<bool>("residual")
       .template Attr<bool>("has_qkv_bias")
       .template Attr<bool>("has_o_bias")
-      .template Attr<int64_t>("cluster_size");
+      .template Attr<int64_t>("cluster_size")
+      .template Attr<int64_t>("max_heads_per_cluster");
 }
 
 }  // namespace jax_cluster
@@ -123,7 +128,7 @@ auto bind_attention_decode(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace,                  \
       int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim, int64_t rope_layout,        \
       int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias, bool has_o_bias,   \
-      int64_t cluster_size
+      int64_t cluster_size, int64_t max_heads_per_cluster
 #define JAX_CLUSTER_ATTENTION_DECODE_DECODE                                                      \
   [&] {                                                                                          \
     AttentionDecodeBuffers buffers{x,       norm_w,  norm_b, w_qkv, qkv_bias, w_o, o_bias,       \
@@ -131,5 +136,5 @@ auto bind_attention_decode(Binding&& b) {
                                    workspace};                                                   \
     return decode_attention_decode(buffers,                                                      \
       num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, eps, scale, residual,            \
-      has_qkv_bias, has_o_bias, cluster_size);                                                   \
+      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster);                            \
   }()

@@ -24,6 +24,10 @@ struct AttentionDecodeParams {
   float eps, scale;
   bool residual, has_qkv_bias, has_o_bias;
   int cluster_size;  // blocks per cluster: 1, 2, 4, 8, 16
+  // At most this many query heads per cluster (1..8): fewer heads = more clusters per KV
+  // head (each re-reads that head's K/V columns and cache) = more SMs busy for GQA at
+  // small batch. A tuning knob; the chunks split the group evenly.
+  int max_heads_per_cluster = kAttnMaxHeadsPerCluster;
 
   const void* x;          // [B, D]
   const void* norm_w;     // [D] (norm != kNone)
@@ -42,7 +46,7 @@ struct AttentionDecodeParams {
   // Query heads per KV head, and how they are split over clusters.
   JAX_CLUSTER_HOST_DEVICE int64_t group() const { return num_q_heads / num_kv_heads; }
   JAX_CLUSTER_HOST_DEVICE int64_t head_chunks() const {
-    int64_t c = (group() + kAttnMaxHeadsPerCluster - 1) / kAttnMaxHeadsPerCluster;
+    int64_t c = (group() + max_heads_per_cluster - 1) / max_heads_per_cluster;
     while (group() % c) ++c;
     return c;
   }

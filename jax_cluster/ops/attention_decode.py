@@ -35,22 +35,24 @@ CUDA_HEAD_DIMS = (64, 80, 96, 128)
 MAX_HEADS_PER_CLUSTER = 8
 
 
-def _heads_per_cluster(group: int) -> int:
-    chunks = -(-group // MAX_HEADS_PER_CLUSTER)
+def _heads_per_cluster(group: int, max_heads: int = MAX_HEADS_PER_CLUSTER) -> int:
+    """Query heads per cluster: the group split into the fewest even chunks of <= max_heads
+    (mirrors AttentionDecodeParams::head_chunks)."""
+    chunks = -(-group // max_heads)
     while group % chunks:
         chunks += 1
     return group // chunks
 
 
-def _workspace_bytes(batch, hidden, num_q_heads, num_kv_heads):
+def _workspace_bytes(batch, hidden, num_q_heads, num_kv_heads, max_heads=MAX_HEADS_PER_CLUSTER):
     group = num_q_heads // num_kv_heads
-    chunks = group // _heads_per_cluster(group)
+    chunks = group // _heads_per_cluster(group, max_heads)
     return batch * num_kv_heads * chunks * hidden * 4
 
 
 def _abstract(x, norm_w, norm_b, w_qkv, qkv_bias, w_o, o_bias, inv_freq, lengths, k_cache,
-              v_cache, *, num_q_heads, num_kv_heads, **_):
-    ws = _workspace_bytes(x.shape[0], x.shape[1], num_q_heads, num_kv_heads)
+              v_cache, *, num_q_heads, num_kv_heads, max_heads_per_cluster, **_):
+    ws = _workspace_bytes(x.shape[0], x.shape[1], num_q_heads, num_kv_heads, max_heads_per_cluster)
     return (ShapedArray(x.shape, x.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
             ShapedArray(v_cache.shape, v_cache.dtype), ShapedArray((ws,), np.uint8))
 
@@ -113,6 +115,24 @@ def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int
     return 16
 
 
+def _tuner_candidates(group: int) -> tuple:
+    """Cluster sizes (default heads per cluster), "xla", and for GQA fewer heads per
+    cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head."""
+    default = _heads_per_cluster(group)
+    fewer = sorted({_heads_per_cluster(group, h) for h in (1, 2, 4) if h < default}, reverse=True)
+    return CLUSTER_SIZES + ("xla",) + tuple(f"n{n}:h{h}" for h in fewer[:2] for n in (2, 4, 8))
+
+
+def parse_choice(choice) -> tuple[int, int | None] | str:
+    """A tuner choice -> (cluster_size, max heads per cluster or None) or "xla"."""
+    if choice == "xla":
+        return "xla"
+    if isinstance(choice, str):
+        n, h = choice.split(":")
+        return int(n[1:]), int(h[1:])
+    return int(choice), None
+
+
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
     jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two.
@@ -124,10 +144,12 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v2 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v3 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
-    def measure(n):
+    def measure(choice):
+        parsed = parse_choice(choice)
+        n, heads = (None, None) if parsed == "xla" else parsed
         rng = np.random.default_rng(0)
         f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
         kc, vc = f(batch, hkv, ctx, head_dim), f(batch, hkv, ctx, head_dim)
@@ -142,20 +164,22 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
             def body(i, s):
                 return attention_decode(s[0], w_qkv, w_o, s[1], s[2], lengths, inv_freq,
                                         num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
-                                        residual=True, cluster_size=None if n == "xla" else n,
-                                        impl="xla" if n == "xla" else "kernel")
+                                        residual=True, cluster_size=n, heads_per_cluster=heads,
+                                        impl="xla" if parsed == "xla" else "kernel")
 
             return jax.lax.fori_loop(0, 10, body, (x, kc, vc))
 
         return tuning.time_call(loop, f(batch, hidden), kc, vc) / 10
 
-    return tuning.pick("attention_decode", key, CLUSTER_SIZES + ("xla",), measure, heuristic=heuristic)
+    return tuning.pick("attention_decode", key, _tuner_candidates(hq // hkv), measure,
+                       heuristic=heuristic)
 
 
 def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_seq: int,
              head_dim: int, dtype) -> int | str:
     """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
-    impl="auto" will run for it: a cluster size of the kernel, or "xla"."""
+    impl="auto" will run for it: a cluster size of the kernel, "n<size>:h<heads>" (cluster
+    size and at most that many query heads per cluster), or "xla"."""
     return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
                                 num_kv_heads, max_seq, head_dim, dtype)
 
@@ -166,13 +190,15 @@ def attention_decode(
     norm: str | None = "rms", norm_weight=None, norm_bias=None, eps: float = 1e-6,
     qkv_bias=None, o_bias=None, residual: bool = False,
     rotary_dim: int | None = None, rope_layout: str = "half", scale: float | None = None,
-    cluster_size: int | None = None, impl: str = "auto",
+    cluster_size: int | None = None, heads_per_cluster: int | None = None, impl: str = "auto",
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
 
     cluster_size None: on a GPU the tuner measures 1, 2, 4, 8, 16 once per shape
     (outside any trace; cached in the tuning file, JAX_CLUSTER_TUNING=0 for the
-    heuristic); an explicit size overrides.
+    heuristic); an explicit size overrides. heads_per_cluster: at most this many query
+    heads per cluster (1..8; None: up to 8, or the tuner's pick), so a GQA group can be
+    spread over several clusters at small batch.
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
@@ -225,6 +251,9 @@ def attention_decode(
                              f"is written at lengths[b]); got min {lens.min()}, max {lens.max()}")
     if cluster_size is not None and cluster_size not in CLUSTER_SIZES:
         raise ValueError(f"attention_decode: cluster_size must be one of {CLUSTER_SIZES}, got {cluster_size}")
+    if heads_per_cluster is not None and not 1 <= heads_per_cluster <= MAX_HEADS_PER_CLUSTER:
+        raise ValueError(f"attention_decode: heads_per_cluster must be in 1..{MAX_HEADS_PER_CLUSTER}, "
+                         f"got {heads_per_cluster}")
     if impl not in IMPLS:
         raise ValueError(f"attention_decode: impl must be one of {IMPLS}, got {impl!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -249,13 +278,14 @@ def attention_decode(
         return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
 
     if cluster_size is None:
-        cluster_size = _choose_cluster_size(on_gpu, batch, hidden, num_q_heads, num_kv_heads,
-                                            max_seq, head_dim, dt)
-        if cluster_size == "xla":  # measured faster than every cluster size for this shape
-            if impl == "kernel":
-                cluster_size = default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads)
-            else:
+        choice = parse_choice(_choose_cluster_size(on_gpu, batch, hidden, num_q_heads,
+                                                   num_kv_heads, max_seq, head_dim, dt))
+        if choice == "xla":  # measured faster than every kernel configuration for this shape
+            if impl != "kernel":
                 return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+            choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None)
+        cluster_size, tuned_heads = choice
+        heads_per_cluster = heads_per_cluster or tuned_heads
     empty = jnp.zeros((0,), dt)
     y, k, v, _ = _PRIM.bind(
         x, norm_weight if norm_weight is not None else empty,
@@ -265,5 +295,6 @@ def attention_decode(
         num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
         rope_layout=ROPE_LAYOUTS[rope_layout], norm=NORMS[norm], eps=np.float32(eps),
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
-        has_o_bias=o_bias is not None, cluster_size=int(cluster_size))
+        has_o_bias=o_bias is not None, cluster_size=int(cluster_size),
+        max_heads_per_cluster=int(heads_per_cluster or MAX_HEADS_PER_CLUSTER))
     return y, k, v
