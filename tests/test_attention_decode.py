@@ -236,6 +236,15 @@ def test_gpu_xla_impl_and_auto(rng, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_unsupported_head_dim_falls_back_to_xla(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=256, hq=4, hkv=2, dh=32, max_seq=20, dtype="float16")
+    with pytest.warns(UserWarning, match="using XLA's ops"):
+        check(args, kw, _gpu())
+    with pytest.raises(ValueError, match="no CUDA kernel for head_dim=32"):
+        run(args, kw, _gpu(), impl="kernel")
+
+
+@pytest.mark.gpu
 def test_gpu_long_context_and_interleaved(rng):
     args, kw = make_inputs(rng, batch=2, hidden=4096, hq=32, hkv=8, dh=128, max_seq=5000,
                            dtype="bfloat16", lengths=[4999, 3001])
