@@ -76,19 +76,6 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // ROWS x D tile (rows `stride` elements apart in global memory) -> swizzled shared memory;
 // rows >= valid are zero-filled (never read from global memory).
 template <typename T, int ROWS, int D>
