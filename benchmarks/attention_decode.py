@@ -74,10 +74,12 @@ def pallas_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
     return (y + x.astype(jnp.float32)).astype(x.dtype), kc, vc
 
 
-def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None, impl="kernel"):
+def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None,
+              heads_per_cluster=None, impl="kernel"):
     return jc.attention_decode(x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq,
                                num_kv_heads=hkv, norm="rms", norm_weight=nw, residual=True,
-                               cluster_size=cluster_size, impl=impl)
+                               cluster_size=cluster_size, heads_per_cluster=heads_per_cluster,
+                               impl=impl)
 
 
 def time_steps(step, state, consts):
@@ -139,10 +141,16 @@ def main(argv=None):
                         except Exception as exc:  # noqa: BLE001 - a peer may not run here
                             print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
                             t[name] = None
+                    # every kernel configuration the tuner weighs: cluster sizes, and for GQA
+                    # "n8:h2" = cluster 8, at most 2 query heads per cluster
                     sweep = {}
-                    for n in (1, 2, 4, 8, 16):
-                        f = lambda *a, n=n: ours_step(*a, *shape, cluster_size=n)  # noqa: E731
-                        sweep[n] = time_steps(f, fresh(), consts)
+                    for choice in ad_op._tuner_candidates(hq // hkv):
+                        if choice == "xla":
+                            continue
+                        n, h = ad_op.parse_choice(choice)
+                        f = lambda *a, n=n, h=h: ours_step(*a, *shape, cluster_size=n,  # noqa: E731
+                                                           heads_per_cluster=h)
+                        sweep[choice] = time_steps(f, fresh(), consts)
                     best_n = min(sweep, key=sweep.get)
                     # what a user gets: the tuner's pick among the cluster sizes and XLA's ops
                     t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
@@ -155,13 +163,14 @@ def main(argv=None):
                                "speedup_vs_jnp": t["jnp"] / ours if t["jnp"] else None,
                                "speedup_vs_pallas": t["pallas"] / ours if t["pallas"] else None}
                         if variant == "kernel":
-                            row.update(best_cluster_size=best_n, **{f"n{n}_us": v for n, v in sweep.items()})
+                            row.update(best_config=best_n, **{f"n{n}_us": v for n, v in sweep.items()
+                                                              if isinstance(n, int)})
                         else:
                             row["pick"] = pick
                         rows.append(row)
                         print(f"  {row['case']:36s} {ours:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
                               f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
-                              + (f"  sweep {', '.join(f'{n}:{v:.0f}' for n, v in sweep.items())}"
+                              + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}"
                                  if variant == "kernel" else f"  pick {pick}"))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
 
@@ -169,11 +178,13 @@ def main(argv=None):
 def save(rows, bw):
     write_results("attention_decode", rows,
                   columns=["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas",
-                           "roofline_fraction", "pick", "best_cluster_size", "n1_us", "n2_us", "n4_us", "n8_us",
+                           "roofline_fraction", "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us",
                            "n16_us"],
                   notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
                          f"{bw / 1e12:.2f} TB/s measured in the same run (best of an elementwise pass and a read-only reduction). "
-                         "kernel = the fused kernel at its best cluster size (nK_us = cluster size K); "
+                         "kernel = the fused kernel at its best configuration among those the tuner weighs (best_config: a cluster "
+                         "size, or 'nK:hH' = cluster size K with at most H query heads per cluster; nK_us = cluster size K "
+                         "with the default heads per cluster); "
                          "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick)."),
                   extra={"bandwidth_bytes_per_s": bw})
 

@@ -93,7 +93,7 @@ __device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, i
     if (rg < groups) {
       const T* wcol = W + col_of(j0 + jl);
       int r = rg;
-      constexpr int U = 8;
+      constexpr int U = 16;  // 16-byte loads in flight per thread: 64 KB per block
       for (; r + (U - 1) * groups < rows; r += U * groups) {
         uint4 w[U];
 #pragma unroll
@@ -177,6 +177,20 @@ __device__ void normalize_input(const AttentionDecodeParams& p, int64_t b, float
   __syncthreads();
 }
 
+constexpr uint32_t kPrefetchBytes = 32 * 1024;  // per block, per stream, ahead of a phase
+
+// The first kPrefetchBytes of `rows` row segments of `seg_bytes` each, `ld` elements
+// apart, into L2: one bulk prefetch per row, one row per thread.
+template <typename T>
+__device__ void prefetch_rows(const T* first, int64_t ld, int rows, int64_t seg_bytes) {
+  if (seg_bytes <= 0) return;
+  const int64_t fit = static_cast<int64_t>(kPrefetchBytes) / seg_bytes;
+  const int n = static_cast<int>(fit < 1 ? 1 : fit < rows ? fit : rows);
+  for (int r = threadIdx.x; r < n; r += kThreads) {
+    ptx::prefetch_l2(first + r * ld, static_cast<uint32_t>(seg_bytes));
+  }
+}
+
 // Global column of the group's local Q|K|V column c.
 __device__ __forceinline__ int64_t qkv_column(const AttentionDecodeParams& p, const Ctx& c,
                                               int hpc, int64_t col) {
@@ -238,7 +252,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
   constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
   constexpr int TPW = 32 / LPT;                // tokens per warp step
-  constexpr int U = 4;                         // token steps in flight
+  constexpr int U = MH <= 2 ? 8 : 4;           // token steps in flight (registers allow)
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;
@@ -385,15 +399,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::cluster_wait();
     return;
   }
+  // This block's share of each phase: QKV column vectors, tokens, W_o columns.
+  const int first_vec = c.rank * L.vecs_per_blk;
+  const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
+  const int total = c.len + 1;
+  const int per_block = (total + n - 1) / n;
+  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
+  const T* wqkv = static_cast<const T*>(p.w_qkv);
+  const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  const T* wo = static_cast<const T*>(p.w_o) + (c.g * p.group() + c.chunk * hpc) * DH * p.hidden;
+
+  // Each phase's first bytes are requested ahead (L2 prefetch) so no phase starts with an
+  // empty memory pipeline: here the QKV rows (per contiguous run: Q, K or V columns).
+  for (int v = first_vec, end = first_vec + my_vecs; v < end;) {
+    const int bound = v < hpc * DH / 8 ? hpc * DH / 8 : v < (hpc + 1) * DH / 8 ? (hpc + 1) * DH / 8
+                                                                               : end;
+    const int run_end = min(end, bound);
+    prefetch_rows(wqkv + qkv_column(p, c, hpc, static_cast<int64_t>(v) * 8), qkv_ld,
+                  static_cast<int>(p.hidden), static_cast<int64_t>(run_end - v) * 16);
+    v = run_end;
+  }
   normalize_input<T>(p, c.b, h);
   ptx::cluster_wait();
 
   // 2. QKV projection: this block's column vectors, then gather.
-  const int first_vec = c.rank * L.vecs_per_blk;
-  const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
   float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
-  const T* wqkv = static_cast<const T*>(p.w_qkv);
-  const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
   const T* qkv_bias = static_cast<const T*>(p.qkv_bias);
   for (int e = threadIdx.x; e < L.vecs_per_blk * 8; e += kThreads) my_seg[e] = 0.f;  // padding
   __syncthreads();
@@ -406,6 +436,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         my_seg[j * 8 + i] = v;
       });
+  const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
+  if (threadIdx.x < 2 && t0 < c.len) {  // this block's first cached K and V tokens
+    const T* cache = static_cast<const T*>(threadIdx.x == 0 ? p.k_cache : p.v_cache);
+    const int64_t bytes = static_cast<int64_t>(min(t1, c.len) - t0) * DH * sizeof(T);
+    const int64_t ahead = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
+    ptx::prefetch_l2(cache + (kv_row0 + t0) * DH, static_cast<uint32_t>(ahead));
+  }
   gather();
 
   // 3. RoPE; round the new k, v to the cache dtype (what attention reads back).
@@ -415,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     v = to_float(from_float<T>(v));
   }
   __syncthreads();
-  const int64_t new_row = ((c.b * p.num_kv_heads + c.g) * p.max_seq + c.len) * DH;
+  const int64_t new_row = (kv_row0 + c.len) * DH;
   if (c.chunk == 0 && c.rank == 0) {
     for (int e = threadIdx.x; e < DH; e += kThreads) {
       static_cast<T*>(p.k_cache)[new_row + e] = from_float<T>(qkv[hpc * DH + e]);
@@ -424,10 +461,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // 4. Attention over this block's token slice; the new token comes from smem.
-  const int total = c.len + 1;
-  const int per_block = (total + n - 1) / n;
-  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
   attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
+  prefetch_rows(wo + o_first * 8, p.hidden, hpc * DH, static_cast<int64_t>(o_count) * 16);
 
   // Combine the warps (fixed order), then the new token, per head.
   const float qscale = p.scale * kLog2e;
@@ -478,7 +513,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // 5. Output projection: this block's output columns of the group's W_o rows.
-  const T* wo = static_cast<const T*>(p.w_o) + (c.g * p.group() + c.chunk * hpc) * DH * p.hidden;
   block_gemv<T>(
       sums, hpc * DH, wo, p.hidden, o_count,
       [&](int j) { return static_cast<int64_t>(o_first + j) * 8; }, red,

@@ -31,6 +31,13 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t local_addr, uint32_t ra
   return remote;
 }
 
+// Asks the copy engine to pull [p, p + bytes) into L2 (no registers, no completion to
+// wait for): used to start the next phase's stream before the current one ends.
+// p 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // Full cluster barrier, split so independent work can sit between the halves.
 // release/acquire order shared AND global memory across the cluster.
 __device__ __forceinline__ void cluster_arrive() {
