@@ -9,7 +9,7 @@ Roofline: floor = (all weight bytes + KV bytes read per step) / HBM bandwidth, t
 measured in the same run (best of an elementwise pass and a read-only reduction); roofline_fraction = floor / measured time.
 Cases that do not fit in device memory are listed as skipped.
 
-    python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
+    python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b] [--name NAME]
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="decode steps inside one jit (default 16; smoke 2)")
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--name", default=None, help="results file name (default decode_e2e); a grid too long "
+                   "for one GPU session runs in parts, e.g. --name decode_e2e_llama3-8b_bf16")
     args = p.parse_args(argv)
 
     if args.smoke:
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     else:
         models = {m: MODELS[m] for m in (args.models.split(",") if args.models else MODELS)}
         batches, contexts = [1, 16], [1024, 4096, 16384]
-        steps, trials, name = args.steps or 16, args.trials or 5, "decode_e2e"
+        steps, trials, name = args.steps or 16, args.trials or 5, args.name or "decode_e2e"
         dtypes = args.dtype.split(",")
     combos = [(b, c) for b in batches for c in contexts]
     if args.quick and not args.smoke:
