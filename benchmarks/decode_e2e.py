@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="decode steps inside one jit (default 16; smoke 2)")
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
     p.add_argument("--name", default=None, help="results file name (default decode_e2e); a grid too long "
                    "for one GPU session runs in parts, e.g. --name decode_e2e_llama3-8b_bf16")
     args = p.parse_args(argv)
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     combos = [(b, c) for b in batches for c in contexts]
     if args.quick and not args.smoke:
         combos = [(1, 4096), (16, 1024)]
+    if args.combos:
+        combos = [tuple(map(int, c.split(":"))) for c in args.combos.split(",")]
     if args.out_dir:
         common.RESULTS_DIR = Path(args.out_dir)
 
