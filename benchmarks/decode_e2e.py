@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -109,10 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
+    p.add_argument("--merge", default=None, help="no run: join these part results (comma list of names) "
+                   "into --name (default decode_e2e)")
     p.add_argument("--name", default=None, help="results file name (default decode_e2e); a grid too long "
                    "for one GPU session runs in parts, e.g. --name decode_e2e_llama3-8b_bf16")
     args = p.parse_args(argv)
 
+    if args.merge:
+        return merge_parts(args.name or "decode_e2e", args.merge.split(","))
     if args.smoke:
         models, batches, contexts = SMOKE_MODELS, [1, 2], [64]
         steps, trials, name = args.steps or 2, args.trials or 1, "decode_e2e_smoke"
@@ -157,7 +162,15 @@ def main(argv=None) -> int:
                 variants = [("xla", "xla")] + ([("fused", fused)] if fused else [])
                 xla_s = None
                 for vname, impl in variants:
-                    s = time_decode(model, impl, batch, ctx, steps, trials)
+                    try:
+                        s = time_decode(model, impl, batch, ctx, steps, trials)
+                    except jax.errors.JaxRuntimeError as exc:  # the estimate above is a floor
+                        if "RESOURCE_EXHAUSTED" not in str(exc):
+                            raise
+                        rows.append({"case": f"{base} {vname}", "skipped": "out of device memory"})
+                        print(rows[-1])
+                        save(rows)
+                        break
                     xla_s = s if vname == "xla" else xla_s
                     row = {"case": f"{base} {vname}", "ours_us": s * 1e6, "xla_us": xla_s * 1e6,
                            "speedup_vs_xla": xla_s / s, "roofline_fraction": floor_s / s, "bytes": wbytes + kv,
@@ -171,6 +184,25 @@ def main(argv=None) -> int:
     return save(rows)
 
 
+COLUMNS = ["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "bytes", "tokens_per_s", "skipped"]
+
+
+def merge_parts(name, parts) -> int:
+    """One table from a grid measured in parts (each part keeps its own run's bandwidth)."""
+    rows, notes = {}, []
+    for part in parts:
+        data = json.loads((common.RESULTS_DIR / f"{part}.json").read_text())
+        rows.update({row["case"]: row for row in data["rows"]})  # a later part's rerun replaces a row
+        notes.append(f"`{data['command']}` ({data['device']}, {data['date']}, "
+                     f"{data['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
+    same = {k: data[k] for k in ("device", "versions", "date")}  # the GPU runs', not this machine's
+    common.write_results(name, list(rows.values()), columns=COLUMNS, extra={**same, "parts": parts},
+                         notes="Joined from runs in parts (one GPU session is too short for the grid); "
+                               "each part's roofline uses the bandwidth measured in that run: "
+                               + "; ".join(notes) + ". " + data["notes"].split(" Roofline")[0])
+    return 0
+
+
 def _saver(name, steps, trials, bw, fused):
     def save(rows):
         notes = (f"Per output token (one decode step of the whole batch), {steps} steps inside one jit, median "
@@ -178,8 +210,7 @@ def _saver(name, steps, trials, bw, fused):
                  f"measured. fused = {fused or 'no fused op available'} (the ops' tuners may pick XLA's own "
                  "ops per shape where they measure faster than the kernels).")
         common.write_results(name, rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},
-                             columns=["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "bytes",
-                                      "tokens_per_s", "skipped"])
+                             columns=COLUMNS)
         return 0
     return save
 
