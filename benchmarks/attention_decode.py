@@ -18,7 +18,7 @@ import numpy as np
 
 import jax_cluster as jc
 from jax_cluster.ops import attention_decode as ad_op  # the module: its tuner
-from common import dtype_tag, measure_bandwidth, random_normal, time_fn, write_results
+from common import dtype_tag, measure_bandwidth, merge_results, random_normal, time_fn, write_results
 
 MODELS = {  # hidden, q heads, kv heads, head dim
     "llama2-7b": (4096, 32, 32, 128),
@@ -104,7 +104,14 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--name", default=None, help="write results/parts/NAME (a grid run in parts)")
+    parser.add_argument("--merge", default=None, help="no run: join these parts into results/attention_decode")
     args = parser.parse_args(argv)
+    global RESULT_NAME
+    RESULT_NAME = f"parts/{args.name}" if args.name else "attention_decode"
+    if args.merge:
+        return merge_results("attention_decode", args.merge.split(","), columns=COLUMNS,
+                             notes=f"Per decode step inside one jit ({STEPS} steps in a fori_loop). " + EXPLAIN)
     bw = measure_bandwidth()
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
     dtypes = [jnp.float16] if args.quick else [jnp.dtype(t) for t in args.dtypes.split(",")]
@@ -175,17 +182,20 @@ def main(argv=None):
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
 
 
+RESULT_NAME = "attention_decode"
+COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas", "roofline_fraction",
+           "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"]
+EXPLAIN = ("kernel = the fused kernel at its best configuration among those the tuner weighs (best_config: a "
+           "cluster size, or 'nK:hH' = cluster size K with at most H query heads per cluster; nK_us = cluster "
+           "size K with the default heads per cluster); "
+           "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick).")
+
+
 def save(rows, bw):
-    write_results("attention_decode", rows,
-                  columns=["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas",
-                           "roofline_fraction", "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us",
-                           "n16_us"],
+    write_results(RESULT_NAME, rows, columns=COLUMNS,
                   notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
-                         f"{bw / 1e12:.2f} TB/s measured in the same run (best of an elementwise pass and a read-only reduction). "
-                         "kernel = the fused kernel at its best configuration among those the tuner weighs (best_config: a cluster "
-                         "size, or 'nK:hH' = cluster size K with at most H query heads per cluster; nK_us = cluster size K "
-                         "with the default heads per cluster); "
-                         "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick)."),
+                         f"{bw / 1e12:.2f} TB/s measured in the same run (best of an elementwise pass and a "
+                         "read-only reduction). " + EXPLAIN),
                   extra={"bandwidth_bytes_per_s": bw})
 
 

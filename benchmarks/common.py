@@ -95,6 +95,23 @@ def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], no
     return path
 
 
+def merge_results(name: str, parts: Sequence[str], *, columns: Sequence[str], notes: str = "") -> Path:
+    """One table from a grid measured in parts (results/parts/<part>.json, written by runs
+    with a part name): one GPU session is too short for some grids. A case measured again
+    in a later part replaces the earlier row; each part keeps the bandwidth of its own run."""
+    rows, runs = {}, []
+    for part in parts:
+        data = json.loads((RESULTS_DIR / "parts" / f"{part}.json").read_text())
+        rows.update({row["case"]: row for row in data["rows"]})
+        bw = data.get("bandwidth_bytes_per_s")
+        runs.append(f"`{data['command']}` ({data['device']}, {data['date']}"
+                    + (f", {bw / 1e9:.0f} GB/s" if bw else "") + ")")
+    same = {k: data[k] for k in ("device", "versions", "date")}  # the GPU runs', not this machine's
+    return write_results(name, list(rows.values()), columns=columns, extra={**same, "parts": list(parts)},
+                         notes=f"Joined from runs in parts (roofline per part from its own bandwidth): "
+                               + "; ".join(runs) + ". " + notes)
+
+
 def _fmt(v) -> str:
     if v is None:
         return ""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -112,12 +111,16 @@ def main(argv=None) -> int:
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
     p.add_argument("--merge", default=None, help="no run: join these part results (comma list of names) "
                    "into --name (default decode_e2e)")
-    p.add_argument("--name", default=None, help="results file name (default decode_e2e); a grid too long "
-                   "for one GPU session runs in parts, e.g. --name decode_e2e_llama3-8b_bf16")
+    p.add_argument("--name", default=None, help="write results/parts/NAME instead of results/decode_e2e: a grid "
+                   "too long for one GPU session runs in parts, joined with --merge")
     args = p.parse_args(argv)
 
     if args.merge:
-        return merge_parts(args.name or "decode_e2e", args.merge.split(","))
+        common.merge_results(args.name or "decode_e2e", args.merge.split(","), columns=COLUMNS,
+                             notes="Per output token (one decode step of the whole batch), 16 steps inside one "
+                                   "jit, median of 5; roofline floor = (all weight bytes + KV bytes at ctx) / "
+                                   "bandwidth; fused = the ops' tuners' picks per shape (kernels or XLA's ops).")
+        return 0
     if args.smoke:
         models, batches, contexts = SMOKE_MODELS, [1, 2], [64]
         steps, trials, name = args.steps or 2, args.trials or 1, "decode_e2e_smoke"
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     else:
         models = {m: MODELS[m] for m in (args.models.split(",") if args.models else MODELS)}
         batches, contexts = [1, 16], [1024, 4096, 16384]
-        steps, trials, name = args.steps or 16, args.trials or 5, args.name or "decode_e2e"
+        steps, trials, name = args.steps or 16, args.trials or 5, f"parts/{args.name}" if args.name else "decode_e2e"
         dtypes = args.dtype.split(",")
     combos = [(b, c) for b in batches for c in contexts]
     if args.quick and not args.smoke:
@@ -185,22 +188,6 @@ def main(argv=None) -> int:
 
 
 COLUMNS = ["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "bytes", "tokens_per_s", "skipped"]
-
-
-def merge_parts(name, parts) -> int:
-    """One table from a grid measured in parts (each part keeps its own run's bandwidth)."""
-    rows, notes = {}, []
-    for part in parts:
-        data = json.loads((common.RESULTS_DIR / f"{part}.json").read_text())
-        rows.update({row["case"]: row for row in data["rows"]})  # a later part's rerun replaces a row
-        notes.append(f"`{data['command']}` ({data['device']}, {data['date']}, "
-                     f"{data['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
-    same = {k: data[k] for k in ("device", "versions", "date")}  # the GPU runs', not this machine's
-    common.write_results(name, list(rows.values()), columns=COLUMNS, extra={**same, "parts": parts},
-                         notes="Joined from runs in parts (one GPU session is too short for the grid); "
-                               "each part's roofline uses the bandwidth measured in that run: "
-                               + "; ".join(notes) + ". " + data["notes"].split(" Roofline")[0])
-    return 0
 
 
 def _saver(name, steps, trials, bw, fused):
