@@ -10,6 +10,7 @@ tokenizer: the prompt is then fed as its UTF-8 bytes (modulo the vocabulary size
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import jax
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar and no kernel-tuning messages")
     return p
 
 
@@ -52,6 +53,13 @@ def encode(prompt: str, tokenizer, vocab_size: int) -> list[int]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.no_progress:  # the first trace on a GPU may tune kernels for a while: say so
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        tuning_log = logging.getLogger("jax_cluster.tuning")
+        if not tuning_log.handlers:  # main() may run several times in one process (tests)
+            tuning_log.addHandler(handler)
+        tuning_log.setLevel(logging.INFO)
     prompts = args.prompt or ["The quick brown fox"]
     batch = args.batch or len(prompts)
     if batch < 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import tempfile
@@ -45,6 +46,10 @@ from typing import Callable, Mapping, Sequence
 ENV_ENABLE = "JAX_CLUSTER_TUNING"
 ENV_CACHE = "JAX_CLUSTER_TUNING_CACHE"
 CACHE_VERSION = 1
+
+# INFO: one line when a shape starts being measured (it can take tens of seconds, inside
+# the first jit trace) and one with the times. flax_models.generate turns it on.
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_VERSION",
@@ -221,6 +226,10 @@ def pick(op: str, key: str, candidates: Sequence, measure: Callable[[object], fl
     if cached is not None:
         return cached
 
+    log.info("tuning %s for %s: measuring %d candidates (once; cached in %s)", op, key, len(candidates),
+             cache_path())
+    t_start = time.perf_counter()
+
     def measure_all():
         times = {}
         for c in candidates:
@@ -239,8 +248,10 @@ def pick(op: str, key: str, candidates: Sequence, measure: Callable[[object], fl
                       f"using the heuristic {heuristic!r}", stacklevel=2)
         return heuristic
     winner = min(finite, key=finite.get)
+    summary = (f"{op} {key}: " + ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items())
+               + f" -> {winner} (tuned in {time.perf_counter() - t_start:.1f} s)")
+    log.info("tuned %s", summary)
     if verbose:
-        print(f"jax_cluster.tuning: {op} {key}: " +
-              ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()) + f" -> {winner}")
+        print(f"jax_cluster.tuning: {summary}")
     record(op, key, winner, times)
     return winner

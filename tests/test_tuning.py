@@ -62,6 +62,20 @@ def test_measures_once_then_reads_cache(cache):
     assert set(json.loads(cache.read_text())["entries"]) == {"op|k1", "other|k1"}
 
 
+def test_measuring_is_logged_and_cache_hits_are_silent(cache, caplog):
+    """The first trace of a new shape may measure for a while: one INFO line says so."""
+    m = Counter({"a": 2e-6, "b": 1e-6})
+    with caplog.at_level("INFO", logger="jax_cluster.tuning"):
+        tuning.pick("op", "k", ["a", "b"], m, heuristic="a")
+    first, done = (r.getMessage() for r in caplog.records)
+    assert "measuring 2 candidates" in first and str(cache) in first
+    assert "a=2.0us, b=1.0us -> b" in done
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jax_cluster.tuning"):
+        tuning.pick("op", "k", ["a", "b"], m, heuristic="a")
+    assert not caplog.records
+
+
 def test_disabled_uses_heuristic(cache, monkeypatch):
     monkeypatch.setenv(tuning.ENV_ENABLE, "0")
     assert not tuning.enabled()
