@@ -104,11 +104,11 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--dtypes", default="float16,bfloat16")
-    parser.add_argument("--name", default=None, help="write results/parts/NAME (a grid run in parts)")
+    parser.add_argument("--part", "--name", default=None, help="write results/parts/PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join these parts into results/attention_decode")
     args = parser.parse_args(argv)
     global RESULT_NAME
-    RESULT_NAME = f"parts/{args.name}" if args.name else "attention_decode"
+    RESULT_NAME = f"parts/{args.part}" if args.part else "attention_decode"
     if args.merge:
         return merge_results("attention_decode", args.merge.split(","), columns=COLUMNS,
                              notes=f"Per decode step inside one jit ({STEPS} steps in a fori_loop). " + EXPLAIN)

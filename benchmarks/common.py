@@ -72,7 +72,7 @@ def measure_bandwidth(gib: float = 1.0) -> float:
 
 def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",
                   extra: dict | None = None) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / name).parent.mkdir(parents=True, exist_ok=True)  # name may be parts/<part>
     payload = {
         "device": device_name(),
         "versions": versions(),

@@ -9,7 +9,9 @@ Roofline: floor = (all weight bytes + KV bytes read per step) / HBM bandwidth, t
 measured in the same run (best of an elementwise pass and a read-only reduction); roofline_fraction = floor / measured time.
 Cases that do not fit in device memory are listed as skipped.
 
-    python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b] [--name NAME]
+    python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
+        [--combos B:CTX,...] [--part NAME]     # one part of a grid: results/parts/NAME
+    python benchmarks/decode_e2e.py --merge NAME,NAME,...  # the parts -> results/decode_e2e
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -109,34 +111,36 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
-    p.add_argument("--merge", default=None, help="no run: join these part results (comma list of names) "
-                   "into --name (default decode_e2e)")
-    p.add_argument("--name", default=None, help="write results/parts/NAME instead of results/decode_e2e: a grid "
-                   "too long for one GPU session runs in parts, joined with --merge")
+    p.add_argument("--part", "--name", default=None, help="write results/parts/PART instead of results/decode_e2e: a "
+                   "grid too long for one GPU session runs in parts, joined with --merge")
+    p.add_argument("--merge", default=None, help="no run: join these parts (comma list) into the results file")
     args = p.parse_args(argv)
+    if args.out_dir:
+        common.RESULTS_DIR = Path(args.out_dir)
 
     if args.merge:
-        common.merge_results(args.name or "decode_e2e", args.merge.split(","), columns=COLUMNS,
+        common.merge_results("decode_e2e_smoke" if args.smoke else "decode_e2e", args.merge.split(","), columns=COLUMNS,
                              notes="Per output token (one decode step of the whole batch), 16 steps inside one "
                                    "jit, median of 5; roofline floor = (all weight bytes + KV bytes at ctx) / "
                                    "bandwidth; fused = the ops' tuners' picks per shape (kernels or XLA's ops).")
         return 0
     if args.smoke:
-        models, batches, contexts = SMOKE_MODELS, [1, 2], [64]
+        batches, contexts = [1, 2], [64]
+        models = {m: SMOKE_MODELS[m] for m in args.models.split(",")} if args.models else SMOKE_MODELS
         steps, trials, name = args.steps or 2, args.trials or 1, "decode_e2e_smoke"
         dtypes = ["fp32"] if args.dtype == "fp16" else args.dtype.split(",")
     else:
         models = {m: MODELS[m] for m in (args.models.split(",") if args.models else MODELS)}
         batches, contexts = [1, 16], [1024, 4096, 16384]
-        steps, trials, name = args.steps or 16, args.trials or 5, f"parts/{args.name}" if args.name else "decode_e2e"
+        steps, trials, name = args.steps or 16, args.trials or 5, "decode_e2e"
         dtypes = args.dtype.split(",")
+    if args.part:
+        name = f"parts/{args.part}"
     combos = [(b, c) for b in batches for c in contexts]
     if args.quick and not args.smoke:
         combos = [(1, 4096), (16, 1024)]
     if args.combos:
         combos = [tuple(map(int, c.split(":"))) for c in args.combos.split(",")]
-    if args.out_dir:
-        common.RESULTS_DIR = Path(args.out_dir)
 
     bw = common.measure_bandwidth(0.0625 if args.smoke else 2.0)
     mem = device_memory_bytes()

@@ -88,3 +88,19 @@ def test_decode_benchmark_smoke(tmp_path):
     for row in res["rows"]:
         assert row["ours_us"] > 0 and 0 < row["roofline_fraction"] and row["speedup_vs_xla"] > 0
     assert (tmp_path / "decode_e2e_smoke.md").exists()
+
+
+def test_decode_benchmark_in_parts(tmp_path):
+    """A grid run in two parts and joined: one table, each part's rows, the GPU runs' header."""
+    script = [sys.executable, str(REPO / "benchmarks" / "decode_e2e.py"), "--smoke", "--out-dir", str(tmp_path)]
+    for part, combos in (("a", "1:16"), ("b", "2:16")):
+        r = subprocess.run(script + ["--part", part, "--combos", combos, "--models", "tiny-llama"],
+                           capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (tmp_path / "parts" / f"{part}.json").exists()
+    r = subprocess.run(script + ["--merge", "a,b"], capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "decode_e2e_smoke.json").read_text())
+    assert res["parts"] == ["a", "b"]
+    assert [row["case"].rsplit(" ", 2)[0] for row in res["rows"]][::2] == ["tiny-llama b1 ctx16", "tiny-llama b2 ctx16"]
+    assert "Joined from runs in parts" in (tmp_path / "decode_e2e_smoke.md").read_text()
