@@ -4,7 +4,7 @@
 // heads of that group): the KV of a group is read once for all its heads.
 //   1. every block normalises x[b] into shared memory (fp32);
 //   2. block r computes its share of the group's Q|K|V columns (GEMV, 16-byte
-//      weight loads, 8 in flight per thread); ClusterGather gives every block
+//      weight loads, 16 in flight per thread); ClusterGather gives every block
 //      all of them;
 //   3. RoPE on q and k at position lengths[b]; block 0 of chunk 0 writes the
 //      new k, v into the caches;
@@ -16,6 +16,9 @@
 //      partial; a second small kernel sums the partials of all clusters of a
 //      row in a fixed order (+ bias, + residual). No floating-point atomics:
 //      results are bitwise reproducible.
+// Each phase's first 32 KB (QKV rows, this block's K/V tokens, its W_o slice) is
+// prefetched into L2 while the previous phase finishes, so no phase starts with an
+// empty memory pipeline.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
