@@ -41,6 +41,18 @@ def _rope(v, pos, inv_freq, rotary_dim: int, layout: str):
     return jnp.concatenate([rotated, v[..., rotary_dim:]], axis=-1)
 
 
+def _norm_f32(x, norm, weight, bias, eps):
+    """x normalised in fp32: "rms", "layer" (with bias) or None (x as fp32)."""
+    h = x.astype(jnp.float32)
+    if norm == "rms":
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * weight.astype(jnp.float32)
+    elif norm == "layer":
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.maximum(jnp.mean(h * h, -1, keepdims=True) - mean * mean, 0.0)
+        h = (h - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return h
+
+
 def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                      num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
                      qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,
@@ -53,13 +65,7 @@ def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_
     rotary_dim = dh if rotary_dim is None else rotary_dim
     scale = 1.0 / (dh ** 0.5) if scale is None else scale
     group = num_q_heads // num_kv_heads
-    h = x.astype(jnp.float32)
-    if norm == "rms":
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * norm_weight.astype(jnp.float32)
-    elif norm == "layer":
-        mean = h.mean(-1, keepdims=True)
-        var = jnp.maximum(jnp.mean(h * h, -1, keepdims=True) - mean * mean, 0.0)
-        h = (h - mean) * jax.lax.rsqrt(var + eps) * norm_weight.astype(jnp.float32) + norm_bias.astype(jnp.float32)
+    h = _norm_f32(x, norm, norm_weight, norm_bias, eps)
     qkv = jnp.dot(h, w_qkv.astype(jnp.float32), precision="highest")
     if qkv_bias is not None:
         qkv = qkv + qkv_bias.astype(jnp.float32)

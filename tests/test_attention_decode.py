@@ -73,25 +73,15 @@ CPU_CASES = [  # batch, hidden, hq, hkv, dh, max_seq, norm, bias, rotary
 @pytest.mark.parametrize("case", CPU_CASES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_cpu_handler(rng, case, dtype, layout):
-    batch, hidden, hq, hkv, dh, max_seq, norm, bias, rot = case
-    args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
-                           max_seq=max_seq, dtype=dtype, norm=norm, bias=bias, rotary_dim=rot)
-    kw["rope_layout"] = layout
-    kw["residual"] = True
-    check(args, kw, jax.devices("cpu")[0])
-
-
-@pytest.mark.parametrize("case", CPU_CASES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_xla_impl(rng, case, dtype, layout):
-    """impl="xla" (the tuner's other candidate, and the fallback) computes the same step."""
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_cpu_handler_and_xla_impl(rng, case, dtype, layout, impl):
+    """The CPU handler (impl="auto" on CPU) and impl="xla" (the tuner's other candidate, and
+    the fallback) compute the same step as the reference."""
     batch, hidden, hq, hkv, dh, max_seq, norm, bias, rot = case
     args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
                            max_seq=max_seq, dtype=dtype, norm=norm, bias=bias, rotary_dim=rot)
     kw.update(rope_layout=layout, residual=True)
-    check(args, kw, jax.devices("cpu")[0], impl="xla")
+    check(args, kw, jax.devices("cpu")[0], impl=impl)
 
 
 def test_xla_impl_invalid_length_writes_nothing(rng):

@@ -12,18 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cluster.reference import _rope
-
-
-def _norm(x, norm, weight, bias, eps):
-    h = x.astype(jnp.float32)
-    if norm == "rms":
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * weight.astype(jnp.float32)
-    elif norm == "layer":
-        mean = h.mean(-1, keepdims=True)
-        var = jnp.maximum(jnp.mean(h * h, -1, keepdims=True) - mean * mean, 0.0)
-        h = (h - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
-    return h.astype(x.dtype)
+from jax_cluster.reference import _norm_f32, _rope
 
 
 def _write_slot(cache, new, pos, valid):
@@ -42,7 +31,7 @@ def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, 
     batch = x.shape[0]
     _, hkv, max_seq, dh = k_cache.shape
     hq, group = num_q_heads, num_q_heads // num_kv_heads
-    h = x if norm is None else _norm(x, norm, norm_weight, norm_bias, eps)
+    h = x if norm is None else _norm_f32(x, norm, norm_weight, norm_bias, eps).astype(x.dtype)
     qkv = jnp.dot(h, w_qkv, preferred_element_type=f32)
     if qkv_bias is not None:
         qkv = qkv + qkv_bias.astype(f32)
