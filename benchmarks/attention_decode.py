@@ -75,11 +75,11 @@ def pallas_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
 
 
 def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None,
-              heads_per_cluster=None, impl="kernel"):
+              heads_per_cluster=None, impl="kernel", dataflow="split_token"):
     return jc.attention_decode(x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq,
                                num_kv_heads=hkv, norm="rms", norm_weight=nw, residual=True,
                                cluster_size=cluster_size, heads_per_cluster=heads_per_cluster,
-                               impl=impl)
+                               impl=impl, dataflow=dataflow)
 
 
 def time_steps(step, state, consts):
@@ -159,17 +159,28 @@ def main(argv=None):
                                                            heads_per_cluster=h)
                         sweep[choice] = time_steps(f, fresh(), consts)
                     best_n = min(sweep, key=sweep.get)
+                    # ClusterFusion's SplitHead alternative (their Fig. 20: slower than SplitToken)
+                    split_head = {}
+                    for n in (2, 4, 8):
+                        if dh % (8 * n) == 0:
+                            f = lambda *a, n=n: ours_step(*a, *shape, cluster_size=n,  # noqa: E731
+                                                          dataflow="split_head")
+                            split_head[f"split_head:n{n}"] = time_steps(f, fresh(), consts)
+                    best_sh = min(split_head, key=split_head.get)
                     # what a user gets: the tuner's pick among the cluster sizes and XLA's ops
                     t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
                     pick = ad_op.autotune(batch, d, hq, hkv, ctx, dh, dtype)
                     case = f"{model} b{batch} ctx{ctx} {dtype_tag(dtype)}"
-                    for variant, ours in (("kernel", sweep[best_n]), ("auto", t["auto"])):
+                    for variant, ours in (("kernel", sweep[best_n]), ("split_head", split_head[best_sh]),
+                                          ("auto", t["auto"])):
                         row = {"case": f"{case} {variant}", "ours_us": ours, "jnp_us": t["jnp"],
                                "pallas_us": t["pallas"], "bytes": nbytes,
                                "roofline_fraction": floor_us / ours,
                                "speedup_vs_jnp": t["jnp"] / ours if t["jnp"] else None,
                                "speedup_vs_pallas": t["pallas"] / ours if t["pallas"] else None}
-                        if variant == "kernel":
+                        if variant == "split_head":
+                            row["best_config"] = best_sh
+                        elif variant == "kernel":
                             row.update(best_config=best_n, **{f"n{n}_us": v for n, v in sweep.items()
                                                               if isinstance(n, int)})
                         else:
@@ -177,8 +188,9 @@ def main(argv=None):
                         rows.append(row)
                         print(f"  {row['case']:36s} {ours:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
                               f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
-                              + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}"
-                                 if variant == "kernel" else f"  pick {pick}"))
+                              + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}" if variant == "kernel"
+                                 else f"  {', '.join(f'{n}={v:.0f}' for n, v in split_head.items())}"
+                                 if variant == "split_head" else f"  pick {pick}"))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
 
 
@@ -188,6 +200,7 @@ COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_
 EXPLAIN = ("kernel = the fused kernel at its best configuration among those the tuner weighs (best_config: a "
            "cluster size, or 'nK:hH' = cluster size K with at most H query heads per cluster; nK_us = cluster "
            "size K with the default heads per cluster); "
+           "split_head = dataflow='split_head' (blocks split the head dimension) at its best cluster size; "
            "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick).")
 
 

@@ -32,7 +32,7 @@ def collectives(dtypes):
 
 
 def attention_decode():
-    """Every head dim and cluster size on a small GQA shape, vs the CPU handler."""
+    """Every head dim and cluster size on a small GQA shape, both dataflows, vs the reference."""
     rng = np.random.default_rng(0)
     for dh, (hq, hkv) in ((64, (8, 2)), (80, (4, 4)), (96, (12, 1)), (128, (4, 2))):
         for n in (1, 2, 4, 8, 16):
@@ -43,11 +43,13 @@ def attention_decode():
                         inv_freq=jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
             kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(256))
             # fewer heads per cluster on the GQA shapes: several clusters per KV head
-            y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel",
-                                    heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
             ref = jc.reference.attention_decode(**args, **kw)[0]
-            err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-            assert err < 1e-2, (dh, n, err)
+            dataflows = ("split_token", "split_head") if dh % (8 * n) == 0 else ("split_token",)
+            for dataflow in dataflows:
+                y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel", dataflow=dataflow,
+                                        heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
+                err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+                assert err < 1e-2, (dh, n, dataflow, err)
     print("attention_decode ok")
 
 

@@ -160,6 +160,17 @@ def test_cpu_any_heads_per_cluster(rng, heads):
     check(args, kw, jax.devices("cpu")[0], heads_per_cluster=heads, cluster_size=2)
 
 
+def test_split_head_dataflow_arguments(rng):
+    """The dataflow changes only the GPU kernel; its constraint is checked before any launch."""
+    args, kw = make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=9, dtype="float32")
+    check(args, kw, jax.devices("cpu")[0], dataflow="split_head", cluster_size=2)
+    check(args, kw, jax.devices("cpu")[0], dataflow="split_head")  # picks cluster 2 (16 = 8 * 2)
+    with pytest.raises(ValueError, match="divisible by 8 \\* cluster_size"):
+        jc.attention_decode(**args, **kw, dataflow="split_head", cluster_size=4)
+    with pytest.raises(ValueError, match="dataflow must be one of"):
+        jc.attention_decode(**args, **kw, dataflow="split_tokens")
+
+
 def test_invalid_length_inside_jit_gives_nan_row(rng):
     args, kw = make_inputs(rng, batch=2, hidden=64, hq=2, hkv=2, dh=16, max_seq=5,
                            dtype="float32", lengths=[2, 9])
@@ -209,6 +220,37 @@ def test_gpu_fewer_heads_per_cluster(rng, dtype, heads, n):
                                max_seq=max_seq, dtype=dtype, lengths=lengths, bias=batch == 3)
         kw["residual"] = True
         check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_gpu_split_head_dataflow(rng, dtype, shape, n):
+    """SplitHead on every cluster size its head dim allows; contexts over several score
+    chunks (1024 / heads-rounded-up-to-a-power-of-2 tokens each), the new token in any chunk."""
+    hidden, hq, hkv, dh = shape
+    if dh % (8 * n):
+        pytest.skip(f"split_head needs head_dim % (8 * {n}) == 0")
+    for batch, max_seq, lengths in ((1, 40, [0]), (3, 2100, [1, 2099, 1024]), (2, 600, [255, 511])):
+        args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
+                               max_seq=max_seq, dtype=dtype, lengths=lengths, bias=batch == 3,
+                               rotary_dim=dh // 2 if batch == 2 else None)
+        kw["residual"] = batch != 1
+        check(args, kw, _gpu(), cluster_size=n, impl="kernel", dataflow="split_head")
+
+
+@pytest.mark.gpu
+def test_gpu_split_head_deterministic_and_agrees(rng):
+    args, kw = make_inputs(rng, batch=2, hidden=1024, hq=16, hkv=4, dh=128, max_seq=3000,
+                           dtype="float16", lengths=[2999, 1500])
+    args = jax.device_put(args, _gpu())
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, dataflow="split_head")[0])
+    first = np.asarray(f(args))
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(f(args)), first)
+    token = np.asarray(jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4)[0])(args))
+    assert rel_l2(first, token) <= TOLERANCE["float16"]
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ struct AttentionDecodeBuffers {
 inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     AttentionDecodeBuffers& a, int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim,
     int64_t rope_layout, int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias,
-    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster) {
+    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("attention_decode: " + m));
   };
@@ -52,6 +52,11 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     return fail("max_heads_per_cluster must be in 1..8");
   }
   p.max_heads_per_cluster = static_cast<int>(max_heads_per_cluster);
+  if (dataflow != 0 && dataflow != 1) return fail("dataflow must be 0 (split_token) or 1 (split_head)");
+  p.dataflow = static_cast<AttnDataflow>(dataflow);
+  if (p.dataflow == AttnDataflow::kSplitHead && p.head_dim % (8 * cluster_size) != 0) {
+    return fail("dataflow split_head needs head_dim divisible by 8 * cluster_size");
+  }
   if (num_kv_heads < 1 || num_q_heads % num_kv_heads) return fail("num_q_heads must be a multiple of num_kv_heads");
   if (kd[0] != p.batch || kd[1] != num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
   if (rotary_dim < 0 || rotary_dim > p.head_dim || rotary_dim % 2) return fail("rotary_dim must be even and <= head_dim");
@@ -114,7 +119,8 @@ auto bind_attention_decode(Binding&& b) {
       .template Attr<bool>("has_qkv_bias")
       .template Attr<bool>("has_o_bias")
       .template Attr<int64_t>("cluster_size")
-      .template Attr<int64_t>("max_heads_per_cluster");
+      .template Attr<int64_t>("max_heads_per_cluster")
+      .template Attr<int64_t>("dataflow");
 }
 
 }  // namespace jax_cluster
@@ -128,7 +134,7 @@ auto bind_attention_decode(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace,                  \
       int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim, int64_t rope_layout,        \
       int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias, bool has_o_bias,   \
-      int64_t cluster_size, int64_t max_heads_per_cluster
+      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow
 #define JAX_CLUSTER_ATTENTION_DECODE_DECODE                                                      \
   [&] {                                                                                          \
     AttentionDecodeBuffers buffers{x,       norm_w,  norm_b, w_qkv, qkv_bias, w_o, o_bias,       \
@@ -136,5 +142,5 @@ auto bind_attention_decode(Binding&& b) {
                                    workspace};                                                   \
     return decode_attention_decode(buffers,                                                      \
       num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, eps, scale, residual,            \
-      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster);                            \
+      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow);                  \
   }()

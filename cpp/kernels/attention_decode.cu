@@ -539,9 +539,18 @@ __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const Att
   static_cast<T*>(p.y)[b * p.hidden + col] = from_float<T>(acc);
 }
 
+// The SplitHead kernel: a textual part of this file (same anonymous namespace, helpers).
+#include "kernels/attention_decode_split_head.cuh"  // NOLINT(build/include)
+
 // MH: register arrays sized for the heads a cluster serves (1, 2, 4 or 8).
 template <typename T, int DH, int MH>
 cudaError_t launch_typed(const AttentionDecodeParams& p, cudaStream_t stream) {
+  if (p.dataflow == AttnDataflow::kSplitHead) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_split_head_typed<T, DH, MH>(p, stream)));
+    const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
+    attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   const Layout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
                  p.cluster_size);
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();

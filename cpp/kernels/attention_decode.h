@@ -11,6 +11,9 @@ namespace jax_cluster {
 
 enum class NormKind : int32_t { kNone = 0, kRms = 1, kLayer = 2 };
 enum class RopeLayout : int32_t { kHalf = 0, kInterleaved = 1 };
+// How a cluster's blocks share the attention: by tokens (the main kernel) or by head
+// dimension (ClusterFusion's SplitHead alternative; needs Dh % (8 N) == 0).
+enum class AttnDataflow : int32_t { kSplitToken = 0, kSplitHead = 1 };
 
 inline constexpr int kAttnMaxHeadsPerCluster = 8;  // query heads one cluster serves
 
@@ -28,6 +31,7 @@ struct AttentionDecodeParams {
   // head (each re-reads that head's K/V columns and cache) = more SMs busy for GQA at
   // small batch. A tuning knob; the chunks split the group evenly.
   int max_heads_per_cluster = kAttnMaxHeadsPerCluster;
+  AttnDataflow dataflow = AttnDataflow::kSplitToken;
 
   const void* x;          // [B, D]
   const void* norm_w;     // [D] (norm != kNone)

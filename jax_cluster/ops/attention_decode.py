@@ -31,6 +31,7 @@ NORMS = {None: 0, "rms": 1, "layer": 2}
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
 IMPLS = ("auto", "kernel", "xla", "reference")
+DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/attention_decode.h
 CUDA_HEAD_DIMS = (64, 80, 96, 128)
 MAX_HEADS_PER_CLUSTER = 8
 
@@ -191,6 +192,7 @@ def attention_decode(
     qkv_bias=None, o_bias=None, residual: bool = False,
     rotary_dim: int | None = None, rope_layout: str = "half", scale: float | None = None,
     cluster_size: int | None = None, heads_per_cluster: int | None = None, impl: str = "auto",
+    dataflow: str = "split_token",
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
 
@@ -198,7 +200,11 @@ def attention_decode(
     (outside any trace; cached in the tuning file, JAX_CLUSTER_TUNING=0 for the
     heuristic); an explicit size overrides. heads_per_cluster: at most this many query
     heads per cluster (1..8; None: up to 8, or the tuner's pick), so a GQA group can be
-    spread over several clusters at small batch.
+    spread over several clusters at small batch. dataflow: how a cluster's blocks share the
+    attention: "split_token" (by tokens; the tuned default) or "split_head" (by head
+    dimension, ClusterFusion's SplitHead alternative: the scores of every token are reduced
+    across the cluster; needs head_dim % (8 * cluster_size) == 0; cluster_size None picks
+    the largest such size <= 4, untuned).
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
@@ -254,6 +260,13 @@ def attention_decode(
     if heads_per_cluster is not None and not 1 <= heads_per_cluster <= MAX_HEADS_PER_CLUSTER:
         raise ValueError(f"attention_decode: heads_per_cluster must be in 1..{MAX_HEADS_PER_CLUSTER}, "
                          f"got {heads_per_cluster}")
+    if dataflow not in DATAFLOWS:
+        raise ValueError(f"attention_decode: dataflow must be one of {list(DATAFLOWS)}, got {dataflow!r}")
+    if dataflow == "split_head":
+        if cluster_size is not None and head_dim % (8 * cluster_size):
+            raise ValueError(f"attention_decode: dataflow='split_head' needs head_dim ({head_dim}) divisible "
+                             f"by 8 * cluster_size ({cluster_size})")
+        cluster_size = cluster_size or max(n for n in CLUSTER_SIZES if n <= 4 and head_dim % (8 * n) == 0)
     if impl not in IMPLS:
         raise ValueError(f"attention_decode: impl must be one of {IMPLS}, got {impl!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -296,5 +309,6 @@ def attention_decode(
         rope_layout=ROPE_LAYOUTS[rope_layout], norm=NORMS[norm], eps=np.float32(eps),
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
         has_o_bias=o_bias is not None, cluster_size=int(cluster_size),
-        max_heads_per_cluster=int(heads_per_cluster or MAX_HEADS_PER_CLUSTER))
+        max_heads_per_cluster=int(heads_per_cluster or MAX_HEADS_PER_CLUSTER),
+        dataflow=DATAFLOWS[dataflow])
     return y, k, v
