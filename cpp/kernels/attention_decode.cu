@@ -359,10 +359,11 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   __syncthreads();
 }
 
-// MH <= 2 fits 128 registers without spills (ptxas): two blocks per SM, so clusters of
+// MH <= 2 with head dim 64 or 128 fits 128 registers without spills (ptxas; 80 and 96
+// spill): two blocks per SM, so clusters of
 // 8 and 16 need half as many SMs of a GPC (to measure: A/B against one block per SM).
 template <typename T, int DH, int MH>
-__global__ void __launch_bounds__(kThreads, MH <= 2 ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, MH <= 2 && DH % 64 == 0 ? 2 : 1)
     attention_decode_kernel(const AttentionDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers gather_bars, max_bars, sum_bars;
