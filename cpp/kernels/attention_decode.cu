@@ -82,6 +82,20 @@ struct Ctx {  // per-cluster coordinates
   int len;
 };
 
+// This block's cluster -> (b, g, chunk), the batch row fastest: the clusters resident
+// at one time then share a KV group's weight columns (read from HBM once, from L2 by
+// the other rows) instead of each bringing its own.
+__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
+  const int64_t cluster = blockIdx.x / p.cluster_size, rest = cluster / p.batch;
+  Ctx c;
+  c.rank = static_cast<int>(ptx::cluster_rank());
+  c.b = cluster % p.batch;
+  c.chunk = rest % p.head_chunks();
+  c.g = rest / p.head_chunks();
+  c.len = p.lengths[c.b];
+  return c;
+}
+
 // out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
 // block's `ncv` column vectors. Threads split rows into groups; partial sums
 // meet in shared memory in a fixed order.
@@ -377,13 +391,7 @@ __global__ void __launch_bounds__(kThreads, MH <= 2 && DH % 64 == 0 ? 2 : 1)
   float* mx = reinterpret_cast<float*>(smem + L.max_off);
   float* sums = reinterpret_cast<float*>(smem + L.sum_off);
 
-  const int64_t cluster = blockIdx.x / n;
-  Ctx c;
-  c.rank = static_cast<int>(ptx::cluster_rank());
-  c.chunk = cluster % p.head_chunks();
-  c.g = (cluster / p.head_chunks()) % p.num_kv_heads;
-  c.b = cluster / (p.head_chunks() * p.num_kv_heads);
-  c.len = p.lengths[c.b];
+  const Ctx c = cluster_ctx(p);
 
   ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
   ClusterReduce<float, ReduceOp::kMax> reduce_max(

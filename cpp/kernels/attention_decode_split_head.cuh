@@ -68,13 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* rescale = stats + 2 * kMaxH;
   float* attn = reinterpret_cast<float*>(smem + L.attn_off);
 
-  const int64_t cluster = blockIdx.x / n;
-  Ctx c;
-  c.rank = static_cast<int>(ptx::cluster_rank());
-  c.chunk = cluster % p.head_chunks();
-  c.g = (cluster / p.head_chunks()) % p.num_kv_heads;
-  c.b = cluster / (p.head_chunks() * p.num_kv_heads);
-  c.len = p.lengths[c.b];
+  const Ctx c = cluster_ctx(p);
 
   ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
   ClusterReduce<float, ReduceOp::kSum> reduce(&reduce_bars, reinterpret_cast<uint4*>(smem + L.recv_off),
