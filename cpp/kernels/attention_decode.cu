@@ -233,6 +233,16 @@ __device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, 
   __syncthreads();
 }
 
+// Blocks per SM the kernel is built for: 2 where ptxas fits it in 128 registers without
+// spills, else 1. Two let clusters of 8 and 16 find enough SMs: at one block per SM an
+// H100 keeps only 7 clusters of 16 resident (ncu: Max Active Clusters), and Llama-3-8B's
+// 8 KV heads then ran in two waves.
+template <int DH, int MH>
+constexpr int kMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
+// Token steps per warp in flight in attention: as many as the registers allow.
+template <int DH, int MH>
+constexpr int kTokenSteps = MH <= 2 ? 8 : MH == 4 && kMinBlocks<DH, MH> == 2 ? 2 : 4;
+
 // Online-softmax state of one thread: MH heads x its 8 dims of the head.
 template <int MH>
 struct SoftmaxState {
@@ -269,7 +279,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
   constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
   constexpr int TPW = 32 / LPT;                // tokens per warp step
-  constexpr int U = MH <= 2 ? 8 : 4;           // token steps in flight (registers allow)
+  constexpr int U = kTokenSteps<DH, MH>;       // token steps in flight
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;
@@ -377,7 +387,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
 // spill): two blocks per SM, so clusters of
 // 8 and 16 need half as many SMs of a GPC (to measure: A/B against one block per SM).
 template <typename T, int DH, int MH>
-__global__ void __launch_bounds__(kThreads, MH <= 2 && DH % 64 == 0 ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
     attention_decode_kernel(const AttentionDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers gather_bars, max_bars, sum_bars;
