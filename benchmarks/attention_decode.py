@@ -106,7 +106,11 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--part", "--name", default=None, help="write results/parts/PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join these parts into results/attention_decode")
+    parser.add_argument("--cluster-sweep", action="store_true",
+                        help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
     args = parser.parse_args(argv)
+    if args.cluster_sweep:
+        return cluster_sweep()
     global RESULT_NAME
     RESULT_NAME = f"parts/{args.part}" if args.part else "attention_decode"
     if args.merge:
@@ -192,6 +196,41 @@ def main(argv=None):
                                  else f"  {', '.join(f'{n}={v:.0f}' for n, v in split_head.items())}"
                                  if variant == "split_head" else f"  pick {pick}"))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
+
+
+def cluster_sweep(heads=(32, 64, 128), contexts=(4096, 16384), sizes=(1, 2, 4, 8, 16), dh=128):
+    """The fused kernel at every cluster size for MHA blocks of 32, 64 and 128 heads (hidden =
+    heads x 128), batch 1, fp16: which cluster size wins as the head count grows (the paper
+    found 4 for 32/64 heads, 2 for 128)."""
+    bw = measure_bandwidth()
+    print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
+    dtype, rows = jnp.float16, []
+    ks = jax.random.split(jax.random.key(0), 5)
+    for h in heads:
+        d = h * dh
+        consts = {"w_qkv": random_normal(ks[0], (d, 3 * d), dtype, d ** -0.5),
+                  "w_o": random_normal(ks[1], (d, d), dtype, d ** -0.5), "nw": jnp.ones((d,), dtype),
+                  "inv_freq": jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32)}
+        for ctx in contexts:
+            consts["lengths"] = jnp.full((1,), ctx - 1, jnp.int32)
+            fresh = lambda: (random_normal(ks[2], (1, d), dtype),  # noqa: E731
+                             random_normal(ks[3], (1, h, ctx, dh), dtype),
+                             random_normal(ks[4], (1, h, ctx, dh), dtype))
+            nbytes = (4 * d * d + 2 * h * ctx * dh) * 2
+            times = {n: time_steps(lambda *a, n=n: ours_step(*a, h, h, dh, cluster_size=n), fresh(), consts)
+                     for n in sizes}
+            best = min(times, key=times.get)
+            rows.append({"case": f"mha h{h} ctx{ctx} fp16", "best_config": best, "ours_us": times[best],
+                         "roofline_fraction": nbytes / bw * 1e6 / times[best], "bytes": nbytes,
+                         **{f"n{n}_us": t for n, t in times.items()}})
+            print(f"  {rows[-1]['case']:24s} best n{best} " + ", ".join(f"{n}={t:.0f}" for n, t in times.items()))
+            write_results("attention_decode_cluster_sweep", rows,
+                          columns=["case", "best_config", "ours_us", "roofline_fraction"] +
+                          [f"n{n}_us" for n in sizes],
+                          notes=(f"Fused kernel (dataflow split_token), batch 1, per decode step inside one jit "
+                                 f"({STEPS} steps); hidden = heads x {dh}; nK_us = cluster size K. Roofline "
+                                 f"from {bw / 1e12:.2f} TB/s measured in the same run."),
+                          extra={"bandwidth_bytes_per_s": bw})
 
 
 RESULT_NAME = "attention_decode"

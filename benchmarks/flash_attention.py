@@ -2,7 +2,10 @@
 
 Peers: jax.nn.dot_product_attention with implementation="cudnn" (where jax finds cuDNN's
 flash attention) and implementation="xla" (plain XLA; only where its materialised scores
-fit in memory). Shapes: Flux (24 heads x 128) and CogVideoX (30 heads x 64), batch 1,
+fit in memory); Pallas' attention kernels that ship with jax: `pallas` (the Triton-lowered
+`ops.gpu.attention.mha`) and `pallas_mgpu` (the Mosaic GPU Hopper kernel
+`ops.gpu.attention_mgpu`, best of block_kv 128 / 64; it has no scale argument, which does
+not change its work). Shapes: Flux (24 heads x 128) and CogVideoX (30 heads x 64), batch 1,
 non-causal, Lq = Lk = L for L = 4K .. 64K, fp16 / bf16.
 
 Per case: ours (one chunk, finalize=True, output in the input dtype), ours on the same work
@@ -66,6 +69,19 @@ def xla(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
 
+def pallas(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention
+
+    return attention.mha(q, k, v, None, sm_scale=1 / math.sqrt(q.shape[-1]))
+
+
+def pallas_mgpu(q, k, v, block_kv):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
+    return attention_mgpu.attention(q, k, v, config)
+
+
 def split(x, parts, axis=1):
     """Uneven cut into `parts` pieces (lengths not multiples of the kernel tiles)."""
     n = x.shape[axis]
@@ -110,6 +126,13 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     st0 = (jnp.zeros(shape, jnp.float32), jnp.full((1, heads, length), -jnp.inf, jnp.float32))
     attempt("ours_state", lambda: time_per_call(ring_step, st0, calls))
     attempt("cudnn", lambda: time_per_call(lambda x: cudnn(x, k, v), q, calls))
+    attempt("pallas", lambda: time_per_call(lambda x: pallas(x, k, v), q, calls))
+    mgpu = []
+    for block_kv in (128, 64):  # the larger tile may not fit shared memory at head dim 128
+        attempt("pallas_mgpu", lambda: time_per_call(lambda x: pallas_mgpu(x, k, v, block_kv), q, calls))
+        if t["pallas_mgpu"] is not None:
+            mgpu.append(t["pallas_mgpu"])
+    t["pallas_mgpu"] = min(mgpu) if mgpu else None
     if heads * length * length * 4 <= XLA_MAX_SCORE_BYTES:
         attempt("xla", lambda: time_per_call(lambda x: xla(x, k, v), q, calls))
     else:
@@ -133,6 +156,10 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
         "ours_state_us": us["ours_state"],
         "cudnn_us": us["cudnn"],
         "xla_us": us["xla"],
+        "pallas_us": us["pallas"],
+        "pallas_mgpu_us": us["pallas_mgpu"],
+        "speedup_vs_pallas": t["pallas"] / t["ours"] if t["pallas"] and t["ours"] else None,
+        "speedup_vs_pallas_mgpu": t["pallas_mgpu"] / t["ours"] if t["pallas_mgpu"] and t["ours"] else None,
         "speedup_vs_cudnn": t["cudnn"] / t["ours"] if t["cudnn"] and t["ours"] else None,
         "speedup_vs_xla": t["xla"] / t["ours"] if t["xla"] and t["ours"] else None,
         "chunked_overhead": t["ours_4x4"] / t["ours"] if t["ours_4x4"] and t["ours"] else None,
@@ -173,11 +200,13 @@ def main(argv=None):
                 print(f"  {row['case']:28s} ours {f(row['ours_us'])} us ({f(row['tflops'], '4.0f')} TF)"
                       f"  4x4 {f(row['ours_4x4_us'])}  state {f(row['ours_state_us'])}"
                       f"  cudnn {f(row['cudnn_us'])} ({f(row['cudnn_tflops'], '4.0f')} TF)  xla {f(row['xla_us'])}"
+                      f"  pallas {f(row['pallas_us'])}  mgpu {f(row['pallas_mgpu_us'])}"
                       f"  err {row['rel_err_vs_cudnn']}")
                 write_results(  # after every case: a partial run still leaves its numbers
                     "flash_attention", rows,
                     columns=["case", "ours_us", "ours_4x4_us", "ours_state_us", "cudnn_us", "xla_us",
-                             "speedup_vs_cudnn", "speedup_vs_xla", "chunked_overhead", "tflops",
+                             "pallas_us", "pallas_mgpu_us", "speedup_vs_cudnn", "speedup_vs_xla",
+                             "speedup_vs_pallas", "speedup_vs_pallas_mgpu", "chunked_overhead", "tflops",
                              "cudnn_tflops", "roofline_fraction", "rel_err_vs_cudnn"],
                     notes=("Non-causal attention, batch 1, Lq = Lk = L. ours: one chunk, finalize=True; "
                            "ours_4x4: the same work as 4 query x 4 KV chunks (uneven) in one call; "
