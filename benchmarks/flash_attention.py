@@ -30,7 +30,7 @@ import numpy as np
 
 import jax_cluster as jc
 from jax_cluster.parallel import State
-from common import dtype_tag, loop, random_normal, time_fn, write_results
+from common import dtype_tag, loop, merge_results, random_normal, time_fn, write_results
 
 MODELS = {"flux": (24, 128), "cogvideox": (30, 64)}  # heads, head dim
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
@@ -172,18 +172,35 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     return row
 
 
+COLUMNS = ["case", "ours_us", "ours_4x4_us", "ours_state_us", "cudnn_us", "xla_us", "pallas_us",
+           "pallas_mgpu_us", "speedup_vs_cudnn", "speedup_vs_xla", "speedup_vs_pallas",
+           "speedup_vs_pallas_mgpu", "chunked_overhead", "tflops", "cudnn_tflops", "roofline_fraction",
+           "rel_err_vs_cudnn"]
+NOTES = ("Non-causal attention, batch 1, Lq = Lk = L. ours: one chunk, finalize=True; ours_4x4: the same "
+         "work as 4 query x 4 KV chunks (uneven) in one call; ours_state: fp32 state in and out (a ring "
+         "step). TFLOP/s = 4 B H L^2 Dh / time. xla only where its fp32 scores fit in 16 GiB.")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="bf16, L = 4K and 16K")
     parser.add_argument("--lengths", type=str, default=None, help="comma-separated L values")
     parser.add_argument("--models", type=str, default=",".join(MODELS))
+    parser.add_argument("--dtypes", type=str, default=None, help="comma list (default bfloat16,float16)")
+    parser.add_argument("--part", default=None, help="write results/parts/PART (a grid run in parts)")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="calls per timed jit loop (at most)")
+    parser.add_argument("--merge", default=None, help="no run: join these parts into results/flash_attention")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_results("flash_attention", args.merge.split(","), columns=COLUMNS,
+                             notes=NOTES + " roofline_fraction = ours / the bf16 matmul TFLOP/s of its run.")
     if jax.default_backend() != "gpu":
         print("warning: no GPU; the CPU handler is plain loops (use tiny --lengths)")
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         QUICK_LENGTHS if args.quick else LENGTHS)
-    dtypes = [jnp.bfloat16] if args.quick else [jnp.bfloat16, jnp.float16]
+    dtypes = [jnp.dtype(t) for t in args.dtypes.split(",")] if args.dtypes else (
+        [jnp.bfloat16] if args.quick else [jnp.bfloat16, jnp.float16])
+    result_name = f"parts/{args.part}" if args.part else "flash_attention"
     peak = measure_matmul_tflops() if jax.default_backend() == "gpu" else None
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {peak or float('nan'):.0f} TFLOP/s")
     rows = []
@@ -203,16 +220,9 @@ def main(argv=None):
                       f"  pallas {f(row['pallas_us'])}  mgpu {f(row['pallas_mgpu_us'])}"
                       f"  err {row['rel_err_vs_cudnn']}")
                 write_results(  # after every case: a partial run still leaves its numbers
-                    "flash_attention", rows,
-                    columns=["case", "ours_us", "ours_4x4_us", "ours_state_us", "cudnn_us", "xla_us",
-                             "pallas_us", "pallas_mgpu_us", "speedup_vs_cudnn", "speedup_vs_xla",
-                             "speedup_vs_pallas", "speedup_vs_pallas_mgpu", "chunked_overhead", "tflops",
-                             "cudnn_tflops", "roofline_fraction", "rel_err_vs_cudnn"],
-                    notes=("Non-causal attention, batch 1, Lq = Lk = L. ours: one chunk, finalize=True; "
-                           "ours_4x4: the same work as 4 query x 4 KV chunks (uneven) in one call; "
-                           "ours_state: fp32 state in and out (a ring step). TFLOP/s = 4 B H L^2 Dh / time; "
-                           f"roofline_fraction = ours / bf16 matmul TFLOP/s measured in this run ({peak or 0:.0f}). "
-                           "xla only where its fp32 scores fit in 16 GiB."),
+                    result_name, rows,
+                    columns=COLUMNS,
+                    notes=NOTES + f" roofline_fraction = ours / bf16 matmul TFLOP/s measured in this run ({peak or 0:.0f}).",
                     extra={"matmul_tflops": peak})
 
 
