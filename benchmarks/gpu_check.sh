@@ -41,15 +41,22 @@ done
 if [ "$SANITIZE" = 1 ]; then
   # XLA's preallocation of most of the GPU crashed under memcheck: allocate on demand.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  # The sanitizer itself segfaults (session 4, H100, either tool) when it instruments
-  # attention_decode's 20-line combine kernel; every other kernel is checked.
-  SKIP=(--kernel-name-exclude kns=attention_decode_combine)
-  step sanitize-memcheck sanitize_memcheck.log timeout 150 compute-sanitizer --tool memcheck "${SKIP[@]}" \
-    --error-exitcode 9 python3 benchmarks/sanitize_targets.py
-  # racecheck only our kernels (kns: kernel-name substring): instrumenting XLA's made it time out
-  step sanitize-racecheck sanitize_racecheck.log timeout 180 compute-sanitizer --tool racecheck "${SKIP[@]}" \
-    --kernel-name kns=jax_cluster \
-    --error-exitcode 9 python3 benchmarks/sanitize_targets.py --quick
+  # compute-sanitizer itself segfaults (session 4, H100, both tools; also with
+  # --kernel-name-exclude) whenever attention_decode's small combine kernel is in what it
+  # instruments, so attention_decode's two cluster kernels are checked by name, each alone.
+  # racecheck only our kernels (kns: kernel-name substring): instrumenting XLA's made it time out.
+  sanitize() {  # sanitize TOOL FILTER TARGETS [--quick]
+    local tool=$1 filter=$2 only=$3; shift 3
+    step "sanitize-$tool-$filter" "sanitize_${tool}_$filter.log" timeout 150 compute-sanitizer \
+      --tool "$tool" --kernel-name "kns=$filter" --error-exitcode 9 \
+      python3 benchmarks/sanitize_targets.py --only="$only" "$@"
+  }
+  for tool in memcheck racecheck; do
+    quick=(); [ "$tool" = racecheck ] && quick=(--quick)
+    sanitize "$tool" jax_cluster collectives,swiglu,flash_attention "${quick[@]}"
+    sanitize "$tool" attention_decode_kernel attention_decode "${quick[@]}"
+    sanitize "$tool" split_head attention_decode "${quick[@]}"
+  done
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\| ok$" "$OUT"/sanitize_*.log
 fi
 echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
