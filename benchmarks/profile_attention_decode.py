@@ -4,7 +4,8 @@ The benchmark says how fast each configuration is; this says why: run it under n
 compare DRAM throughput, bytes moved (duplicated reads of K/V columns and cache when a
 GQA group is split over clusters) and warp stall reasons between configurations.
 
-    ncu --kernel-name regex:attention_decode --launch-skip 3 --launch-count 99 \\
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+    ncu --kernel-name "regex:attention_decode_(split_head_)?kernel" --launch-skip 3 --launch-count 99 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/profile_attention_decode.py llama3-8b:1:4096:n4:h1 llama3-8b:1:4096:n16
@@ -12,6 +13,12 @@ GQA group is split over clusters) and warp stall reasons between configurations.
 Each argument is model:batch:context:config, config as the tuner writes it ("4", "n4:h1")
 or "sh:n4" for dataflow="split_head". Each configuration runs 4 times (3 warm-ups: pass
 --launch-skip 3 and count 4 launches per configuration, combine kernels excluded by the regex).
+Without XLA_PYTHON_CLIENT_PREALLOCATE=false ncu backs up XLA's whole memory pool before every
+replay pass (the kernel writes the caches in place): minutes per kernel instead of seconds.
+
+What it found (session 4, H100): at one block per SM only 7 clusters of 16 were resident
+(Occupancy: Max Active Clusters), so Llama-3-8B's 8 KV heads ran in two waves; the kernel is
+now built for two blocks per SM wherever its registers allow it.
 """
 
 from __future__ import annotations
