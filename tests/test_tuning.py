@@ -187,3 +187,31 @@ def test_time_call():
 
 def test_device_name():
     assert isinstance(tuning.device_name(), str) and tuning.device_name()
+
+
+def test_time_carried_feeds_each_output_back():
+    step = jax.jit(lambda s: s + 1, donate_argnums=0)
+    seen = []
+
+    def fn(s):
+        seen.append(float(s[0]))
+        return step(s)
+
+    t = tuning.time_carried(fn, jnp.zeros(4), warmup=1, trials=3)
+    assert 0 < t < 10 and seen == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_attention_decode_tuner_measures_with_carried_caches(tmp_path, monkeypatch):
+    """The tuner's measuring path end to end (on the CPU handler here): every candidate is
+    timed with its caches carried and donated, the winner is one of them and is cached."""
+    from jax_cluster.ops import attention_decode as ad
+
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
+    tuning.clear_memory_cache()
+    pick = ad._choose_cluster_size(True, 1, 64, 2, 1, 16, 64, jnp.float32)
+    assert pick in ad._tuner_candidates(2)
+    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
+    assert entry["winner"] == pick and set(entry["times_us"]) == set(map(str, ad._tuner_candidates(2)))
+    assert all(0 < t < 1e7 for t in entry["times_us"].values())  # every candidate ran
+    tuning.clear_memory_cache()

@@ -15,6 +15,7 @@ Donate the caches (jax.jit(..., donate_argnums=...)) so the update happens in pl
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -145,7 +146,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v3 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v4 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(choice):
@@ -158,8 +159,10 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                   f(hq * head_dim, hidden, sc=0.02), jnp.full((batch,), ctx - 1, jnp.int32),
                   jnp.ones((head_dim // 2,), jnp.float32), f(hidden))
 
-        @jax.jit
-        def loop(x, kc, vc):
+        # caches carried and donated: in place, as in a decode loop (a fresh copy of them per
+        # call would add the same time to every candidate and blur their differences)
+        @functools.partial(jax.jit, donate_argnums=0)
+        def loop(state):
             w_qkv, w_o, lengths, inv_freq, nw = consts
 
             def body(i, s):
@@ -168,9 +171,9 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                                         residual=True, cluster_size=n, heads_per_cluster=heads,
                                         impl="xla" if parsed == "xla" else "kernel")
 
-            return jax.lax.fori_loop(0, 10, body, (x, kc, vc))
+            return jax.lax.fori_loop(0, 10, body, state)
 
-        return tuning.time_call(loop, f(batch, hidden), kc, vc) / 10
+        return tuning.time_carried(loop, (f(batch, hidden), kc, vc)) / 10
 
     return tuning.pick("attention_decode", key, _tuner_candidates(hq // hkv), measure,
                        heuristic=heuristic)
