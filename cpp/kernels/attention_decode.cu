@@ -96,6 +96,30 @@ __device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
   return c;
 }
 
+// This block's share of the output projection: W_o column vectors [first, first + count)
+// of its cluster's fp32 partial row.
+struct OutputSlice {
+  float* row;
+  int first, count;
+};
+
+__device__ __forceinline__ OutputSlice output_slice(const AttentionDecodeParams& p, const Ctx& c) {
+  const int vecs = static_cast<int>(p.hidden / 8);
+  const int per_block = (vecs + p.cluster_size - 1) / p.cluster_size;
+  const int first = c.rank * per_block;
+  return {p.partial + ((c.b * p.num_kv_heads + c.g) * p.head_chunks() + c.chunk) * p.hidden, first,
+          max(0, min(per_block, vecs - first))};
+}
+
+// A length outside [0, S_max) makes the row's output NaN (loud, never silently wrong); the
+// whole cluster agrees, as it serves one row.
+__device__ __forceinline__ bool length_out_of_range(const AttentionDecodeParams& p, const Ctx& c,
+                                                    const OutputSlice& out) {
+  if (c.len >= 0 && c.len < p.max_seq) return false;
+  for (int e = threadIdx.x; e < out.count * 8; e += kThreads) out.row[out.first * 8 + e] = NAN;
+  return true;
+}
+
 // out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
 // block's `ncv` column vectors. Threads split rows into groups; partial sums
 // meet in shared memory in a fixed order.
@@ -413,13 +437,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
   reduce_sum.init();
   ptx::cluster_arrive();  // barrier init visible to peers; overlap the wait with the norm
 
-  float* partial_row =
-      p.partial + ((c.b * p.num_kv_heads + c.g) * p.head_chunks() + c.chunk) * p.hidden;
-  const int ovecs = static_cast<int>(p.hidden / 8);
-  const int opb = (ovecs + n - 1) / n;
-  const int o_first = c.rank * opb, o_count = max(0, min(opb, ovecs - o_first));
-  if (c.len < 0 || c.len >= p.max_seq) {  // whole cluster agrees: same row b
-    for (int e = threadIdx.x; e < o_count * 8; e += kThreads) partial_row[o_first * 8 + e] = NAN;
+  const OutputSlice out = output_slice(p, c);
+  float* partial_row = out.row;
+  const int o_first = out.first, o_count = out.count;
+  if (length_out_of_range(p, c, out)) {
     ptx::cluster_wait();
     return;
   }

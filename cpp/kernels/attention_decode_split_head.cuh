@@ -77,13 +77,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   reduce.init();
   ptx::cluster_arrive();
 
-  float* partial_row =
-      p.partial + ((c.b * p.num_kv_heads + c.g) * p.head_chunks() + c.chunk) * p.hidden;
-  const int ovecs = static_cast<int>(p.hidden / 8);
-  const int opb = (ovecs + n - 1) / n;
-  const int o_first = c.rank * opb, o_count = max(0, min(opb, ovecs - o_first));
-  if (c.len < 0 || c.len >= p.max_seq) {  // whole cluster agrees: same row b
-    for (int e = threadIdx.x; e < o_count * 8; e += kThreads) partial_row[o_first * 8 + e] = NAN;
+  const OutputSlice out = output_slice(p, c);
+  float* partial_row = out.row;
+  const int o_first = out.first, o_count = out.count;
+  if (length_out_of_range(p, c, out)) {
     ptx::cluster_wait();
     return;
   }
@@ -247,6 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 5. Output projection of the block's dims: partial [D] row (in h), reduced over the
   // cluster in pieces; block r writes its share of the columns.
   const int64_t head0 = c.g * p.group() + c.chunk * hpc;
+  const int ovecs = static_cast<int>(p.hidden / 8);
   for (int hh = 0; hh < hpc; ++hh) {
     const T* wo = static_cast<const T*>(p.w_o) + ((head0 + hh) * DH + d0) * p.hidden;
     block_gemv<T>(
