@@ -407,9 +407,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
   __syncthreads();
 }
 
-// MH <= 2 with head dim 64 or 128 fits 128 registers without spills (ptxas; 80 and 96
-// spill): two blocks per SM, so clusters of
-// 8 and 16 need half as many SMs of a GPC (to measure: A/B against one block per SM).
+// Blocks per SM: kMinBlocks (above).
 template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
     attention_decode_kernel(const AttentionDecodeParams p) {
