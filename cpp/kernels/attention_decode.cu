@@ -257,6 +257,53 @@ __device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, 
   __syncthreads();
 }
 
+// This block's `my_vecs` column vectors of the group's Q|K|V (from `first_vec`, + bias)
+// into qkv; the rest of its `seg_vecs`-vector segment is zero padding for the gather.
+template <typename T>
+__device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+                                  const float* h, float* red, float* qkv, int first_vec,
+                                  int my_vecs, int seg_vecs) {
+  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int64_t ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  for (int e = threadIdx.x; e < seg_vecs * 8; e += kThreads) my_seg[e] = 0.f;
+  __syncthreads();
+  block_gemv<T>(
+      h, static_cast<int>(p.hidden), static_cast<const T*>(p.w_qkv), ld, my_vecs,
+      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
+      [&](int j, int i, float v) {
+        if (p.has_qkv_bias) {
+          v += to_float(bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
+        }
+        my_seg[j * 8 + i] = v;
+      });
+}
+
+// RoPE at position `pos`, then the new k, v rounded to the cache dtype (what attention
+// reads back for the other tokens). Callers synchronise before reading k, v.
+template <typename T>
+__device__ void rope_and_round_kv(const AttentionDecodeParams& p, float* qkv, int hpc, int pos) {
+  apply_rope(p, qkv, hpc, pos);
+  const int dh = static_cast<int>(p.head_dim);
+  for (int e = threadIdx.x; e < 2 * dh; e += kThreads) {
+    float& v = qkv[hpc * dh + e];
+    v = to_float(from_float<T>(v));
+  }
+}
+
+// The new token's k, v into the caches at lengths[b]: one block of the KV head's first
+// cluster writes them.
+template <typename T>
+__device__ void write_new_kv(const AttentionDecodeParams& p, const Ctx& c, const float* qkv,
+                             int hpc, int64_t kv_row0) {
+  if (c.chunk != 0 || c.rank != 0) return;
+  const int64_t dh = p.head_dim, row = (kv_row0 + c.len) * dh;
+  for (int e = threadIdx.x; e < dh; e += kThreads) {
+    static_cast<T*>(p.k_cache)[row + e] = from_float<T>(qkv[hpc * dh + e]);
+    static_cast<T*>(p.v_cache)[row + e] = from_float<T>(qkv[(hpc + 1) * dh + e]);
+  }
+}
+
 // Blocks per SM the kernel is built for: 2 where ptxas fits it in 128 registers without
 // spills, else 1. Two let clusters of 8 and 16 find enough SMs: at one block per SM an
 // H100 keeps only 7 clusters of 16 resident (ncu: Max Active Clusters), and Llama-3-8B's
@@ -466,19 +513,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
   ptx::cluster_wait();
 
   // 2. QKV projection: this block's column vectors, then gather.
-  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
-  const T* qkv_bias = static_cast<const T*>(p.qkv_bias);
-  for (int e = threadIdx.x; e < L.vecs_per_blk * 8; e += kThreads) my_seg[e] = 0.f;  // padding
-  __syncthreads();
-  block_gemv<T>(
-      h, static_cast<int>(p.hidden), wqkv, qkv_ld, my_vecs,
-      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
-      [&](int j, int i, float v) {
-        if (p.has_qkv_bias) {
-          v += to_float(qkv_bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
-        }
-        my_seg[j * 8 + i] = v;
-      });
+  project_qkv_slice<T>(p, c, hpc, h, red, qkv, first_vec, my_vecs, L.vecs_per_blk);
   const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
   if (threadIdx.x < 2 && t0 < c.len) {  // this block's first cached K and V tokens
     const T* cache = static_cast<const T*>(threadIdx.x == 0 ? p.k_cache : p.v_cache);
@@ -488,20 +523,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
   }
   gather();
 
-  // 3. RoPE; round the new k, v to the cache dtype (what attention reads back).
-  apply_rope(p, qkv, hpc, c.len);
-  for (int e = threadIdx.x; e < 2 * DH; e += kThreads) {
-    float& v = qkv[hpc * DH + e];
-    v = to_float(from_float<T>(v));
-  }
+  // 3. RoPE, the new k, v rounded to the cache dtype and written.
+  rope_and_round_kv<T>(p, qkv, hpc, c.len);
   __syncthreads();
-  const int64_t new_row = (kv_row0 + c.len) * DH;
-  if (c.chunk == 0 && c.rank == 0) {
-    for (int e = threadIdx.x; e < DH; e += kThreads) {
-      static_cast<T*>(p.k_cache)[new_row + e] = from_float<T>(qkv[hpc * DH + e]);
-      static_cast<T*>(p.v_cache)[new_row + e] = from_float<T>(qkv[(hpc + 1) * DH + e]);
-    }
-  }
+  write_new_kv<T>(p, c, qkv, hpc, kv_row0);
 
   // 4. Attention over this block's token slice; the new token comes from smem.
   attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);

@@ -50,6 +50,20 @@ struct SplitHeadLayout {
 // Dims split evenly in 16-byte vectors: Dh / N a multiple of 8.
 __host__ __device__ inline bool split_head_supports(int dh, int n) { return dh % (8 * n) == 0; }
 
+// Token t's 8 values at column `col` of one head's cache rows: the new token (t == len)
+// from shared memory, as other clusters of the KV head do not wait for its write; the
+// others from the cache.
+template <typename T, int DH>
+__device__ __forceinline__ void token_values(const T* cache, const float* fresh, int t, int len,
+                                             int col, float (&f)[8]) {
+  if (t == len) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = fresh[col + i];
+  } else {
+    unpack<T>(ldg_stream(cache + static_cast<int64_t>(t) * DH + col), f);
+  }
+}
+
 template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_decode_split_head_kernel(const AttentionDecodeParams p) {
@@ -90,27 +104,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 2-3. QKV projection (columns split, gathered), RoPE, cache write: as SplitToken.
   const int first_vec = c.rank * L.vecs_per_blk;
   const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
-  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
-  const T* wqkv = static_cast<const T*>(p.w_qkv);
-  const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
-  const T* qkv_bias = static_cast<const T*>(p.qkv_bias);
-  for (int e = threadIdx.x; e < L.vecs_per_blk * 8; e += kThreads) my_seg[e] = 0.f;
-  __syncthreads();
-  block_gemv<T>(
-      h, static_cast<int>(p.hidden), wqkv, qkv_ld, my_vecs,
-      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
-      [&](int j, int i, float v) {
-        if (p.has_qkv_bias) {
-          v += to_float(qkv_bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
-        }
-        my_seg[j * 8 + i] = v;
-      });
+  project_qkv_slice<T>(p, c, hpc, h, red, qkv, first_vec, my_vecs, L.vecs_per_blk);
   gather();
-  apply_rope(p, qkv, hpc, c.len);
-  for (int e = threadIdx.x; e < 2 * DH; e += kThreads) {
-    float& v = qkv[hpc * DH + e];
-    v = to_float(from_float<T>(v));
-  }
+  rope_and_round_kv<T>(p, qkv, hpc, c.len);
   const float qscale = p.scale * kLog2e;
   for (int e = threadIdx.x; e < hpc * DH; e += kThreads) qkv[e] *= qscale;  // exp2-domain scores
   if (threadIdx.x < kMaxH) {
@@ -119,12 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
-  if (c.chunk == 0 && c.rank == 0) {
-    for (int e = threadIdx.x; e < DH; e += kThreads) {
-      static_cast<T*>(p.k_cache)[(kv_row0 + c.len) * DH + e] = from_float<T>(qkv[hpc * DH + e]);
-      static_cast<T*>(p.v_cache)[(kv_row0 + c.len) * DH + e] = from_float<T>(qkv[(hpc + 1) * DH + e]);
-    }
-  }
+  write_new_kv<T>(p, c, qkv, hpc, kv_row0);
 
   // 4. Attention over all tokens, this block's dims d0 + [0, w). The new token (index
   // len) comes from shared memory: other clusters of this KV head do not wait for the write.
@@ -153,12 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tl < count) {
         for (int j = 0; j < wv; ++j) {
           float kf[8];
-          if (t == c.len) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) kf[i] = k_new[j * 8 + i];
-          } else {
-            unpack<T>(ldg_stream(K + static_cast<int64_t>(t) * DH + j * 8), kf);
-          }
+          token_values<T, DH>(K, k_new, t, c.len, j * 8, kf);
 #pragma unroll
           for (int hh = 0; hh < MH; ++hh) {
             if (hh >= hpc) break;
@@ -208,12 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int tl = pv_g; tl < count; tl += groups) {
         const int t = t0 + tl;
         float vf[8];
-        if (t == c.len) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) vf[i] = v_new[pv_j * 8 + i];
-        } else {
-          unpack<T>(ldg_stream(V + static_cast<int64_t>(t) * DH + pv_j * 8), vf);
-        }
+        token_values<T, DH>(V, v_new, t, c.len, pv_j * 8, vf);
 #pragma unroll
         for (int hh = 0; hh < MH; ++hh) {
           const float pr = scores[hh * T_ + tl];
