@@ -7,7 +7,8 @@ weight copies when the weights would fit in L2. Peer: plain jnp under jax.jit
 (silu(x @ w_gate) * (x @ w_up) @ w_down + x). Roofline = bytes (weights + x + residual + y)
 / HBM bandwidth measured in the same run. `auto` is the scheduler's pick, measured in this
 run (a fresh tuning cache unless --keep-cache).
-Run: python benchmarks/swiglu.py [--quick] [--keep-cache]
+Run: python benchmarks/swiglu.py [--quick] [--keep-cache] [--models ...] [--ms ...]
+     [--dtypes ...] [--variants ...] [--part NAME]; --merge a,b joins parts.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import jax.numpy as jnp
 import jax_cluster as jc
 from jax_cluster import tuning
 from jax_cluster.ops import swiglu as sw
-from common import dtype_tag, measure_bandwidth, time_fn, write_results
+from common import dtype_tag, measure_bandwidth, merge_results, time_fn, write_results
 
 SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
 MS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("split", "split_row", "fused", "fused_row")
+VARIANTS = ("split", "split_row", "fused", "fused_row", "stream")
+COLUMNS = ["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction", "pick", "auto_vs_best",
+           "config"]
+EXPLAIN = ("bytes = weights + x + residual + y. jnp = plain jnp under jax.jit. auto = the scheduler's "
+           "pick (`pick`), tuned in the same run; auto_vs_best = its time / the best of the named "
+           "variants and jnp (the scheduler also weighs XLA's dots, variant `xla`).")
 GOALS = "goals: M<=16 >= 92% of roofline, M=64 >= 85%, never slower than jnp, auto within 3% of the best variant"
 
 
@@ -53,7 +59,16 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a subset (< 2 minutes)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use the user's tuning cache instead of tuning afresh in this run")
+    parser.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="our variants to time (and auto)")
+    parser.add_argument("--part", default=None, help="write results/parts/swiglu_PART (a grid run in parts)")
+    parser.add_argument("--merge", default=None, help="no run: join parts a,b,... into results/swiglu")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_results("swiglu", [f"swiglu_{p}" for p in args.merge.split(",")], columns=COLUMNS,
+                             notes=EXPLAIN + " " + GOALS + ".")
     if not args.keep_cache:
         os.environ[tuning.ENV_CACHE] = os.path.join(tempfile.mkdtemp(), "tuning.json")
     os.environ.setdefault(tuning.ENV_ENABLE, "1")
@@ -61,9 +76,10 @@ def main(argv=None):
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", 132)
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {dev.device_kind} ({sms} SMs)")
-    shapes = {k: SHAPES[k] for k in ("70b-tp4", "llama2-7b")} if args.quick else SHAPES
-    ms = (1, 16, 64) if args.quick else MS
-    dtypes = (jnp.float16,) if args.quick else (jnp.float16, jnp.bfloat16)
+    shapes = {k: SHAPES[k] for k in (("70b-tp4", "llama2-7b") if args.quick else args.models.split(","))}
+    ms = (1, 16, 64) if args.quick else tuple(map(int, args.ms.split(",")))
+    dtypes = (jnp.float16,) if args.quick else tuple(jnp.dtype(t) for t in args.dtypes.split(","))
+    variants = tuple(args.variants.split(","))
     rows, misses = [], []
     for model, (d, f) in shapes.items():
         for dtype in dtypes:
@@ -75,7 +91,7 @@ def main(argv=None):
                 base = f"{model} m{m} {dtype_tag(dtype)}"
                 t_jnp = time_us(plain_jnp, inputs)
                 measured, times = {}, {}
-                for v in VARIANTS:  # variants whose configuration coincides are timed once
+                for v in variants:  # variants whose configuration coincides are timed once
                     cfg = sw.make_config(v, m, d, f, True, sms).effective(m)
                     if cfg in measured:
                         times[v] = times[measured[cfg]]
@@ -116,13 +132,10 @@ def main(argv=None):
                     misses.append(f"{base}: our best kernel is {t_jnp / kernel_best:.2f}x jnp")
                 if auto["auto_vs_best"] > 1.03:
                     misses.append(f"{base}: auto {auto['auto_vs_best']:.3f} of the best variant")
-    notes = (f"Bandwidth {bw / 1e12:.2f} TB/s (best of an elementwise pass and a read-only reduction, same run). bytes = weights + x + "
-             f"residual + y. jnp = plain jnp under jax.jit. auto = the scheduler's pick (`pick`), tuned in "
-             f"this run; auto_vs_best = its time / the best of the named variants and jnp (the scheduler also weighs XLA's dots, variant `xla`). {GOALS}. "
-             f"Goals missed: {'; '.join(misses) if misses else 'none'}.")
-    write_results("swiglu", rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},
-                  columns=["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction",
-                           "pick", "auto_vs_best", "config"])
+    notes = (f"Bandwidth {bw / 1e12:.2f} TB/s (best of an elementwise pass and a read-only reduction, "
+             f"same run). {EXPLAIN} {GOALS}. Goals missed: {'; '.join(misses) if misses else 'none'}.")
+    write_results(f"parts/swiglu_{args.part}" if args.part else "swiglu", rows, notes=notes,
+                  extra={"bandwidth_bytes_per_s": bw}, columns=COLUMNS)
     print(GOALS)
     print("goals missed:" if misses else "all goals met", *misses, sep="\n  ")
 

@@ -20,7 +20,7 @@ from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 
 DTYPES = ["float16", "bfloat16"]
 MS = [1, 3, 8, 16, 33, 64, 128]
-VARIANTS = ["split", "split_row", "fused", "fused_row", "xla"]
+VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "xla"]
 # non-square, F = 21 * 64 (not a multiple of 128), D = 320 (down tile of 64 valid columns)
 SHAPES = [(256, 512), (320, 1344), (512, 192)]
 
@@ -110,7 +110,8 @@ def test_cpu_handler_close_to_reference_bitwise_mostly(rng):
 
 @pytest.mark.parametrize(
     "spec", ["split:nu=1:nd=1", "split:nu=16:nd=16:rt=4", "split:rt=2", "fused:n=1:c=1",
-             "fused:n=2:g=1", "fused:n=16:g=3:rt=4", "fused:c=2", "fused:g=64", "fused_row:n=4"])
+             "fused:n=2:g=1", "fused:n=16:g=3:rt=4", "fused:c=2", "fused:g=64", "fused_row:n=4",
+             "stream:rt=1", "stream:rt=4:c=7", "stream:c=1", "stream:c=2000"])
 def test_cpu_knobs_pass_validation(rng, spec):
     """Every knob combination yields a configuration the C++ decoder accepts."""
     for d, f in ((1024, 1024), (256, 192)):
@@ -123,14 +124,18 @@ def test_configs_valid_for_many_shapes():
     for d in (64, 128, 192, 1024, 4096, 8192, 16384):
         for f in (64, 192, 1344, 7168, 11008, 14336, 28672):
             for m in (1, 2, 5, 16, 17, 33, 64, 65, 300):
-                for spec in ("split", "split_row", "fused", "fused_row", "fused:n=16", "fused:n=4"):
+                for spec in ("split", "split_row", "fused", "fused_row", "fused:n=16", "fused:n=4",
+                             "stream"):
                     for down in (True, False):
                         cfg = sw.make_config(spec, m, d, f, down, 132)
                         if cfg is None:
                             continue
                         assert cfg.cluster_up in sw.CLUSTER_SIZES and cfg.cluster_up <= d // 64
                         assert cfg.row_tiles in (1, 2, 4)
-                        if cfg.variant == 1:
+                        if cfg.variant == 2:
+                            assert cfg.num_clusters == (2 if sw.tile_smem(cfg.row_tiles)[1] <= sw._BUDGET2 else 1) * 132
+                            assert sw.tile_smem(cfg.row_tiles)[0] >= 2
+                        elif cfg.variant == 1:
                             assert 1 <= cfg.num_clusters <= f // 64
                             assert sw.fused_smem(cfg.row_tiles, cfg.f_group, cfg.cluster_up, d)[0] >= 2
                         else:
@@ -204,7 +209,8 @@ def test_bad_dtypes_and_variants():
         jc.swiglu(x.astype(jnp.int32), w.astype(jnp.int32), w.astype(jnp.int32))
     for bad, message in [("fast", "variant must be one of"), ("fused:n=3", "cluster sizes are"),
                          ("fused:q=1", "bad knob"), ("split:rt=8", "row tiles are 1, 2 or 4"),
-                         ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), (3, "must be a string")]:
+                         ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), ("stream:c=0", "c= in 1..65535"),
+                         (3, "must be a string")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             jc.swiglu(x, w, w, w, variant=bad)
 
@@ -242,7 +248,8 @@ def test_ffi_validation_errors():
     bad_attrs = [({"row_tiles": 3}, "row_tiles must be 1, 2 or 4"),
                  ({"cluster_up": 4}, "cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64"),
                  ({"num_clusters": 3}, "num_clusters must be in 1..F/64"),
-                 ({"variant": 2}, "variant must be 0")]
+                 ({"variant": 3}, "variant must be 0"),
+                 ({"variant": 2, "num_clusters": 0}, "num_clusters (the stream kernels' blocks) must be in 1..65535")]
     for change, message in bad_attrs:
         with pytest.raises(Exception, match=re.escape(message)):
             jax.jit(lambda x, w: sw._PRIM.bind(x, w, w, w, empty, **{**good, **change})[0])(x, w).block_until_ready()
@@ -310,7 +317,7 @@ def test_gpu_variants(rng, variant, dtype):
 def test_gpu_up_only(rng, dtype):
     for d, f in SHAPES:
         for m in MS:
-            for variant in ("split", "split_row"):
+            for variant in ("split", "split_row", "stream"):
                 inputs = _inputs(rng, m, d, f, dtype, down=False)
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
@@ -320,7 +327,8 @@ def test_gpu_up_only(rng, dtype):
     "spec", ["split:nu=1:nd=1", "split:nu=2:nd=4", "split:nu=16:nd=16", "split:rt=1",
              "split:rt=2", "split:rt=4", "split_row:nu=8", "fused:n=1", "fused:n=2", "fused:n=4",
              "fused:n=16", "fused:n=16:g=1", "fused:g=3", "fused:g=4:rt=4", "fused:c=1",
-             "fused:c=2", "fused:n=8:c=5:g=2", "fused_row:n=16"])
+             "fused:c=2", "fused:n=8:c=5:g=2", "fused_row:n=16", "stream:c=1", "stream:c=7",
+             "stream:c=1000", "stream:rt=1", "stream:rt=2:c=33"])
 def test_gpu_knobs(rng, spec):
     for d, f in ((1024, 1344), (320, 704)):
         for m in (1, 16, 33, 64):
@@ -332,7 +340,7 @@ def test_gpu_knobs(rng, spec):
 def test_gpu_llama_shapes(rng):
     for d, f in ((4096, 11008), (8192, 7168)):
         for m in (1, 16, 64):
-            for variant in ("split", "fused"):
+            for variant in ("split", "fused", "stream"):
                 inputs = _inputs(rng, m, d, f, "float16")
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
@@ -375,7 +383,7 @@ def test_gpu_tuning_disabled_uses_heuristic(rng, tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_variants_agree(rng):
-    """split and fused compute the same A2 (up to fp32 summation order)."""
+    """Every variant computes the same y (up to fp32 summation order)."""
     inputs = [jax.device_put(a, _gpu()) for a in _inputs(rng, 8, 1024, 1344, "float16")]
     outs = [np.asarray(jax.jit(lambda *a, v=v: jc.swiglu(*a, variant=v))(*inputs)) for v in VARIANTS]
     for o in outs[1:]:

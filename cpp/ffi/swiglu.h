@@ -70,7 +70,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
       return fail("residual must be [M, D] of x's dtype");
     }
   }
-  if (variant != 0 && variant != 1) return fail("variant must be 0 (split) or 1 (fused)");
+  if (variant < 0 || variant > 2) return fail("variant must be 0 (split), 1 (fused) or 2 (stream)");
   if (order != 0 && order != 1) return fail("order must be 0 (col) or 1 (row)");
   if (row_tiles != 1 && row_tiles != 2 && row_tiles != 4) return fail("row_tiles must be 1, 2 or 4");
   if (!is_valid_cluster_size(cluster_up) || cluster_up > p.d / 64) {
@@ -79,6 +79,9 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   if (p.variant == SwigluVariant::kSplit && has_down &&
       (!is_valid_cluster_size(cluster_down) || cluster_down > p.f / 64)) {
     return fail("cluster_down must be 1, 2, 4, 8 or 16 and at most F / 64");
+  }
+  if (p.variant == SwigluVariant::kStream && (num_clusters < 1 || num_clusters > 65535)) {
+    return fail("num_clusters (the stream kernels' blocks) must be in 1..65535");
   }
   const bool fused = p.variant == SwigluVariant::kFused && has_down;
   if (fused) {

@@ -370,6 +370,162 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_tile_kernel(const TileArgs
   if (n > 1) ptx::cluster_sync();  // no block leaves while a peer may still address it
 }
 
+// ------------------------------------------------------------------ stream-K kernels
+struct StreamArgs {
+  TileArgs t;               // the GEMM (t.cluster = 1)
+  unsigned int* counters;   // [work tiles], zero before the launch
+  float* slots;             // fp32 partials [segments][slot_rows][128]
+  int64_t slot_rows;
+};
+
+// Work tile w (in tile order) -> its column tile and row group.
+__device__ __forceinline__ void locate_work_tile(const TileArgs& g, int64_t w, int64_t& tile,
+                                                 int64_t& group) {
+  if (g.row_order) {
+    group = w / g.col_tiles;
+    tile = w - group * g.col_tiles;
+  } else {
+    tile = w / g.row_groups;
+    group = w - tile * g.row_groups;
+  }
+}
+
+// The block (of G over U units, block b owning [b U / G, (b + 1) U / G)) that owns unit u.
+__device__ __forceinline__ int64_t owner_block(int64_t u, int64_t units, int64_t blocks) {
+  return ((u + 1) * blocks - 1) / units;
+}
+
+// Issues unit u (work tile u / K, K block u % K) into `stage`.
+template <typename T, int MT>
+__device__ __forceinline__ void issue_unit(const TileArgs& g, int64_t u, uint32_t stage,
+                                           uint64_t policy) {
+  constexpr int R = 16 * MT;
+  const int64_t w = u / g.k_blocks, kb = u - w * g.k_blocks;
+  int64_t tile, group;
+  locate_work_tile(g, w, tile, group);
+  const int64_t row0 = group * R;
+  const T* b0 = static_cast<const T*>(g.b0) + tile * (g.up ? 64 : 128);
+  const T* b1 = g.up ? static_cast<const T*>(g.b1) + tile * 64
+                     : (tile * 128 + 64 < g.out_cols ? b0 + 64 : nullptr);
+  issue_stage<T, MT>(stage, b0, b1, g.b_ld, kb * 64, static_cast<const T*>(g.a) + row0 * g.a_ld,
+                     g.a_ld, g.m - row0, kb * 64, g.hint, policy);
+}
+
+// Rows [0, rows) of the accumulators (store_acc's layout) to dst [rows][128] (fp32).
+template <int MT>
+__device__ __forceinline__ void store_acc_rows(float* dst, const float (&acc)[MT][2][4], int warp,
+                                               int lane, int rows) {
+  const int r = lane >> 2, c = 2 * (lane & 3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + r + 8 * h;
+        if (row < rows) {
+          *reinterpret_cast<float2*>(dst + row * 128 + warp * 16 + nt * 8 + c) =
+              make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        }
+      }
+}
+
+// The last block of work tile w: sums the partial slots of blocks first..last in block
+// order and writes A2 (up: SiLU(gate) * up) or y (down: + residual).
+template <typename T, int MT>
+__device__ __forceinline__ void finish_work_tile(const StreamArgs& s, int64_t w, int64_t first,
+                                                 int64_t last) {
+  constexpr int R = 16 * MT;
+  const TileArgs& g = s.t;
+  int64_t tile, group;
+  locate_work_tile(g, w, tile, group);
+  const int64_t row0 = group * R;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
+  const int64_t slot_floats = s.slot_rows * 128;
+  const int vpr = g.up ? 16 : 32;  // float4 outputs per row
+  for (int i = threadIdx.x; i < rows * vpr; i += kThreads) {
+    const int row = i / vpr, v = i - row * vpr;
+    const int64_t m = row0 + row;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+    for (int64_t blk = first; blk <= last; ++blk) {
+      const float* slot = s.slots + (blk + w) * slot_floats + row * 128 + 4 * v;
+      a = add4(a, __ldcg(reinterpret_cast<const float4*>(slot)));
+      if (g.up) b = add4(b, __ldcg(reinterpret_cast<const float4*>(slot + 64)));
+    }
+    if (g.up) {
+      *reinterpret_cast<uint2*>(static_cast<T*>(g.out) + m * g.out_cols + tile * 64 + 4 * v) =
+          pack4<T>(silu(a.x) * b.x, silu(a.y) * b.y, silu(a.z) * b.z, silu(a.w) * b.w);
+    } else {
+      const int64_t col = tile * 128 + 4 * v;
+      if (col >= g.out_cols) continue;
+      if (g.residual != nullptr) {
+        a = add4(a, unpack4<T>(*reinterpret_cast<const uint2*>(
+                        static_cast<const T*>(g.residual) + m * g.out_cols + col)));
+      }
+      *reinterpret_cast<uint2*>(static_cast<T*>(g.out) + m * g.out_cols + col) =
+          pack4<T>(a.x, a.y, a.z, a.w);
+    }
+  }
+}
+
+// gridDim.x <= units: every block owns at least one unit (finish_work_tile's count of a
+// tile's contributors, last - first + 1, relies on it).
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 2) swiglu_stream_kernel(const StreamArgs args) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int tile_done;  // this block arrived last at the tile it just left
+  constexpr int R = 16 * MT;
+  const TileArgs& g = args.t;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t K = g.k_blocks, units = g.col_tiles * g.row_groups * K, blocks = gridDim.x;
+  const int64_t b = blockIdx.x;
+  const int64_t u0 = b * units / blocks;
+  const int n = static_cast<int>((b + 1) * units / blocks - u0);
+  const int stage_bytes = kStageB + R * 128;
+  const uint32_t stages_addr = ptx::smem_addr(smem);
+  const uint64_t policy = evict_first_policy();
+  const int S = g.stages;
+
+  float acc[MT][2][4];
+  zero_acc(acc);
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < n) issue_unit<T, MT>(g, u0 + i, stages_addr + i * stage_bytes, policy);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n; ++i) {
+    cp_async_wait_dyn(S - 2);
+    __syncthreads();  // unit i landed for every thread; unit i - 1 fully consumed
+    if (i + S - 1 < n) {
+      issue_unit<T, MT>(g, u0 + i + S - 1, stages_addr + ((i + S - 1) % S) * stage_bytes, policy);
+    }
+    cp_async_commit();
+    const int64_t u = u0 + i, w = u / K;
+    int64_t tile, group;
+    locate_work_tile(g, w, tile, group);
+    const bool half = !g.up && tile * 128 + 64 >= g.out_cols;  // down tile of 64 columns
+    const uint32_t st = stages_addr + (i % S) * stage_bytes;
+    if (!half || warp < 4) mma_stage<T, MT>(acc, st + kStageB, 128, 0, st, warp, lane);
+    if (u - w * K != K - 1 && i != n - 1) continue;
+    // ---- segment end: partial to slot b + w; the tile's last block finishes it
+    const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - group * R));
+    store_acc_rows<MT>(args.slots + (b + w) * args.slot_rows * 128, acc, warp, lane, rows);
+    zero_acc(acc);
+    __threadfence();
+    __syncthreads();
+    const int64_t first = owner_block(w * K, units, blocks);
+    const int64_t last = owner_block(w * K + K - 1, units, blocks);
+    if (tid == 0) {
+      tile_done = atomicAdd(args.counters + w, 1u) == static_cast<unsigned int>(last - first);
+    }
+    __syncthreads();
+    if (tile_done) {
+      __threadfence();
+      finish_work_tile<T, MT>(args, w, first, last);
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // ------------------------------------------------------------------ fused kernel
 struct FusedArgs {
   const void* x;
@@ -678,16 +834,13 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
 }
 
 // ------------------------------------------------------------------ launchers
-template <typename T, int MT>
-cudaError_t launch_tile(const SwigluParams& p, bool up, cudaStream_t stream) {
-  const SwigluSmemPlan plan = swiglu_tile_smem(p);
-  if (plan.stages == 0) return cudaErrorInvalidValue;
-  const int64_t R = 16 * MT;
+// The GEMM of the up (x @ [w_gate | w_up]) or down (A2 @ w_down) stage, for R-row blocks.
+TileArgs make_tile_args(const SwigluParams& p, bool up, int64_t R, void* a2, int stages) {
   TileArgs a;
   a.m = p.m;
   a.row_groups = swiglu_ceil_div(p.m, R);
   a.row_order = p.order == SwigluOrder::kRow;
-  a.stages = plan.stages;
+  a.stages = stages;
   a.hint = a.row_groups == 1;  // each weight byte is read exactly once
   a.up = up;
   if (up) {
@@ -700,10 +853,10 @@ cudaError_t launch_tile(const SwigluParams& p, bool up, cudaStream_t stream) {
     a.col_tiles = p.f / 64;
     a.out_cols = p.f;
     a.residual = nullptr;
-    a.out = p.has_down ? p.workspace : p.out;
+    a.out = p.has_down ? a2 : p.out;
     a.cluster = p.cluster_up;
   } else {
-    a.a = p.workspace;
+    a.a = a2;
     a.a_ld = p.f;
     a.b0 = p.w_down;
     a.b1 = nullptr;
@@ -715,9 +868,46 @@ cudaError_t launch_tile(const SwigluParams& p, bool up, cudaStream_t stream) {
     a.out = p.out;
     a.cluster = p.cluster_down;
   }
+  return a;
+}
+
+template <typename T, int MT>
+cudaError_t launch_tile(const SwigluParams& p, bool up, cudaStream_t stream) {
+  const SwigluSmemPlan plan = swiglu_tile_smem(p);
+  if (plan.stages == 0) return cudaErrorInvalidValue;
+  const TileArgs a = make_tile_args(p, up, 16 * MT, p.workspace, plan.stages);
   const int64_t blocks = a.col_tiles * a.row_groups * a.cluster;
   return launch_cluster(swiglu_tile_kernel<T, MT>, dim3(static_cast<unsigned>(blocks)),
                         dim3(kThreads), static_cast<size_t>(plan.bytes), a.cluster, stream, a);
+}
+
+// Both stream-K GEMMs (or the up one alone): one memset of every tile counter, then the
+// persistent kernels in stream order (the down kernel reads A2 from the workspace).
+template <typename T, int MT>
+cudaError_t launch_stream(const SwigluParams& p, cudaStream_t stream) {
+  const SwigluSmemPlan plan = swiglu_tile_smem(p);
+  if (plan.stages == 0 || p.num_clusters < 1) return cudaErrorInvalidValue;
+  const SwigluStreamLayout l = swiglu_stream_layout(p);
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
+  StreamArgs s;
+  s.slots = reinterpret_cast<float*>(ws + l.slots);
+  s.slot_rows = l.slot_rows;
+  for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
+    s.t = make_tile_args(p, up == 1, 16 * MT, ws, plan.stages);
+    s.t.cluster = 1;
+    s.counters = counters + (up == 1 ? 0 : l.tiles_up);
+    // At most one block per unit: then every block owns >= 1 unit, so the blocks between a
+    // tile's first and last owner all contribute (the kernel counts on it).
+    const int64_t units = s.t.col_tiles * s.t.row_groups * s.t.k_blocks;
+    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
+        swiglu_stream_kernel<T, MT>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+        static_cast<size_t>(plan.bytes), 1, stream, s));
+  }
+  return cudaSuccess;
 }
 
 template <typename T, int MT>
@@ -753,6 +943,7 @@ cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {
 
 template <typename T, int MT>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
+  if (p.variant == SwigluVariant::kStream) return launch_stream<T, MT>(p, stream);
   if (!p.has_down) return launch_tile<T, MT>(p, true, stream);
   if (p.variant == SwigluVariant::kFused) return launch_fused<T, MT>(p, stream);
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_tile<T, MT>(p, true, stream)));

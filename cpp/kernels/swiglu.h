@@ -17,6 +17,15 @@
 //    by w_down[group rows, columns of rank r] and accumulates in shared memory across
 //    groups. Each cluster's partial y goes to the workspace; the last cluster to finish
 //    a column range (integer counter) sums all clusters' partials in cluster order.
+//  * kStream: the split form's two GEMMs, each as ONE persistent ("stream-K") kernel of
+//    G plain blocks (G = resident blocks: no partial last wave). The work of a GEMM is the
+//    flat sequence of (work tile, 64-row K block) units, work tiles in tile order, K
+//    fastest; block b streams units [b U / G, (b + 1) U / G) without draining its cp.async
+//    pipeline between tiles. A block that ends a tile's K range (or its own) writes the
+//    fp32 partial to a slot in the workspace; the last of a tile's blocks to arrive
+//    (integer counter) sums the partials in block order (deterministic) and applies the
+//    epilogue (SiLU*mul / residual). Wave quantisation and per-block pipeline ramps are
+//    what cost the split kernels ~15-20% against XLA at M <= 16.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds
@@ -34,7 +43,7 @@
 
 namespace jax_cluster {
 
-enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1 };
+enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2 };
 enum class SwigluOrder : int32_t { kCol = 0, kRow = 1 };
 
 inline constexpr int64_t kSwigluAlign = 64;      // D and F must be multiples of this
@@ -56,14 +65,14 @@ struct SwigluParams {
   int cluster_down;  // split: blocks per cluster of the down kernel
   int row_tiles;     // 16-row mma tiles per block (1, 2 or 4)
   int f_group;       // fused: 64-column F tiles per DSMEM exchange
-  int num_clusters;  // fused: clusters in the persistent grid
+  int num_clusters;  // fused: clusters in the persistent grid; stream: blocks (clusters of 1)
   const void* x;
   const void* w_gate;
   const void* w_up;
   const void* w_down;
   const void* residual;
   void* out;        // [M, D] with w_down, else A2 [M, F]
-  void* workspace;  // split: A2 [M, F]; fused: counters + partials (swiglu_workspace_bytes)
+  void* workspace;  // split: A2 [M, F]; fused: counters + partials; stream: SwigluStreamLayout
 };
 
 inline int64_t swiglu_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -113,10 +122,38 @@ inline SwigluSmemPlan swiglu_fused_smem(const SwigluParams& p) {
   return swiglu_smem_plan(swiglu_fused_fixed_bytes(p), swiglu_stage_bytes(swiglu_rows_per_block(p)));
 }
 
+// Stream-K workspace: [A2 [M, F] (with w_down) | counters (one per work tile of either
+// GEMM) | partial slots]. A GEMM of T work tiles split over G blocks has at most G + T - 1
+// (block, tile) segments; segment (b, t) writes slot b + t (distinct for every non-empty
+// segment), slot_rows x 128 fp32 each. Both GEMMs reuse the slots (they run in turn).
+struct SwigluStreamLayout {
+  int64_t tiles_up, tiles_down;  // work tiles: column tiles x row groups
+  int64_t slot_rows;             // min(M, rows per block)
+  int64_t counters;              // byte offsets
+  int64_t slots;
+  int64_t total;                 // bytes
+};
+
+inline int64_t swiglu_align16(int64_t v) { return (v + 15) / 16 * 16; }
+
+inline SwigluStreamLayout swiglu_stream_layout(const SwigluParams& p) {
+  const int64_t rows = swiglu_rows_per_block(p), groups = swiglu_ceil_div(p.m, rows);
+  SwigluStreamLayout l;
+  l.tiles_up = p.f / 64 * groups;
+  l.tiles_down = p.has_down ? swiglu_ceil_div(p.d, kSwigluDownTile) * groups : 0;
+  l.slot_rows = std::min(p.m, rows);
+  l.counters = p.has_down ? swiglu_align16(p.m * p.f * dtype_size(p.dtype)) : 0;
+  l.slots = l.counters + swiglu_align16(4 * (l.tiles_up + l.tiles_down));
+  const int64_t segments = p.num_clusters + std::max(l.tiles_up, l.tiles_down) - 1;
+  l.total = l.slots + segments * l.slot_rows * 128 * 4;
+  return l;
+}
+
 // Fused workspace: 16 counters (one per rank, 64 bytes) then fp32 partials [C][M][D].
 inline constexpr int64_t kSwigluCounterBytes = 64;
 
 inline int64_t swiglu_workspace_bytes(const SwigluParams& p) {
+  if (p.variant == SwigluVariant::kStream) return swiglu_stream_layout(p).total;
   if (p.variant == SwigluVariant::kSplit) {
     return p.has_down ? p.m * p.f * dtype_size(p.dtype) : 0;
   }

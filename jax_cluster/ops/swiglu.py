@@ -19,6 +19,11 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                and clusters' partial outputs are summed in cluster order by the last one.
                Column-major: as many rows per pass as shared memory holds (weights once).
   "fused_row"  the fused kernel with one 16-row tile per pass (row-major).
+  "stream"     the split form's two GEMMs as persistent stream-K kernels: one block per
+               resident slot (no partial last wave), each streaming an equal share of the
+               flat (tile, K block) sequence without draining its copy pipeline between
+               tiles; partial tiles meet in a workspace and the last block to arrive sums
+               them in block order (deterministic) and applies SiLU*mul / the residual.
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, M = 1..64: they do, see
@@ -30,7 +35,7 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
-down kernels).
+down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
 columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
@@ -52,7 +57,7 @@ from jax.core import ShapedArray
 from jax_cluster import reference, tuning
 from jax_cluster.ops._primitive import ffi_primitive
 
-VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "xla")
+VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "xla")
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
@@ -70,18 +75,20 @@ _COUNTER_BYTES = 64
 class Config:
     """One concrete launch configuration (the FFI attributes)."""
 
-    variant: int  # 0 split, 1 fused
+    variant: int  # 0 split, 1 fused, 2 stream
     order: int  # 0 col, 1 row
     cluster_up: int
     cluster_down: int
     row_tiles: int
     f_group: int
-    num_clusters: int
+    num_clusters: int  # fused: clusters; stream: blocks (clusters of one)
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
+        if self.variant == 2:
+            return f"stream rt{self.row_tiles} c{self.num_clusters}"
         if self.variant == 1:
             return (f"fused n{self.cluster_up} g{self.f_group} rt{self.row_tiles} "
                     f"c{self.num_clusters}")
@@ -91,7 +98,7 @@ class Config:
     def effective(self, m: int) -> "Config":
         """The same configuration with knobs that cannot change the launch normalised
         (tile order with one row group, or in the fused kernel): equal means same kernels."""
-        if self.variant == 1 or _ceil_div(m, 16 * self.row_tiles) == 1:
+        if self.variant in (1, 2) or _ceil_div(m, 16 * self.row_tiles) == 1:
             return dataclasses.replace(self, order=0)
         return self
 
@@ -131,7 +138,26 @@ def fused_smem(row_tiles: int, f_group: int, cluster: int, d: int) -> tuple[int,
     return _smem_plan(fixed, _stage_bytes(rows))
 
 
+def _align16(v: int) -> int:
+    return _ceil_div(v, 16) * 16
+
+
+def stream_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
+                           has_down: bool) -> int:
+    """[A2 | one counter per work tile of each GEMM | partial slots] (swiglu_stream_layout)."""
+    rows = 16 * cfg.row_tiles
+    groups = _ceil_div(m, rows)
+    tiles_up = f // 64 * groups
+    tiles_down = _ceil_div(d, 128) * groups if has_down else 0
+    a2 = _align16(m * f * itemsize) if has_down else 0
+    counters = _align16(4 * (tiles_up + tiles_down))
+    segments = cfg.num_clusters + max(tiles_up, tiles_down) - 1
+    return a2 + counters + segments * min(m, rows) * 128 * 4
+
+
 def workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int, has_down: bool) -> int:
+    if cfg.variant == 2:
+        return stream_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if not has_down:
         return 0
     if cfg.variant == 0:
@@ -156,15 +182,15 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if key not in _KNOBS or not value.isdigit():
             raise ValueError(f"swiglu: bad knob {knob!r} in variant {spec!r}; knobs are "
                              f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
-                             "exchange), c= (clusters), each an integer")
+                             "exchange), c= (clusters; for 'stream' blocks), each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
         if key in out and out[key] not in CLUSTER_SIZES:
             raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: cluster sizes are {CLUSTER_SIZES}")
     if "rt" in out and out["rt"] not in (1, 2, 4):
         raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
-    if out.get("g", 1) < 1 or out.get("c", 1) < 1:
-        raise ValueError(f"swiglu: g= and c= must be >= 1 in {spec!r}")
+    if out.get("g", 1) < 1 or not 1 <= out.get("c", 1) <= 65535:
+        raise ValueError(f"swiglu: g= must be >= 1 and c= in 1..65535 in {spec!r}")
     return name, out
 
 
@@ -205,6 +231,9 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         c = min(kn["c"], fblk) if "c" in kn else _pick_clusters(fblk, max_c)
         return Config(1, 1 if row else 0, n, 1, rt, g, c)
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
+    if name == "stream":  # one block per resident slot: 2 per SM when the stages fit
+        per_sm = 2 if tile_smem(rt)[1] <= _BUDGET2 else 1
+        return Config(2, 0, 1, 1, rt, 1, kn.get("c", per_sm * num_sms))
     groups = _ceil_div(m, 16 * rt)
     target = 4 * num_sms  # blocks: a few waves of two blocks per SM
     nu = kn.get("nu", kn.get("n", _pow2_ceil(_ceil_div(target, fblk * groups))))
@@ -224,10 +253,11 @@ def heuristic_variant(m: int, has_down: bool) -> str:
 def candidates(m: int, has_down: bool) -> list[str]:
     """What the scheduler measures for one shape (XLA's dots included: never slower)."""
     if not has_down:
-        return ["split", "split:rt=1", "split_row", "xla"] if m > 16 else ["split", "split:nu=16", "xla"]
-    out = ["split", "fused", "fused:n=16", "fused:n=4"]
+        return (["split", "split:rt=1", "split_row", "stream", "stream:rt=1", "xla"] if m > 16
+                else ["split", "split:nu=16", "stream", "xla"])
+    out = ["split", "stream", "fused", "fused:n=16", "fused:n=4"]
     if m > 16:
-        out += ["split:rt=1", "split_row", "fused_row"]
+        out += ["split:rt=1", "split_row", "stream:rt=1", "fused_row"]
     return out + ["xla"]
 
 
@@ -235,7 +265,7 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 2  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 3  # bump when the kernels change: cached choices are then re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
