@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "ffi/common.h"
@@ -18,7 +19,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
     ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order, int64_t cluster_up,
     int64_t cluster_down, int64_t row_tiles, int64_t f_group, int64_t num_clusters,
-    bool has_down, bool has_residual) {
+    int64_t k_splits_up, int64_t k_splits_down, bool has_down, bool has_residual) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("swiglu: " + m));
   };
@@ -42,6 +43,8 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   p.row_tiles = static_cast<int>(row_tiles);
   p.f_group = static_cast<int>(f_group);
   p.num_clusters = static_cast<int>(num_clusters);
+  p.k_splits_up = static_cast<int>(k_splits_up);
+  p.k_splits_down = static_cast<int>(k_splits_down);
   if (p.m < 1) return fail("x must have at least one row");
   if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
   if (p.d % kSwigluAlign || p.f % kSwigluAlign) {
@@ -70,7 +73,21 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
       return fail("residual must be [M, D] of x's dtype");
     }
   }
-  if (variant < 0 || variant > 2) return fail("variant must be 0 (split), 1 (fused) or 2 (stream)");
+  if (variant < 0 || variant > 3) {
+    return fail("variant must be 0 (split), 1 (fused), 2 (stream) or 3 (gemv)");
+  }
+  if (p.variant == SwigluVariant::kGemv) {
+    if (p.m > kSwigluGemvMaxRows) return fail("the gemv variant takes at most 8 rows of x");
+    const int64_t xrow = swiglu_gemv_rows(p.m) * 4;  // bytes of one K row of x, fp32
+    for (auto [splits, k, name] : {std::tuple{k_splits_up, p.d, "k_splits_up"},
+                                   std::tuple{k_splits_down, has_down ? p.f : 64, "k_splits_down"}}) {
+      if (splits < 1 || splits > k / 16 || swiglu_gemv_chunk(k, splits) * xrow > kSwigluGemvXBytes) {
+        return fail(std::string(name) + " must be in 1..K/16 with K/" + name +
+                    " rows of x fitting 32 KB of shared memory (fp32), got " +
+                    std::to_string(splits));
+      }
+    }
+  }
   if (order != 0 && order != 1) return fail("order must be 0 (col) or 1 (row)");
   if (row_tiles != 1 && row_tiles != 2 && row_tiles != 4) return fail("row_tiles must be 1, 2 or 4");
   if (!is_valid_cluster_size(cluster_up) || cluster_up > p.d / 64) {
@@ -124,6 +141,8 @@ auto bind_swiglu(Binding&& b) {
       .template Attr<int64_t>("row_tiles")
       .template Attr<int64_t>("f_group")
       .template Attr<int64_t>("num_clusters")
+      .template Attr<int64_t>("k_splits_up")
+      .template Attr<int64_t>("k_splits_down")
       .template Attr<bool>("has_down")
       .template Attr<bool>("has_residual");
 }
@@ -135,7 +154,9 @@ auto bind_swiglu(Binding&& b) {
       ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,                               \
       ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order,                  \
       int64_t cluster_up, int64_t cluster_down, int64_t row_tiles, int64_t f_group,           \
-      int64_t num_clusters, bool has_down, bool has_residual
+      int64_t num_clusters, int64_t k_splits_up, int64_t k_splits_down, bool has_down,      \
+      bool has_residual
 #define JAX_CLUSTER_SWIGLU_DECODE                                                             \
   decode_swiglu(x, w_gate, w_up, w_down, residual, out, workspace, variant, order, cluster_up, \
-                cluster_down, row_tiles, f_group, num_clusters, has_down, has_residual)
+                cluster_down, row_tiles, f_group, num_clusters, k_splits_up, k_splits_down,     \
+                has_down, has_residual)

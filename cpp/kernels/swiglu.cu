@@ -963,6 +963,7 @@ cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream) {
+  if (p.variant == SwigluVariant::kGemv) return launch_swiglu_gemv(p, stream);
   switch (p.dtype) {
     case DType::kF16: return launch_typed<__half>(p, stream);
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);

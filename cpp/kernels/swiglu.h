@@ -26,6 +26,13 @@
 //    (integer counter) sums the partials in block order (deterministic) and applies the
 //    epilogue (SiLU*mul / residual). Wave quantisation and per-block pipeline ramps are
 //    what cost the split kernels ~15-20% against XLA at M <= 16.
+//  * kGemv (M <= kSwigluGemvMaxRows): the two GEMMs on CUDA cores, no shared-memory
+//    staging of weights: each thread streams 16-byte weight vectors straight into
+//    registers (8 loads in flight) and FMAs them with x held in shared memory. A block
+//    owns a 128-column tile (gate AND up for the up GEMM) and one of `k_splits` K chunks;
+//    the chunks' fp32 partials meet in the workspace and the tile's last block sums them in
+//    chunk order (deterministic). The access pattern of benchmarks/micro/gemv_locality.cu,
+//    which read weights at ~3.05 TB/s on H100 where the cp.async/mma engine reached 2.26.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds
@@ -43,7 +50,7 @@
 
 namespace jax_cluster {
 
-enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2 };
+enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2, kGemv = 3 };
 enum class SwigluOrder : int32_t { kCol = 0, kRow = 1 };
 
 inline constexpr int64_t kSwigluAlign = 64;      // D and F must be multiples of this
@@ -51,6 +58,9 @@ inline constexpr int64_t kSwigluFTile = 64;      // F columns of w_gate/w_up per
 inline constexpr int64_t kSwigluDownTile = 128;  // output columns per cluster (split down)
 inline constexpr int64_t kSwigluStageB = 64 * 128 * 2;  // bytes of one B stage [64][128]
 inline constexpr int kSwigluMaxStages = 8;
+inline constexpr int64_t kSwigluGemvMaxRows = 8;    // M of the gemv variant
+inline constexpr int64_t kSwigluGemvCols = 128;     // columns per gemv block (per matrix)
+inline constexpr int64_t kSwigluGemvXBytes = 32 * 1024;  // x chunk in shared memory, fp32
 // Shared-memory budgets: two blocks per SM, or one.
 inline constexpr int64_t kSwigluSmemBudget2 = 112 * 1024;
 inline constexpr int64_t kSwigluSmemBudget1 = 220 * 1024;
@@ -66,6 +76,8 @@ struct SwigluParams {
   int row_tiles;     // 16-row mma tiles per block (1, 2 or 4)
   int f_group;       // fused: 64-column F tiles per DSMEM exchange
   int num_clusters;  // fused: clusters in the persistent grid; stream: blocks (clusters of 1)
+  int k_splits_up;    // gemv: K chunks of the up GEMM (blocks per column tile)
+  int k_splits_down;  // gemv: K chunks of the down GEMM
   const void* x;
   const void* w_gate;
   const void* w_up;
@@ -149,11 +161,39 @@ inline SwigluStreamLayout swiglu_stream_layout(const SwigluParams& p) {
   return l;
 }
 
+// Gemv: rows of x padded to a power of two (the kernel's template rows).
+inline int64_t swiglu_gemv_rows(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
+
+// Gemv workspace: [A2 [M, F] (with w_down) | counters (one per column tile of either
+// GEMM) | fp32 partials [tile][k chunk][M][cols] (256 cols up: gate | up, 128 down)].
+struct SwigluGemvLayout {
+  int64_t tiles_up, tiles_down;
+  int64_t counters, slots, total;  // byte offsets, bytes
+};
+
+inline SwigluGemvLayout swiglu_gemv_layout(const SwigluParams& p) {
+  SwigluGemvLayout l;
+  l.tiles_up = swiglu_ceil_div(p.f, kSwigluGemvCols);
+  l.tiles_down = p.has_down ? swiglu_ceil_div(p.d, kSwigluGemvCols) : 0;
+  l.counters = p.has_down ? swiglu_align16(p.m * p.f * dtype_size(p.dtype)) : 0;
+  l.slots = l.counters + swiglu_align16(4 * (l.tiles_up + l.tiles_down));
+  const int64_t up = p.k_splits_up > 1 ? l.tiles_up * p.k_splits_up * 2 : 0;
+  const int64_t down = p.has_down && p.k_splits_down > 1 ? l.tiles_down * p.k_splits_down : 0;
+  l.total = l.slots + std::max(up, down) * p.m * kSwigluGemvCols * 4;
+  return l;
+}
+
+// K rows per chunk when K is split `splits` ways (a multiple of 16: whole row passes).
+inline int64_t swiglu_gemv_chunk(int64_t k, int64_t splits) {
+  return swiglu_ceil_div(swiglu_ceil_div(k, splits), 16) * 16;
+}
+
 // Fused workspace: 16 counters (one per rank, 64 bytes) then fp32 partials [C][M][D].
 inline constexpr int64_t kSwigluCounterBytes = 64;
 
 inline int64_t swiglu_workspace_bytes(const SwigluParams& p) {
   if (p.variant == SwigluVariant::kStream) return swiglu_stream_layout(p).total;
+  if (p.variant == SwigluVariant::kGemv) return swiglu_gemv_layout(p).total;
   if (p.variant == SwigluVariant::kSplit) {
     return p.has_down ? p.m * p.f * dtype_size(p.dtype) : 0;
   }

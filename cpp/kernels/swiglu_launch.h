@@ -11,4 +11,7 @@ namespace jax_cluster {
 // fused kernel's counters); every CUDA return code is checked.
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream);
 
+// The gemv variant (kernels/swiglu_gemv.cu); launch_swiglu dispatches to it.
+cudaError_t launch_swiglu_gemv(const SwigluParams& p, cudaStream_t stream);
+
 }  // namespace jax_cluster

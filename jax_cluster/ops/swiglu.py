@@ -24,6 +24,11 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                flat (tile, K block) sequence without draining its copy pipeline between
                tiles; partial tiles meet in a workspace and the last block to arrive sums
                them in block order (deterministic) and applies SiLU*mul / the residual.
+  "gemv"       M <= 8 (larger M runs in 8-row chunks): both GEMMs on CUDA cores, weights
+               streamed from HBM straight into registers (no shared-memory staging, 8
+               16-byte loads in flight per thread), x in shared memory; each block owns
+               128 columns (gate and up) and one K chunk; chunks are summed in order by
+               the tile's last block (deterministic).
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, M = 1..64: they do, see
@@ -35,7 +40,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
-down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid).
+down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid),
+"gemv:ku=8:kd=21" (K chunks of the up and down GEMMs).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
 columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
@@ -57,11 +63,14 @@ from jax.core import ShapedArray
 from jax_cluster import reference, tuning
 from jax_cluster.ops._primitive import ffi_primitive
 
-VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "xla")
+VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "xla")
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
-_KNOBS = {"n", "nu", "nd", "rt", "g", "c"}
+_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd"}
+GEMV_MAX_ROWS = 8  # the gemv kernels' M; larger M runs in chunks of this many rows
+_GEMV_COLS = 128
+_GEMV_X_BYTES = 32 * 1024
 
 # Mirrors cpp/kernels/swiglu.h (shared-memory plan and workspace).
 _STAGE_B = 64 * 128 * 2
@@ -75,18 +84,22 @@ _COUNTER_BYTES = 64
 class Config:
     """One concrete launch configuration (the FFI attributes)."""
 
-    variant: int  # 0 split, 1 fused, 2 stream
+    variant: int  # 0 split, 1 fused, 2 stream, 3 gemv
     order: int  # 0 col, 1 row
     cluster_up: int
     cluster_down: int
     row_tiles: int
     f_group: int
     num_clusters: int  # fused: clusters; stream: blocks (clusters of one)
+    k_splits_up: int = 1  # gemv: K chunks of each GEMM
+    k_splits_down: int = 1
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
+        if self.variant == 3:
+            return f"gemv ku{self.k_splits_up} kd{self.k_splits_down}"
         if self.variant == 2:
             return f"stream rt{self.row_tiles} c{self.num_clusters}"
         if self.variant == 1:
@@ -98,7 +111,7 @@ class Config:
     def effective(self, m: int) -> "Config":
         """The same configuration with knobs that cannot change the launch normalised
         (tile order with one row group, or in the fused kernel): equal means same kernels."""
-        if self.variant in (1, 2) or _ceil_div(m, 16 * self.row_tiles) == 1:
+        if self.variant in (1, 2, 3) or _ceil_div(m, 16 * self.row_tiles) == 1:
             return dataclasses.replace(self, order=0)
         return self
 
@@ -155,7 +168,39 @@ def stream_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
     return a2 + counters + segments * min(m, rows) * 128 * 4
 
 
+def gemv_rows(m: int) -> int:
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+
+
+def gemv_chunk(k: int, splits: int) -> int:
+    """K rows per chunk (a multiple of 16) when K is split `splits` ways."""
+    return _ceil_div(_ceil_div(k, splits), 16) * 16
+
+
+def gemv_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
+                         has_down: bool) -> int:
+    """[A2 | one counter per column tile of each GEMM | fp32 partials] (swiglu_gemv_layout)."""
+    tiles_up = _ceil_div(f, _GEMV_COLS)
+    tiles_down = _ceil_div(d, _GEMV_COLS) if has_down else 0
+    a2 = _align16(m * f * itemsize) if has_down else 0
+    counters = _align16(4 * (tiles_up + tiles_down))
+    up = tiles_up * cfg.k_splits_up * 2 if cfg.k_splits_up > 1 else 0
+    down = tiles_down * cfg.k_splits_down if has_down and cfg.k_splits_down > 1 else 0
+    return a2 + counters + max(up, down) * m * _GEMV_COLS * 4
+
+
+def _gemv_splits(k: int, tiles: int, rows: int, num_sms: int, want: int | None = None) -> int:
+    """K chunks: `want`, or about five blocks per SM in all; raised until a chunk's x fits
+    shared memory, at most K / 16."""
+    s = want if want is not None else max(1, round(5 * num_sms / tiles))
+    while gemv_chunk(k, s) * rows * 4 > _GEMV_X_BYTES:
+        s += 1
+    return max(1, min(s, k // 16))
+
+
 def workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int, has_down: bool) -> int:
+    if cfg.variant == 3:
+        return gemv_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if cfg.variant == 2:
         return stream_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if not has_down:
@@ -182,11 +227,15 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if key not in _KNOBS or not value.isdigit():
             raise ValueError(f"swiglu: bad knob {knob!r} in variant {spec!r}; knobs are "
                              f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
-                             "exchange), c= (clusters; for 'stream' blocks), each an integer")
+                             "exchange), c= (clusters; for 'stream' blocks), ku=, kd= (gemv K chunks), "
+                             "each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
         if key in out and out[key] not in CLUSTER_SIZES:
             raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: cluster sizes are {CLUSTER_SIZES}")
+    for key in ("ku", "kd"):
+        if key in out and out[key] < 1:
+            raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: K chunks must be >= 1")
     if "rt" in out and out["rt"] not in (1, 2, 4):
         raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
     if out.get("g", 1) < 1 or not 1 <= out.get("c", 1) <= 65535:
@@ -230,6 +279,11 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         max_c = max(1, per_sm * num_sms // n)
         c = min(kn["c"], fblk) if "c" in kn else _pick_clusters(fblk, max_c)
         return Config(1, 1 if row else 0, n, 1, rt, g, c)
+    if name == "gemv":
+        rows = gemv_rows(min(m, GEMV_MAX_ROWS))
+        ku = _gemv_splits(d, _ceil_div(f, _GEMV_COLS), rows, num_sms, kn.get("ku"))
+        kd = _gemv_splits(f, _ceil_div(d, _GEMV_COLS), rows, num_sms, kn.get("kd")) if has_down else 1
+        return Config(3, 0, 1, 1, 1, 1, 1, ku, kd)
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
     if name == "stream":  # one block per resident slot: 2 per SM when the stages fit
         per_sm = 2 if tile_smem(rt)[1] <= _BUDGET2 else 1
@@ -252,10 +306,11 @@ def heuristic_variant(m: int, has_down: bool) -> str:
 
 def candidates(m: int, has_down: bool) -> list[str]:
     """What the scheduler measures for one shape (XLA's dots included: never slower)."""
+    gemv = ["gemv"] if m <= GEMV_MAX_ROWS else []
     if not has_down:
         return (["split", "split:rt=1", "split_row", "stream", "stream:rt=1", "xla"] if m > 16
-                else ["split", "split:nu=16", "stream", "xla"])
-    out = ["split", "stream", "fused", "fused:n=16", "fused:n=4"]
+                else gemv + ["split", "split:nu=16", "stream", "xla"])
+    out = gemv + ["split", "stream", "fused", "fused:n=16", "fused:n=4"]
     if m > 16:
         out += ["split:rt=1", "split_row", "stream:rt=1", "fused_row"]
     return out + ["xla"]
@@ -275,10 +330,12 @@ def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
 
 # ----------------------------------------------------------------------------- primitive
 def _abstract(x, w_gate, w_up, w_down, residual, *, variant, order, cluster_up, cluster_down,
-              row_tiles, f_group, num_clusters, has_down, has_residual):
+              row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, has_down,
+              has_residual):
     m, d = x.shape
     f = w_gate.shape[1]
-    cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters)
+    cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters,
+                 k_splits_up, k_splits_down)
     ws = workspace_bytes(cfg, m, d, f, jnp.dtype(x.dtype).itemsize, has_down)
     out_cols = d if has_down else f
     return ShapedArray((m, out_cols), x.dtype), ShapedArray((ws,), np.uint8)
@@ -361,10 +418,11 @@ def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
         _warn_once(("smem", spec, d, f), f"swiglu: variant {spec!r} does not fit D={d} in shared "
                    "memory; using 'split'")
         cfg = make_config("split", m, d, f, has_down, sms)
-    if cfg.variant == 1 and m > FUSED_MAX_ROWS:  # bounded workspace: chunks of rows
+    chunk_rows = {1: FUSED_MAX_ROWS, 3: GEMV_MAX_ROWS}.get(cfg.variant)
+    if chunk_rows and m > chunk_rows:  # fused: bounded workspace; gemv: its row limit
         outs = []
-        for r0 in range(0, m, FUSED_MAX_ROWS):
-            r1 = min(m, r0 + FUSED_MAX_ROWS)
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(m, r0 + chunk_rows)
             res = None if residual2 is None else residual2[r0:r1]
             outs.append(_apply(x2[r0:r1], w_gate, w_up, w_down, res, spec))
         return jnp.concatenate(outs, axis=0)
