@@ -21,6 +21,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kCols = static_cast<int>(kSwigluGemvCols);
 constexpr int kUnroll = 8;  // 16-byte weight loads in flight per thread
+// Blocks per SM (more loads in flight) as far as registers allow without spills.
+template <int MR>
+constexpr int kMinBlocks = MR == 1 ? 4 : MR == 2 ? 3 : 2;
 
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   uint4 v;
@@ -66,7 +69,7 @@ __device__ __forceinline__ void emit(const GemvArgs& a, int64_t tile, int row, i
 }
 
 template <typename T, int MR>
-__global__ void __launch_bounds__(kThreads, 2) swiglu_gemv_kernel(const GemvArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(const GemvArgs a) {
   extern __shared__ __align__(16) float smem[];  // x chunk [rows][MR], later the reduction
   __shared__ int is_last;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
