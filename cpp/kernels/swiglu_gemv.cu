@@ -20,10 +20,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kCols = static_cast<int>(kSwigluGemvCols);
-constexpr int kUnroll = 8;  // 16-byte weight loads in flight per thread
+// 16-byte weight loads in flight per thread (fewer at 8 rows: registers, no spills).
+template <int MR>
+constexpr int kUnroll = MR >= 8 ? 6 : 8;
 // Blocks per SM (more loads in flight) as far as registers allow without spills.
 template <int MR>
-constexpr int kMinBlocks = MR == 1 ? 4 : MR == 2 ? 3 : 2;
+constexpr int kMinBlocks = MR <= 2 ? 3 : 2;
 
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   uint4 v;
@@ -79,6 +81,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(c
   const int rows = static_cast<int>(max(static_cast<int64_t>(0), r1 - r0));
   const int m = static_cast<int>(a.m);
 
+  const int c8 = (lane & 15) * 8;
+  const int64_t col = tile * kCols + c8;
+  const bool active = col < a.n;
+  const int step = a.up ? 8 : 16;
+  const int rg = a.up ? (warp & 3) * 2 + (lane >> 4) : warp * 2 + (lane >> 4);
+  const T* w = static_cast<const T*>(a.up && warp >= 4 ? a.w1 : a.w0) + r0 * a.n + col;
+  auto load = [&](int r) {
+    return active && r < rows ? ldg_stream(w + static_cast<int64_t>(r) * a.n) : make_uint4(0, 0, 0, 0);
+  };
+  // The first weight loads fly while x is staged.
+  uint4 v[kUnroll<MR>];
+#pragma unroll
+  for (int u = 0; u < kUnroll<MR>; ++u) v[u] = load(rg + u * step);
+
   // x chunk -> shared memory, fp32, [row][MR] (rows of x past m are zero)
   const T* x = static_cast<const T*>(a.x);
   for (int e = tid; e < MR * rows; e += kThreads) {
@@ -87,37 +103,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(c
   }
   __syncthreads();
 
-  const int c8 = (lane & 15) * 8;
-  const int64_t col = tile * kCols + c8;
-  const int step = a.up ? 8 : 16;
-  const int rg = a.up ? (warp & 3) * 2 + (lane >> 4) : warp * 2 + (lane >> 4);
-  const T* w = static_cast<const T*>(a.up && warp >= 4 ? a.w1 : a.w0) + r0 * a.n + col;
   float acc[MR][8];
 #pragma unroll
   for (int i = 0; i < MR; ++i)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-  if (col < a.n) {
-    for (int r = rg; r < rows; r += step * kUnroll) {
-      uint4 v[kUnroll];
+  // Rotating buffer: each consumed vector's register is refilled with the load kUnroll
+  // rows ahead at once, so about kUnroll loads stay in flight per thread throughout.
+  for (int r = rg; r < rows; r += step * kUnroll<MR>) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int rr = r + u * step;
-        v[u] = rr < rows ? ldg_stream(w + static_cast<int64_t>(rr) * a.n) : make_uint4(0, 0, 0, 0);
-      }
+    for (int u = 0; u < kUnroll<MR>; ++u) {
+      const int rr = r + u * step;
+      float f[8];
+      unpack<T>(v[u], f);
+      v[u] = load(rr + step * kUnroll<MR>);
+      if (rr >= rows) continue;
+      const float* xr = smem + rr * MR;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int rr = r + u * step;
-        if (rr >= rows) continue;
-        float f[8];
-        unpack<T>(v[u], f);
-        const float* xr = smem + rr * MR;
+      for (int i = 0; i < MR; ++i) {
+        const float xv = xr[i];
 #pragma unroll
-        for (int i = 0; i < MR; ++i) {
-          const float xv = xr[i];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(xv, f[j], acc[i][j]);
-        }
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(xv, f[j], acc[i][j]);
       }
     }
   }
