@@ -245,6 +245,7 @@ def test_cpu_auto_uses_heuristic_without_measuring(rng, tmp_path):
     assert not (tmp_path / "tuning.json").exists()
     assert sw.resolve_variant("auto", 4, 128, 192, jnp.float16, True) == "split"
     assert sw.resolve_variant("auto", 64, 128, 192, jnp.float16, True) == "split"
+    assert sw.resolve_variant("auto", 1, 128, 192, jnp.float16, True) == "gemv"
 
 
 def test_ffi_validation_errors():

@@ -31,12 +31,12 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                the tile's last block (deterministic).
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
-               plain XLA where our kernels lose (H100, M = 1..64: they do, see
-               benchmarks/results/swiglu.md).
+               plain XLA where our kernels lose (H100, M = 1..64: they do, by 2-7% for gemv
+               at M = 1 and 15-30% for split at M >= 4; benchmarks/results/swiglu.md).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
-               JAX_CLUSTER_TUNING=0, the heuristic ("split", the fastest kernel measured
-               everywhere on H100). On CPU the CPU handler computes the same math whatever
+               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 2, else "split": our
+               fastest kernels on H100). On CPU the CPU handler computes the same math whatever
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
@@ -299,10 +299,12 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
 
 
 def heuristic_variant(m: int, has_down: bool) -> str:
-    """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: the split
-    kernels, fastest of ours at every measured M on H100 (fused: 2-6x slower there)."""
-    del m, has_down
-    return "split"
+    """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: our fastest
+    kernel per M measured on H100 (benchmarks/results/swiglu.md): "gemv" at M <= 2,
+    "split" above (stream: 5-15% slower, fused: 2.5-10x). XLA's dots beat both there
+    (gemv at M = 1 comes within 2-7%), so with tuning on the scheduler mostly picks "xla"."""
+    del has_down
+    return "gemv" if m <= 2 else "split"
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
