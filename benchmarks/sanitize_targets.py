@@ -53,7 +53,7 @@ def attention_decode():
     print("attention_decode ok")
 
 
-def swiglu(dtypes, shapes=((320, 512), (1024, 192))):
+def swiglu(dtypes, shapes=((320, 512), (1024, 192)), variants=None):
     """Every swiglu kernel path on small shapes: split (cluster sizes 1..16, 64-column
     down tail), up stage alone, fused (cluster sizes, exchange group widths, one and
     several clusters, several passes), stream-K (tiles split over blocks, more blocks than
@@ -63,6 +63,8 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192))):
     specs = ["split:nu=1:nd=1", "split:nu=4:nd=16", "split_row:nu=2:nd=2", "fused:n=1:c=1",
              "fused:n=2:g=1", "fused:n=4:g=2:c=3", "fused:n=16:g=2", "fused_row:n=8:g=3",
              "stream:c=7", "stream:rt=1:c=300", "gemv", "gemv:ku=1:kd=1", "gemv:ku=5:kd=3"]
+    if variants is not None:  # e.g. ["gemv"]: only specs of these variants
+        specs = [s for s in specs if s.split(":")[0] in variants]
     for dtype in dtypes:
         for d, f in shapes:
             f_ = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
@@ -70,6 +72,7 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192))):
             for m in (1, 33):
                 x, res = f_(m, d), f_(m, d)
                 for spec in specs:
+                    print("swiglu", spec, jnp.dtype(dtype).name, d, f, m, flush=True)  # which one, if it dies
                     for down in (True, False):
                         if not down and spec.startswith("fused"):
                             continue
@@ -107,11 +110,16 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
     wanted = lambda name: only is None or name in only  # noqa: E731
+    # --variants=gemv,stream: swiglu's specs of these variants only
+    variants = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), None)
     if wanted("collectives"):
         collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
     if wanted("attention_decode"):
         attention_decode()
     if wanted("swiglu"):
-        swiglu((jnp.bfloat16,), shapes=((320, 512),)) if quick else swiglu((jnp.float16, jnp.bfloat16))
+        if quick:
+            swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=variants)
+        else:
+            swiglu((jnp.float16, jnp.bfloat16), variants=variants)
     if wanted("flash_attention"):
         flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
