@@ -47,16 +47,27 @@ if [ "$SANITIZE" = 1 ]; then
   # racecheck only our kernels (kns: kernel-name substring): instrumenting XLA's made it time out.
   sanitize() {  # sanitize TOOL FILTER TARGETS [--quick]
     local tool=$1 filter=$2 only=$3; shift 3
-    step "sanitize-$tool-$filter" "sanitize_${tool}_$filter.log" timeout 150 compute-sanitizer \
+    local tag="${tool}_${filter}_${only//,/+}"
+    step "sanitize-$tag" "sanitize_$tag.log" timeout 150 compute-sanitizer \
       --tool "$tool" --kernel-name "kns=$filter" --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only="$only" "$@"
   }
-  for tool in memcheck racecheck; do
-    quick=(); [ "$tool" = racecheck ] && quick=(--quick)
-    sanitize "$tool" jax_cluster collectives,swiglu,flash_attention "${quick[@]}"
-    sanitize "$tool" attention_decode_kernel attention_decode "${quick[@]}"
-    sanitize "$tool" split_head attention_decode "${quick[@]}"
+  # racecheck (session 5, H100, compute-sanitizer 2025.3.1) fails with "Internal Sanitizer
+  # Error: failed to handle a hardware exception" on swiglu's whole spec list in one process,
+  # yet each variant alone is clean: it runs per variant. On attention_decode it fails from
+  # the first configuration (cluster 1), for both kernels: open (memcheck is clean).
+  sanitize memcheck jax_cluster collectives,swiglu,flash_attention
+  sanitize memcheck attention_decode_kernel attention_decode
+  sanitize memcheck split_head attention_decode
+  sanitize racecheck jax_cluster collectives --quick
+  sanitize racecheck jax_cluster flash_attention --quick
+  for v in split stream gemv fused fused_row; do
+    step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
+      compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \
+      python3 benchmarks/sanitize_targets.py --only=swiglu --quick --variants=$v
   done
+  sanitize racecheck attention_decode_kernel attention_decode --quick --head-dims=128
+  sanitize racecheck split_head attention_decode --quick --head-dims=128
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\| ok$" "$OUT"/sanitize_*.log
 fi
 echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
