@@ -25,6 +25,7 @@
 #include <cmath>
 
 #include "jax_cluster/cluster_collectives.cuh"
+#include "jax_cluster/ptx.cuh"
 #include "kernels/attention_decode_launch.h"
 #include "kernels/launch.cuh"
 
@@ -35,14 +36,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxH = kAttnMaxHeadsPerCluster;
 constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // Shared memory carve-up, computed identically on host and device.
 struct Layout {
@@ -138,7 +131,7 @@ __device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, i
       for (; r + (U - 1) * groups < rows; r += U * groups) {
         uint4 w[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) w[u] = ldg_stream(wcol + (r + u * groups) * ld);
+        for (int u = 0; u < U; ++u) w[u] = ptx::ldg_stream(wcol + (r + u * groups) * ld);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           float f[8];
@@ -150,7 +143,7 @@ __device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, i
       }
       for (; r < rows; r += groups) {
         float f[8];
-        unpack<T>(ldg_stream(wcol + r * ld), f);
+        unpack<T>(ptx::ldg_stream(wcol + r * ld), f);
         const float s = vec[r];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
@@ -377,8 +370,8 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
       const int t = first + u * TPW + slot;
       ok[u] = t < t1;
       if (ok[u] && active) {
-        kr[u] = ldg_stream(K + static_cast<int64_t>(t) * DH);
-        vr[u] = ldg_stream(V + static_cast<int64_t>(t) * DH);
+        kr[u] = ptx::ldg_stream(K + static_cast<int64_t>(t) * DH);
+        vr[u] = ptx::ldg_stream(V + static_cast<int64_t>(t) * DH);
       } else {
         kr[u] = make_uint4(0, 0, 0, 0);
         vr[u] = make_uint4(0, 0, 0, 0);

@@ -60,7 +60,7 @@ __device__ __forceinline__ void token_values(const T* cache, const float* fresh,
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = fresh[col + i];
   } else {
-    unpack<T>(ldg_stream(cache + static_cast<int64_t>(t) * DH + col), f);
+    unpack<T>(ptx::ldg_stream(cache + static_cast<int64_t>(t) * DH + col), f);
   }
 }
 

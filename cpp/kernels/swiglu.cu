@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "jax_cluster/activation.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
@@ -89,8 +90,6 @@ __device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t pa
 }
 
 // ------------------------------------------------------------------ math
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }

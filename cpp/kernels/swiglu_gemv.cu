@@ -11,6 +11,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "jax_cluster/activation.cuh"
+#include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/swiglu_launch.h"
@@ -26,16 +28,6 @@ constexpr int kUnroll = MR >= 8 ? 6 : 8;
 // Blocks per SM (more loads in flight) as far as registers allow without spills.
 template <int MR>
 constexpr int kMinBlocks = MR <= 2 ? 3 : 2;
-
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 struct GemvArgs {
   const void* x;         // [m, k]: x (up) or A2 (down)
@@ -88,7 +80,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(c
   const int rg = a.up ? (warp & 3) * 2 + (lane >> 4) : warp * 2 + (lane >> 4);
   const T* w = static_cast<const T*>(a.up && warp >= 4 ? a.w1 : a.w0) + r0 * a.n + col;
   auto load = [&](int r) {
-    return active && r < rows ? ldg_stream(w + static_cast<int64_t>(r) * a.n) : make_uint4(0, 0, 0, 0);
+    return active && r < rows ? ptx::ldg_stream(w + static_cast<int64_t>(r) * a.n)
+                              : make_uint4(0, 0, 0, 0);
   };
   // The first weight loads fly while x is staged.
   uint4 v[kUnroll<MR>];
