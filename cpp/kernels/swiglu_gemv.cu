@@ -4,7 +4,7 @@
 // [8 (l % 16), +8) of the tile and walks the chunk's rows from row group
 //   up:   (w % 4) * 2 + l / 16, step 8  (warps 0-3 read w_gate, 4-7 w_up: same columns)
 //   down: w * 2 + l / 16, step 16
-// loading 16-byte weight vectors (8 in flight per thread) straight into registers and
+// loading 16-byte weight vectors (8 in flight per thread, 6 at 8 rows) straight into registers and
 // FMA-ing them with x, which sits in shared memory as fp32 [row][MR]. Row groups are
 // summed in a fixed order (a shuffle, then shared memory), K chunks through fp32 slots in
 // the workspace, summed in chunk order by whichever block of the tile arrives last.
