@@ -1,11 +1,11 @@
-// SwiGLU's GEMV regime (M <= 8) on CUDA cores: see kSwigluVariant::kGemv in swiglu.h.
+// SwiGLU's GEMV regime (M <= 8) on CUDA cores: see SwigluVariant::kGemv in swiglu.h.
 //
 // Block = (128-column tile, K chunk), 256 threads. Lane l of warp w owns the 8 columns
 // [8 (l % 16), +8) of the tile and walks the chunk's rows from row group
 //   up:   (w % 4) * 2 + l / 16, step 8  (warps 0-3 read w_gate, 4-7 w_up: same columns)
 //   down: w * 2 + l / 16, step 16
-// loading 16-byte weight vectors (8 in flight per thread, 6 at 8 rows) straight into registers and
-// FMA-ing them with x, which sits in shared memory as fp32 [row][MR]. Row groups are
+// loading 16-byte weight vectors (8 in flight per thread, 6 at 8 rows) straight into
+// registers and FMA-ing them with x, which sits in shared memory as fp32 [row][MR]. Row groups are
 // summed in a fixed order (a shuffle, then shared memory), K chunks through fp32 slots in
 // the workspace, summed in chunk order by whichever block of the tile arrives last.
 #include <cuda_bf16.h>
