@@ -1,22 +1,19 @@
 // Micro-benchmark: how HBM bandwidth depends on the width of the row segments a block
 // reads from a row-major [K, N] fp16 weight matrix (the access pattern of a GEMV whose
 // blocks own column tiles and split K). Answers: how wide must a weight tile be?
-//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gl gemv_locality.cu && /tmp/gl
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -Icpp/include -o /tmp/gl \
+//     benchmarks/micro/gemv_locality.cu && /tmp/gl          (from the repository root)
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 
+#include "jax_cluster/ptx.cuh"
+
 constexpr int kThreads = 256;
 constexpr int kUnroll = 8;
 
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using jax_cluster::ptx::ldg_stream;  // the load the kernels use
 
 // Block = (column tile of `wv` 16-byte vectors, K chunk of `rows` rows). tile_major: the
 // blocks of one tile are adjacent in launch order (else: adjacent tiles, same K chunk).

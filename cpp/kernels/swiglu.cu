@@ -258,6 +258,28 @@ struct TileArgs {
   bool hint;
 };
 
+// Work tile w (in tile order) -> its column tile and row group.
+__device__ __forceinline__ void locate_work_tile(const TileArgs& g, int64_t w, int64_t& tile,
+                                                 int64_t& group) {
+  if (g.row_order) {
+    group = w / g.col_tiles;
+    tile = w - group * g.col_tiles;
+  } else {
+    tile = w / g.row_groups;
+    group = w - tile * g.row_groups;
+  }
+}
+
+// The B stage sources of column tile `tile`: [w_gate | w_up] columns (up), or two
+// 64-column halves of w_down (down; *b1 null when the tile has only 64 valid columns).
+template <typename T>
+__device__ __forceinline__ void tile_weights(const TileArgs& g, int64_t tile, const T** b0,
+                                             const T** b1) {
+  *b0 = static_cast<const T*>(g.b0) + tile * (g.up ? 64 : 128);
+  *b1 = g.up ? static_cast<const T*>(g.b1) + tile * 64
+             : (tile * 128 + 64 < g.out_cols ? *b0 + 64 : nullptr);
+}
+
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) swiglu_tile_kernel(const TileArgs args) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -266,15 +288,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_tile_kernel(const TileArgs
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = args.cluster;
   const uint32_t rank = n > 1 ? ptx::cluster_rank() : 0;
-  const int64_t cid = blockIdx.x / n;
   int64_t tile, group;
-  if (args.row_order) {
-    group = cid / args.col_tiles;
-    tile = cid - group * args.col_tiles;
-  } else {
-    tile = cid / args.row_groups;
-    group = cid - tile * args.row_groups;
-  }
+  locate_work_tile(args, blockIdx.x / n, tile, group);
   const int64_t row0 = group * R;
   const int rows = static_cast<int>(min(static_cast<int64_t>(R), args.m - row0));
   const int64_t kb0 = rank * args.k_blocks / n, kb1 = (rank + 1) * args.k_blocks / n;
@@ -294,15 +309,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_tile_kernel(const TileArgs
 
   const T* bt0;
   const T* bt1;
-  int valid_cols = 128;
-  if (args.up) {
-    bt0 = static_cast<const T*>(args.b0) + tile * 64;
-    bt1 = static_cast<const T*>(args.b1) + tile * 64;
-  } else {
-    bt0 = static_cast<const T*>(args.b0) + tile * 128;
-    bt1 = tile * 128 + 64 < args.out_cols ? bt0 + 64 : nullptr;
-    if (bt1 == nullptr) valid_cols = 64;
-  }
+  tile_weights(args, tile, &bt0, &bt1);
+  const int valid_cols = bt1 != nullptr ? 128 : 64;
   const T* at = static_cast<const T*>(args.a) + row0 * args.a_ld;
   const uint64_t policy = evict_first_policy();
 
@@ -377,18 +385,6 @@ struct StreamArgs {
   int64_t slot_rows;
 };
 
-// Work tile w (in tile order) -> its column tile and row group.
-__device__ __forceinline__ void locate_work_tile(const TileArgs& g, int64_t w, int64_t& tile,
-                                                 int64_t& group) {
-  if (g.row_order) {
-    group = w / g.col_tiles;
-    tile = w - group * g.col_tiles;
-  } else {
-    tile = w / g.row_groups;
-    group = w - tile * g.row_groups;
-  }
-}
-
 // The block (of G over U units, block b owning [b U / G, (b + 1) U / G)) that owns unit u.
 __device__ __forceinline__ int64_t owner_block(int64_t u, int64_t units, int64_t blocks) {
   return ((u + 1) * blocks - 1) / units;
@@ -403,9 +399,9 @@ __device__ __forceinline__ void issue_unit(const TileArgs& g, int64_t u, uint32_
   int64_t tile, group;
   locate_work_tile(g, w, tile, group);
   const int64_t row0 = group * R;
-  const T* b0 = static_cast<const T*>(g.b0) + tile * (g.up ? 64 : 128);
-  const T* b1 = g.up ? static_cast<const T*>(g.b1) + tile * 64
-                     : (tile * 128 + 64 < g.out_cols ? b0 + 64 : nullptr);
+  const T* b0;
+  const T* b1;
+  tile_weights(g, tile, &b0, &b1);
   issue_stage<T, MT>(stage, b0, b1, g.b_ld, kb * 64, static_cast<const T*>(g.a) + row0 * g.a_ld,
                      g.a_ld, g.m - row0, kb * 64, g.hint, policy);
 }
