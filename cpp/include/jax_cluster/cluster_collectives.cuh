@@ -23,8 +23,9 @@
 // barrier at start-up (barrier init visible to peers) and one before exit
 // (no block leaves while peers may still touch its shared memory).
 //
-// Usage inside a kernel (every thread of the block calls every method):
-//   __shared__ ClusterReduceBarriers bars;
+// Usage inside a kernel (every thread of the block, or of the ThreadGroup passed last to
+// the constructor, calls every method):
+//   __shared__ ClusterCollectiveBarriers bars;
 //   ClusterReduce<half, ReduceOp::kSum> reduce(&bars, recv_smem, num_vecs);
 //   reduce.init();  ptx::cluster_sync();    // once, after all collectives' init
 //   ... write data_smem ...; reduce(data_smem);   // any number of calls
@@ -33,6 +34,7 @@
 #pragma once
 
 #include "jax_cluster/ptx.cuh"
+#include "jax_cluster/thread_group.cuh"
 #include "jax_cluster/types.h"
 #include "jax_cluster/vec.cuh"
 
@@ -68,8 +70,8 @@ __device__ __forceinline__ uint4 combine(const uint4& a, const uint4& b) {
 // Shared state of both collectives: rounds, partner addresses, call parity.
 class ClusterCollectiveBase {
  protected:
-  __device__ ClusterCollectiveBase(ClusterCollectiveBarriers* bars)
-      : bars_(bars), rank_(ptx::cluster_rank()), calls_(0) {
+  __device__ ClusterCollectiveBase(ClusterCollectiveBarriers* bars, ThreadGroup group)
+      : bars_(bars), group_(group), rank_(ptx::cluster_rank()), calls_(0) {
     const uint32_t n = ptx::cluster_num_blocks();
     rounds_ = 0;
     while ((1u << rounds_) < n) ++rounds_;
@@ -97,6 +99,7 @@ class ClusterCollectiveBase {
   }
 
   ClusterCollectiveBarriers* bars_;
+  ThreadGroup group_;  // the threads that call the collective (all of them, every call)
   uint32_t rank_;
   int rounds_;
   uint32_t calls_;
@@ -113,14 +116,15 @@ class ClusterCollectiveBase {
 template <typename T, ReduceOp Op>
 class ClusterReduce : public ClusterCollectiveBase {
  public:
-  __device__ ClusterReduce(ClusterCollectiveBarriers* bars, uint4* recv, int num_vecs)
-      : ClusterCollectiveBase(bars), recv_(recv), num_vecs_(num_vecs) {}
+  __device__ ClusterReduce(ClusterCollectiveBarriers* bars, uint4* recv, int num_vecs,
+                           ThreadGroup group = ThreadGroup::block())
+      : ClusterCollectiveBase(bars, group), recv_(recv), num_vecs_(num_vecs) {}
 
   // Slot credits come from every warp of the partner after it read the slot.
-  __device__ void init() { init_barriers(blockDim.x / 32); }
+  __device__ void init() { init_barriers(group_.threads / 32); }
 
   __device__ void operator()(uint4* data) {
-    __syncthreads();  // `data` complete before anyone sends it
+    group_.sync();  // `data` complete before anyone sends it
     const uint32_t bytes = static_cast<uint32_t>(num_vecs_) * 16u;
     for (int r = 0; r < rounds_; ++r) {
       const uint32_t peer = partner(r);
@@ -131,18 +135,18 @@ class ClusterReduce : public ClusterCollectiveBase {
       const uint32_t peer_full = remote(&bars_->full[r], peer);
       // Each thread owns the same vectors in every round: no block barrier
       // between rounds; its send reads the value its own combine wrote.
-      for (int v = threadIdx.x; v < num_vecs_; v += blockDim.x) {
+      for (int v = threadIdx.x; v < num_vecs_; v += group_.threads) {
         ptx::st_async_16(peer_slot + 16u * v, data[v], peer_full);
       }
       ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
-      for (int v = threadIdx.x; v < num_vecs_; v += blockDim.x) {
+      for (int v = threadIdx.x; v < num_vecs_; v += group_.threads) {
         data[v] = combine<T, Op>(data[v], slot[v]);
       }
       __syncwarp();
       if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], peer));
     }
     ++calls_;
-    __syncthreads();  // every thread may read every vector of the result
+    group_.sync();  // every thread may read every vector of the result
   }
 
  private:
@@ -157,8 +161,9 @@ class ClusterReduce : public ClusterCollectiveBase {
 template <typename T>
 class ClusterGather : public ClusterCollectiveBase {
  public:
-  __device__ ClusterGather(ClusterCollectiveBarriers* bars, uint4* out, int seg_vecs)
-      : ClusterCollectiveBase(bars), out_(out), seg_vecs_(seg_vecs) {}
+  __device__ ClusterGather(ClusterCollectiveBarriers* bars, uint4* out, int seg_vecs,
+                           ThreadGroup group = ThreadGroup::block())
+      : ClusterCollectiveBase(bars, group), out_(out), seg_vecs_(seg_vecs) {}
 
   __device__ void init() { init_barriers(1); }
 
@@ -167,7 +172,7 @@ class ClusterGather : public ClusterCollectiveBase {
   }
 
   __device__ void operator()() {
-    __syncthreads();  // own segment written; previous result consumed
+    group_.sync();  // own segment written; previous result consumed
     if (calls_ > 0 && static_cast<int>(threadIdx.x) < rounds_) {
       const int r = threadIdx.x;
       ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], partner(r)));
@@ -185,13 +190,13 @@ class ClusterGather : public ClusterCollectiveBase {
       wait_slot_free(r);
       const uint32_t peer_out = remote(out_, peer);
       const uint32_t peer_full = remote(&bars_->full[r], peer);
-      for (int v = threadIdx.x; v < count; v += blockDim.x) {
+      for (int v = threadIdx.x; v < count; v += group_.threads) {
         ptx::st_async_16(peer_out + 16u * (first + v), out_[first + v], peer_full);
       }
       ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
     }
     ++calls_;
-    __syncthreads();  // no thread rewrites its segment while another still sends it
+    group_.sync();  // no thread rewrites its segment while another still sends it
   }
 
  private:
