@@ -29,7 +29,11 @@ step() {  # step NAME LOGFILE CMD...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/device.txt" 2>&1
 export JAX_CLUSTER_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
-step build build.log python3 -m pip install --no-build-isolation --no-deps -v . || {
+# JC_BUILD_DIR: a build folder outside the tree (a copy carried to the machine is replaced
+# on every call; a folder elsewhere keeps the build incremental while the machine is warm).
+build_args=()
+if [ -n "${JC_BUILD_DIR:-}" ]; then build_args=(-C "build-dir=$JC_BUILD_DIR"); fi
+step build build.log python3 -m pip install --no-build-isolation --no-deps -v "${build_args[@]}" . || {
   tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
 # -P: the source tree (no compiled modules) must not shadow the installed package
 step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider $TESTS
