@@ -32,6 +32,14 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   return policy;
 }
 
+// The default policy, for data other blocks may read too (shared weights, a KV head read
+// by several clusters).
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // [src, src + bytes) -> shared dst; bytes complete on `bar`. 16-byte aligned addresses,
 // bytes a multiple of 16.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
@@ -117,7 +125,11 @@ struct RingCursor {
   uint32_t phase = 0;
   template <int S>
   __device__ void advance() {
-    if (++stage == S) {
+    advance(S);
+  }
+  // A ring used with fewer stages than its capacity (sized at launch).
+  __device__ void advance(int stages) {
+    if (++stage == stages) {
       stage = 0;
       phase ^= 1;
     }
