@@ -196,39 +196,51 @@ __device__ void produce(const AttentionDecodeParams& p, const StreamArgs& a, con
 }
 
 // Phase 2 (consumers): this block's rows of the QKV projection, fp32, into qkv in
-// [Q heads | K | V] order. Thread = (row group, 8-column vector of a head block).
+// [Q heads | K | V] order. Thread = (row group, 8-column vector of a head block). With only
+// 7 warps per SM, latency is hidden by ILP alone: each thread issues all its shared loads
+// of a stage before any math, with clamped (branch-free) indices.
 template <typename T, int DH, int MH>
 __device__ void project_qkv_rows(const BlockWork& w, int hpc, const float* h, float* red,
                                  float* qkv, Ring<kMaxStages>& ring, RingCursor& cur,
                                  const unsigned char* stages, int num_stages) {
   constexpr int NV = DH / 8, kGroups = kThreads / NV;
-  constexpr int kRowsPerThread = (kQkvBoxRows + kGroups - 1) / kGroups;
+  constexpr int kRows = (kQkvBoxRows + kGroups - 1) / kGroups;  // rows per thread and box
   const int cv = threadIdx.x % NV, rg = threadIdx.x / NV;
   float acc[MH + 2][8];
 #pragma unroll
   for (int hb = 0; hb < MH + 2; ++hb)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[hb][i] = 0.f;
+  int row_off[kRows];  // element offset of the thread's row k in a box
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = rg + k * kGroups;
+    row_off[k] = (rg < kGroups && r < kQkvBoxRows ? r : 0) * DH + cv * 8;
+  }
   for (int ch = 0; ch < w.qkv_chunks; ++ch) {
-    const float* hrow = h + (w.qkv_chunk0 + ch) * kQkvBoxRows;
+    float hs[kRows];  // h of the thread's rows: 0 for rows it does not own
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int r = rg + k * kGroups;
+      hs[k] = rg < kGroups && r < kQkvBoxRows ? h[(w.qkv_chunk0 + ch) * kQkvBoxRows + r] : 0.f;
+    }
 #pragma unroll
     for (int hb = 0; hb < MH + 2; ++hb) {  // static index: acc stays in registers
       if (hb >= hpc + 2) break;
       ring_wait(ring, cur);
       const T* tile = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
+      uint4 wv[kRows];
 #pragma unroll
-      for (int k = 0; k < kRowsPerThread; ++k) {
-        const int r = rg + k * kGroups;
-        if (rg < kGroups && r < kQkvBoxRows) {
-          float f[8];
-          unpack<T>(*reinterpret_cast<const uint4*>(tile + r * DH + cv * 8), f);
-          const float s = hrow[r];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[hb][i] = fmaf(s, f[i], acc[hb][i]);
-        }
-      }
+      for (int k = 0; k < kRows; ++k) wv[k] = ptx::lds128(tile + row_off[k]);
       ring_release(ring, cur);
       cur.advance(num_stages);
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        float f[8];
+        unpack<T>(wv[k], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[hb][i] = fmaf(hs[k], f[i], acc[hb][i]);
+      }
     }
   }
   // Row groups -> one sum per column, in a fixed order; head block by head block.
@@ -275,54 +287,81 @@ __device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const f
   }
   SoftmaxState<MH> st;
   st.init();
+  const int dv_c = active ? dv : 0;  // inactive lanes read a valid vector; their q is 0
+  // Token steps whose K and V vectors are loaded together before any math: all of the
+  // stage's, except where a cluster serves 4+ heads (the registers go to q and o).
+  constexpr int UB = MH >= 4 ? 1 : U;
   for (int t = 0; t < w.tokens; t += TK) {
     const int count = min(TK, w.tokens - t);
     ring_wait(ring, cur);
     const T* Ks = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
     const T* Vs = Ks + TK * DH;
-    float s[U][MH];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tl = (u * kWarps + warp) * TPW + slot;
-      const bool ok = tl < count;
-      float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (ok && active) unpack<T>(*reinterpret_cast<const uint4*>(Ks + tl * DH + dv * 8), kf);
+    for (int u0 = 0; u0 < U; u0 += UB) {
+      // (tokens past `count` read token count-1 and are masked by their -inf score)
+      uint4 kr[UB], vr[UB];
+      bool ok[UB];
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int tl = ((u0 + u) * kWarps + warp) * TPW + slot;
+        ok[u] = tl < count;
+        const int off = (ok[u] ? tl : count - 1) * DH + dv_c * 8;
+        kr[u] = ptx::lds128(Ks + off);
+        vr[u] = ptx::lds128(Vs + off);
+      }
+      if (u0 + UB >= U) {  // the stage's last reads issued (values land in registers)
+        ring_release(ring, cur);
+        cur.advance(num_stages);
+      }
+      float s[UB][MH];
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        float kf[8];
+        unpack<T>(kr[u], kf);
+#pragma unroll
+        for (int h = 0; h < MH; ++h) {
+          float d0 = 0.f, d1 = 0.f;  // two chains: half the dependent FMA latency
+#pragma unroll
+          for (int i = 0; i < 8; i += 2) {
+            d0 = fmaf(q[h][i], kf[i], d0);
+            d1 = fmaf(q[h][i + 1], kf[i + 1], d1);
+          }
+          s[u][h] = d0 + d1;
+        }
+      }
+#pragma unroll
+      for (int off = LPT / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UB; ++u)
+#pragma unroll
+          for (int h = 0; h < MH; ++h) s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], off);
+      }
 #pragma unroll
       for (int h = 0; h < MH; ++h) {
-        float d = 0.f;
+        if (h >= hpc) break;
+        float mx = st.m[h];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(q[h][i], kf[i], d);
+        for (int u = 0; u < UB; ++u) {
+          s[u][h] = ok[u] ? s[u][h] : -INFINITY;
+          mx = fmaxf(mx, s[u][h]);
+        }
+        const float ref = mx == -INFINITY ? 0.f : mx;  // no (-inf) - (-inf)
+        const float a = exp2f(st.m[h] - ref);
+        st.m[h] = mx;
+        st.l[h] *= a;
 #pragma unroll
-        for (int off = LPT / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-        s[u][h] = ok ? d : -INFINITY;
+        for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
+#pragma unroll
+        for (int u = 0; u < UB; ++u) {
+          const float pr = exp2f(s[u][h] - ref);  // 0 for masked tokens
+          st.l[h] += pr;
+          float vf[8];
+          unpack<T>(vr[u], vf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
+        }
       }
     }
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      if (h >= hpc) break;
-      float mx = st.m[h];
-#pragma unroll
-      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][h]);
-      if (mx == -INFINITY) continue;
-      const float a = exp2f(st.m[h] - mx);
-      st.m[h] = mx;
-      st.l[h] *= a;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int tl = (u * kWarps + warp) * TPW + slot;
-        if (s[u][h] == -INFINITY) continue;
-        const float pr = exp2f(s[u][h] - mx);
-        st.l[h] += pr;
-        float vf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (active) unpack<T>(*reinterpret_cast<const uint4*>(Vs + tl * DH + dv * 8), vf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
-      }
-    }
-    ring_release(ring, cur);
-    cur.advance(num_stages);
   }
   // Merge the token slots of the warp (lanes LPT apart hold the same dims).
 #pragma unroll
@@ -401,30 +440,46 @@ __device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c
 }
 
 // Phase 4 (consumers): attn [hpc*DH] times the block's W_o tiles -> the fp32 partial row.
-// Thread = (row group, 8-column vector of the 64-column tile): 4 row groups per warp.
+// Thread = (row group, 8-column vector of the 64-column tile): 4 row groups per warp; loads
+// first, branch-free, as in phase 2.
+constexpr int kMaxOutBoxRows = kStageBytes / (kOutTileCols * 2);
+
 template <typename T>
 __device__ void project_output(const BlockWork& w, int out_box_rows, const float* attn,
                                float* ored, float* partial_row, Ring<kMaxStages>& ring,
                                RingCursor& cur, const unsigned char* stages, int num_stages) {
   constexpr int kTileVecs = kOutTileCols / 8;
   constexpr int kRowGroups = kThreads / kTileVecs;
+  constexpr int kRows = (kMaxOutBoxRows + kRowGroups - 1) / kRowGroups;
   const int cv = threadIdx.x % kTileVecs, rg = threadIdx.x / kTileVecs;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int row_off[kRows];
+  bool own[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = rg + k * kRowGroups;
+    own[k] = r < out_box_rows;
+    row_off[k] = (own[k] ? r : 0) * kOutTileCols + cv * 8;
+  }
   for (int tile = 0; tile < w.out_tiles; ++tile) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int rb = 0; rb < w.out_boxes; ++rb) {
       ring_wait(ring, cur);
       const T* box = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
-      const float* a = attn + rb * out_box_rows;
-      for (int r = rg; r < out_box_rows; r += kRowGroups) {
+      uint4 wv[kRows];
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) wv[k] = ptx::lds128(box + row_off[k]);
+      ring_release(ring, cur);
+      cur.advance(num_stages);
+      const float* a = attn + rb * out_box_rows + rg;
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const float s = own[k] ? a[k * kRowGroups] : 0.f;
         float f[8];
-        unpack<T>(*reinterpret_cast<const uint4*>(box + r * kOutTileCols + cv * 8), f);
-        const float s = a[r];
+        unpack<T>(wv[k], f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
       }
-      ring_release(ring, cur);
-      cur.advance(num_stages);
     }
     // The warp's 4 row groups (lanes 8 apart), then the warps in order (double-buffered:
     // one barrier per tile).
@@ -542,8 +597,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
 // W_o rows per box: the largest multiple of 8 that divides the chunk's hpc*Dh rows and
 // keeps a [rows, 64] box within a stage.
 inline int out_box_rows(int rows) {
-  const int cap = kStageBytes / (kOutTileCols * 2);
-  for (int r = cap; r >= 8; r -= 8) {
+  for (int r = kMaxOutBoxRows; r >= 8; r -= 8) {
     if (rows % r == 0) return r;
   }
   return 8;
