@@ -75,11 +75,11 @@ def pallas_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
 
 
 def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None,
-              heads_per_cluster=None, impl="kernel", dataflow="split_token"):
+              heads_per_cluster=None, impl="kernel", dataflow="split_token", pipeline=None):
     return jc.attention_decode(x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq,
                                num_kv_heads=hkv, norm="rms", norm_weight=nw, residual=True,
                                cluster_size=cluster_size, heads_per_cluster=heads_per_cluster,
-                               impl=impl, dataflow=dataflow)
+                               impl=impl, dataflow=dataflow, pipeline=pipeline)
 
 
 def time_steps(step, state, consts):
@@ -106,6 +106,8 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--part", "--name", default=None, help="write results/parts/PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join these parts into results/attention_decode")
+    parser.add_argument("--skip-split-head", action="store_true",
+                        help="leave out the SplitHead rows (measured in earlier sessions; saves device time)")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
     args = parser.parse_args(argv)
@@ -154,29 +156,35 @@ def main(argv=None):
                             t[name] = None
                     # every kernel configuration the tuner weighs: cluster sizes, and for GQA
                     # "n8:h2" = cluster 8, at most 2 query heads per cluster
+                    # (and "tma:..." = the same with the TMA pipeline)
                     sweep = {}
                     for choice in ad_op._tuner_candidates(hq // hkv):
                         if choice == "xla":
                             continue
-                        n, h = ad_op.parse_choice(choice)
-                        f = lambda *a, n=n, h=h: ours_step(*a, *shape, cluster_size=n,  # noqa: E731
-                                                           heads_per_cluster=h)
+                        n, h, pipe = ad_op.parse_choice(choice)
+                        f = lambda *a, n=n, h=h, pipe=pipe: ours_step(  # noqa: E731
+                            *a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe)
                         sweep[choice] = time_steps(f, fresh(), consts)
-                    best_n = min(sweep, key=sweep.get)
+                    registers = {c: v for c, v in sweep.items() if not str(c).startswith("tma:")}
+                    tma = {c: v for c, v in sweep.items() if str(c).startswith("tma:")}
+                    best_n = min(registers, key=registers.get)
+                    best_tma = min(tma, key=tma.get)
                     # ClusterFusion's SplitHead alternative (their Fig. 20: slower than SplitToken)
                     split_head = {}
-                    for n in (2, 4, 8):
+                    for n in () if args.skip_split_head else (2, 4, 8):
                         if dh % (8 * n) == 0:
                             f = lambda *a, n=n: ours_step(*a, *shape, cluster_size=n,  # noqa: E731
                                                           dataflow="split_head")
                             split_head[f"split_head:n{n}"] = time_steps(f, fresh(), consts)
-                    best_sh = min(split_head, key=split_head.get)
+                    best_sh = min(split_head, key=split_head.get) if split_head else None
                     # what a user gets: the tuner's pick among the cluster sizes and XLA's ops
                     t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
                     pick = ad_op.autotune(batch, d, hq, hkv, ctx, dh, dtype)
                     case = f"{model} b{batch} ctx{ctx} {dtype_tag(dtype)}"
-                    for variant, ours in (("kernel", sweep[best_n]), ("split_head", split_head[best_sh]),
-                                          ("auto", t["auto"])):
+                    variants = [("kernel", sweep[best_n]), ("tma", sweep[best_tma])]
+                    if best_sh:
+                        variants.append(("split_head", split_head[best_sh]))
+                    for variant, ours in variants + [("auto", t["auto"])]:
                         row = {"case": f"{case} {variant}", "ours_us": ours, "jnp_us": t["jnp"],
                                "pallas_us": t["pallas"], "bytes": nbytes,
                                "roofline_fraction": floor_us / ours,
@@ -184,6 +192,8 @@ def main(argv=None):
                                "speedup_vs_pallas": t["pallas"] / ours if t["pallas"] else None}
                         if variant == "split_head":
                             row["best_config"] = best_sh
+                        elif variant == "tma":
+                            row["best_config"] = best_tma
                         elif variant == "kernel":
                             row.update(best_config=best_n, **{f"n{n}_us": v for n, v in sweep.items()
                                                               if isinstance(n, int)})
@@ -192,7 +202,8 @@ def main(argv=None):
                         rows.append(row)
                         print(f"  {row['case']:36s} {ours:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
                               f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
-                              + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}" if variant == "kernel"
+                              + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}"
+                                 if variant in ("kernel", "tma")
                                  else f"  {', '.join(f'{n}={v:.0f}' for n, v in split_head.items())}"
                                  if variant == "split_head" else f"  pick {pick}"))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
@@ -236,9 +247,11 @@ def cluster_sweep(heads=(32, 64, 128), contexts=(4096, 16384), sizes=(1, 2, 4, 8
 RESULT_NAME = "attention_decode"
 COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas", "roofline_fraction",
            "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"]
-EXPLAIN = ("kernel = the fused kernel at its best configuration among those the tuner weighs (best_config: a "
-           "cluster size, or 'nK:hH' = cluster size K with at most H query heads per cluster; nK_us = cluster "
-           "size K with the default heads per cluster); "
+EXPLAIN = ("kernel = the fused kernel (register pipeline) at its best configuration among those the tuner "
+           "weighs (best_config: a cluster size, or 'nK:hH' = cluster size K with at most H query heads per "
+           "cluster; nK_us = cluster size K with the default heads per cluster); tma = the same kernel with "
+           "pipeline='tma' (a producer warp streams every byte through a TMA/mbarrier ring) at its best "
+           "configuration ('tma:...'); "
            "split_head = dataflow='split_head' (blocks split the head dimension) at its best cluster size; "
            "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick).")
 
@@ -246,8 +259,8 @@ EXPLAIN = ("kernel = the fused kernel at its best configuration among those the 
 def save(rows, bw):
     write_results(RESULT_NAME, rows, columns=COLUMNS,
                   notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
-                         f"{bw / 1e12:.2f} TB/s measured in the same run (best of an elementwise pass and a "
-                         "read-only reduction). " + EXPLAIN),
+                         f"{bw / 1e12:.2f} TB/s measured in the same run (best of an XLA elementwise pass, "
+                         "an XLA reduction and jax_cluster's stream_read kernel). " + EXPLAIN),
                   extra={"bandwidth_bytes_per_s": bw})
 
 

@@ -10,7 +10,8 @@ GQA group is split over clusters) and warp stall reasons between configurations.
         --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/profile_attention_decode.py llama3-8b:1:4096:n4:h1 llama3-8b:1:4096:n16
 
-Each argument is model:batch:context:config, config as the tuner writes it ("4", "n4:h1")
+Each argument is model:batch:context:config, config as the tuner writes it ("4", "n4:h1",
+"tma:4" for the TMA pipeline)
 or "sh:n4" for dataflow="split_head". Each configuration runs 4 times (3 warm-ups: pass
 --launch-skip 3 and count 4 launches per configuration, combine kernels excluded by the regex).
 Without XLA_PYTHON_CLIENT_PREALLOCATE=false ncu backs up XLA's whole memory pool before every
@@ -42,7 +43,7 @@ def run(spec: str) -> None:
     if config.startswith("sh:"):
         extra, config = {"dataflow": "split_head"}, config[3:]
     choice = ad_op.parse_choice(config if ":" in config else int(config.lstrip("n")))
-    n, h = choice
+    n, h, pipeline = choice
     ks = jax.random.split(jax.random.key(0), 5)
     dtype = jax.numpy.float16
     x = random_normal(ks[0], (batch, d), dtype)
@@ -55,7 +56,7 @@ def run(spec: str) -> None:
     step = jax.jit(lambda x, kc, vc: jc.attention_decode(
         x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq, num_kv_heads=hkv, norm="rms",
         norm_weight=jax.numpy.ones((d,), dtype), residual=True, cluster_size=n,
-        heads_per_cluster=h, impl="kernel", **extra))
+        heads_per_cluster=h, impl="kernel", pipeline=None if extra else pipeline, **extra))
     for _ in range(4):
         jax.block_until_ready(step(x, kc, vc))
     print(f"{spec}: 4 launches", flush=True)

@@ -31,7 +31,7 @@ def collectives(dtypes):
     print("collectives ok")
 
 
-def attention_decode(head_dims=None):
+def attention_decode(head_dims=None, pipelines=None):
     """Every head dim and cluster size on a small GQA shape, both dataflows, vs the reference."""
     rng = np.random.default_rng(0)
     for dh, (hq, hkv) in ((64, (8, 2)), (80, (4, 4)), (96, (12, 1)), (128, (4, 2))):
@@ -47,12 +47,15 @@ def attention_decode(head_dims=None):
             kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(256))
             # fewer heads per cluster on the GQA shapes: several clusters per KV head
             ref = jc.reference.attention_decode(**args, **kw)[0]
-            dataflows = ("split_token", "split_head") if dh % (8 * n) == 0 else ("split_token",)
-            for dataflow in dataflows:
+            runs = [("split_token", p) for p in pipelines or ("registers", "tma")]
+            if dh % (8 * n) == 0:
+                runs.append(("split_head", None))
+            for dataflow, pipeline in runs:
                 y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel", dataflow=dataflow,
+                                        pipeline=pipeline,
                                         heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
                 err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-                assert err < 1e-2, (dh, n, dataflow, err)
+                assert err < 1e-2, (dh, n, dataflow, pipeline, err)
     print("attention_decode ok")
 
 
@@ -119,7 +122,8 @@ if __name__ == "__main__":
         collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
     if wanted("attention_decode"):  # --head-dims=64,128: a subset (racecheck died on the whole)
         dims = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--head-dims=")), None)
-        attention_decode(None if dims is None else [int(v) for v in dims.split(",")])
+        pipes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--pipelines=")), None)
+        attention_decode(None if dims is None else [int(v) for v in dims.split(",")], pipes)
     if wanted("swiglu"):
         if quick:
             swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=variants)

@@ -145,10 +145,12 @@ def test_bad_shapes_and_lengths(rng):
 
 def test_tuner_candidates_and_choices():
     from jax_cluster.ops import attention_decode as ad
-    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla")  # MHA: nothing to spread
+    # MHA: nothing to spread; each pipeline
+    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "tma:2", "tma:4", "tma:8")
     gqa = ad._tuner_candidates(4)
-    assert {"n8:h2", "n4:h1"} <= set(gqa) and "n8:h4" not in gqa
-    assert ad.parse_choice("n8:h2") == (8, 2) and ad.parse_choice(4) == (4, None)
+    assert {"n8:h2", "n4:h1", "tma:n8:h2", "tma:4"} <= set(gqa) and "n8:h4" not in gqa
+    assert ad.parse_choice("n8:h2") == (8, 2, "registers") and ad.parse_choice(4) == (4, None, "registers")
+    assert ad.parse_choice("tma:n4:h1") == (4, 1, "tma") and ad.parse_choice("tma:8") == (8, None, "tma")
     assert ad.parse_choice("xla") == "xla"
     assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
 
@@ -169,6 +171,16 @@ def test_split_head_dataflow_arguments(rng):
         jc.attention_decode(**args, **kw, dataflow="split_head", cluster_size=4)
     with pytest.raises(ValueError, match="dataflow must be one of"):
         jc.attention_decode(**args, **kw, dataflow="split_tokens")
+
+
+def test_pipeline_arguments(rng):
+    args, kw = make_inputs(rng, batch=1, hidden=64, hq=2, hkv=2, dh=16, max_seq=9, dtype="float32")
+    with pytest.raises(ValueError, match="pipeline must be one of"):
+        jc.attention_decode(**args, **kw, pipeline="cp.async")
+    with pytest.raises(ValueError, match="SplitToken pipeline"):
+        jc.attention_decode(**args, **kw, pipeline="tma", dataflow="split_head")
+    # the CPU handler ignores the pipeline (a GPU launch choice): the same step
+    check(args, kw, jax.devices("cpu")[0], pipeline="tma")
 
 
 def test_invalid_length_inside_jit_gives_nan_row(rng):
@@ -194,10 +206,11 @@ GPU_SHAPES = [  # hidden, hq, hkv, dh
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
-def test_gpu_vs_reference(rng, dtype, shape, n):
+def test_gpu_vs_reference(rng, dtype, shape, n, pipeline):
     hidden, hq, hkv, dh = shape
     for batch, max_seq, lengths in ((1, 40, [0]), (3, 300, [1, 299, 157]), (16, 77, None)):
         args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
@@ -205,21 +218,23 @@ def test_gpu_vs_reference(rng, dtype, shape, n):
                                bias=batch == 3, norm="layer" if batch == 3 else "rms",
                                rotary_dim=dh // 2 if batch == 16 else None)
         kw["residual"] = batch != 1
-        check(args, kw, _gpu(), cluster_size=n, impl="kernel")
+        check(args, kw, _gpu(), cluster_size=n, impl="kernel", pipeline=pipeline)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("heads", [1, 2, 3])
 @pytest.mark.parametrize("n", [2, 8])
-def test_gpu_fewer_heads_per_cluster(rng, dtype, heads, n):
+def test_gpu_fewer_heads_per_cluster(rng, dtype, heads, n, pipeline):
     """A GQA group spread over several clusters (each re-computes its KV head's K/V; the
     first writes the cache): group 6 in chunks of 1, 2 or 3 heads."""
     for batch, max_seq, lengths in ((1, 40, [0]), (3, 300, [1, 299, 157])):
         args, kw = make_inputs(rng, batch=batch, hidden=512, hq=12, hkv=2, dh=128,
                                max_seq=max_seq, dtype=dtype, lengths=lengths, bias=batch == 3)
         kw["residual"] = True
-        check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel")
+        check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel",
+              pipeline=pipeline)
 
 
 @pytest.mark.gpu
@@ -277,19 +292,21 @@ def test_gpu_unsupported_head_dim_falls_back_to_xla(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_long_context_and_interleaved(rng):
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
+def test_gpu_long_context_and_interleaved(rng, pipeline):
     args, kw = make_inputs(rng, batch=2, hidden=4096, hq=32, hkv=8, dh=128, max_seq=5000,
                            dtype="bfloat16", lengths=[4999, 3001])
     kw["rope_layout"] = "interleaved"
-    check(args, kw, _gpu(), impl="kernel")
+    check(args, kw, _gpu(), impl="kernel", pipeline=pipeline)
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic(rng):
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
+def test_gpu_deterministic(rng, pipeline):
     args, kw = make_inputs(rng, batch=4, hidden=1024, hq=16, hkv=4, dh=128, max_seq=2048,
                            dtype="float16")
     args = jax.device_put(args, _gpu())
-    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4)[0])
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, pipeline=pipeline)[0])
     first = np.asarray(f(args))
     for _ in range(20):
         np.testing.assert_array_equal(np.asarray(f(args)), first)
@@ -311,26 +328,29 @@ def test_gpu_donated_caches_update_in_place(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("config", [(1, None), (2, None), (4, None), (8, None), (16, None), (4, 1), (8, 2)])
-def test_gpu_model_sized_gqa_every_cluster(rng, dtype, config):
+def test_gpu_model_sized_gqa_every_cluster(rng, dtype, config, pipeline):
     """Llama-3-8B's attention shape (hidden 4096, 32/8 heads): the streamed kernel's ring
     wraps hundreds of times per block, phases hand over mid-ring; lengths that are not
     multiples of any stage (a KV stage holds 32 tokens at head dim 128), row 2 the first token."""
     n, heads = config
     args, kw = make_inputs(rng, batch=3, hidden=4096, hq=32, hkv=8, dh=128, max_seq=1100,
                            dtype=dtype, lengths=[1099, 517, 0])
-    check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel")
+    check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel",
+          pipeline=pipeline)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dh", [64, 80, 96, 128])
-def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh):
+def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh, pipeline):
     """A traced length >= S_max reaches the kernel: that row's output is NaN, its caches
     untouched, the other row exact."""
     args, kw = make_inputs(rng, batch=2, hidden=512, hq=4, hkv=2, dh=dh, max_seq=64,
                            dtype="float16", lengths=[5, 64])
-    y, k, v = run(args, kw, _gpu(), cluster_size=2, impl="kernel")
+    y, k, v = run(args, kw, _gpu(), cluster_size=2, impl="kernel", pipeline=pipeline)
     ry, _, _ = reference.attention_decode(**{**args, "lengths": jnp.asarray([5, 0], jnp.int32)}, **kw)
     assert np.isnan(np.asarray(y[1].astype(jnp.float32))).all()
     assert rel_l2(y[0], ry[0]) <= TOLERANCE["float16"]

@@ -23,7 +23,8 @@ struct AttentionDecodeBuffers {
 inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     AttentionDecodeBuffers& a, int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim,
     int64_t rope_layout, int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias,
-    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow) {
+    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow,
+    int64_t pipeline) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("attention_decode: " + m));
   };
@@ -54,6 +55,11 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
   p.max_heads_per_cluster = static_cast<int>(max_heads_per_cluster);
   if (dataflow != 0 && dataflow != 1) return fail("dataflow must be 0 (split_token) or 1 (split_head)");
   p.dataflow = static_cast<AttnDataflow>(dataflow);
+  if (pipeline != 0 && pipeline != 1) return fail("pipeline must be 0 (registers) or 1 (tma)");
+  if (pipeline == 1 && p.dataflow != AttnDataflow::kSplitToken) {
+    return fail("pipeline tma is a SplitToken pipeline (dataflow split_token)");
+  }
+  p.pipeline = static_cast<AttnPipeline>(pipeline);
   if (p.dataflow == AttnDataflow::kSplitHead && p.head_dim % (8 * cluster_size) != 0) {
     return fail("dataflow split_head needs head_dim divisible by 8 * cluster_size");
   }
@@ -120,7 +126,8 @@ auto bind_attention_decode(Binding&& b) {
       .template Attr<bool>("has_o_bias")
       .template Attr<int64_t>("cluster_size")
       .template Attr<int64_t>("max_heads_per_cluster")
-      .template Attr<int64_t>("dataflow");
+      .template Attr<int64_t>("dataflow")
+      .template Attr<int64_t>("pipeline");
 }
 
 }  // namespace jax_cluster
@@ -134,7 +141,7 @@ auto bind_attention_decode(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace,                  \
       int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim, int64_t rope_layout,        \
       int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias, bool has_o_bias,   \
-      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow
+      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow, int64_t pipeline
 #define JAX_CLUSTER_ATTENTION_DECODE_DECODE                                                      \
   [&] {                                                                                          \
     AttentionDecodeBuffers buffers{x,       norm_w,  norm_b, w_qkv, qkv_bias, w_o, o_bias,       \
@@ -142,5 +149,5 @@ auto bind_attention_decode(Binding&& b) {
                                    workspace};                                                   \
     return decode_attention_decode(buffers,                                                      \
       num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, eps, scale, residual,            \
-      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow);                  \
+      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow, pipeline);                  \
   }()

@@ -1,4 +1,7 @@
-// Fused decode attention block (ClusterFusion Alg. 3, SplitToken dataflow), streamed.
+// Fused decode attention block (ClusterFusion Alg. 3, SplitToken dataflow) with the TMA
+// pipeline (pipeline="tma"); attention_decode_registers.cuh has the register pipeline (the
+// faster one so far) and attention_decode_split_head.cuh the SplitHead dataflow; the launch
+// dispatch is at the end of this file.
 //
 // One cluster of N blocks per (batch row b, KV head g, chunk of <= 8 query heads of that
 // group): the KV of a group is read once for all its heads. Each block is warp-
@@ -41,16 +44,16 @@ namespace {
 
 #include "kernels/attention_decode_common.cuh"  // NOLINT(build/include)
 
-constexpr int kWarps = 7;  // consumer warps
-constexpr int kThreads = kWarps * 32;
-constexpr int kStreamThreads = kThreads + 32;  // + the producer warp
-constexpr int kProducerWarp = kWarps;
+constexpr int kConsumerWarps = 7;
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+constexpr int kStreamThreads = kConsumerThreads + 32;  // + the producer warp
+constexpr int kProducerWarp = kConsumerWarps;
 constexpr int kStageBytes = 16 * 1024;
 constexpr int kMaxStages = 8;
 constexpr int kQkvBoxRows = 64;  // W_qkv rows per box; D is a multiple of 64
 constexpr uint32_t kConsumerBarrier = 1;
 
-__device__ __forceinline__ ThreadGroup consumers() { return {kThreads, kConsumerBarrier}; }
+__device__ __forceinline__ ThreadGroup consumers() { return {kConsumerThreads, kConsumerBarrier}; }
 
 // K and V tokens per stage: both fit 16 KB; a multiple of 8.
 template <int DH>
@@ -60,7 +63,7 @@ constexpr int kKvTokens = (kStageBytes / (4 * DH)) & ~7;
 // clusters of 8 and 16 find enough SMs: at one block per SM an H100 keeps only 7 clusters
 // of 16 resident), else 1.
 template <int DH, int MH>
-constexpr int kMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
+constexpr int kTmaMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
 
 // Kernel arguments beside the op's params: the tensor maps (encoded per launch on the
 // host) and the launch-time geometry.
@@ -84,7 +87,7 @@ struct StreamLayout {
     const int rounds = log2_ceil(n);
     qkv_floats = (hpc + 2) * dh;
     sum_vecs = (hpc * dh + kMaxH) / 4;
-    groups = kThreads / (dh / 8);  // row groups of the QKV GEMV
+    groups = kConsumerThreads / (dh / 8);  // row groups of the QKV GEMV
     int64_t off = static_cast<int64_t>(stages) * kStageBytes;
     auto take = [&](int64_t bytes) {
       const int64_t at = off;
@@ -102,8 +105,8 @@ struct StreamLayout {
     red_off = take(4LL * groups * dh);
     const int64_t phase2_end = off;
     off = local;
-    warp_off = take(4LL * kWarps * mh * (dh + 2));
-    ored_off = take(4LL * 2 * kWarps * kOutTileCols);
+    warp_off = take(4LL * kConsumerWarps * mh * (dh + 2));
+    ored_off = take(4LL * 2 * kConsumerWarps * kOutTileCols);
     off = off > phase2_end ? off : phase2_end;
     bytes = off;
     fixed = bytes - static_cast<int64_t>(stages) * kStageBytes;
@@ -203,7 +206,7 @@ template <typename T, int DH, int MH>
 __device__ void project_qkv_rows(const BlockWork& w, int hpc, const float* h, float* red,
                                  float* qkv, Ring<kMaxStages>& ring, RingCursor& cur,
                                  const unsigned char* stages, int num_stages) {
-  constexpr int NV = DH / 8, kGroups = kThreads / NV;
+  constexpr int NV = DH / 8, kGroups = kConsumerThreads / NV;
   constexpr int kRows = (kQkvBoxRows + kGroups - 1) / kGroups;  // rows per thread and box
   const int cv = threadIdx.x % NV, rg = threadIdx.x / NV;
   float acc[MH + 2][8];
@@ -253,7 +256,7 @@ __device__ void project_qkv_rows(const BlockWork& w, int hpc, const float* h, fl
     }
     consumers().sync();
     const int dst = (hb == 0 ? hpc : hb == 1 ? hpc + 1 : hb - 2) * DH;
-    for (int e = threadIdx.x; e < DH; e += kThreads) {
+    for (int e = threadIdx.x; e < DH; e += kConsumerThreads) {
       float s = 0.f;
       for (int g = 0; g < kGroups; ++g) s += red[g * DH + e];
       qkv[dst + e] = s;
@@ -272,7 +275,7 @@ __device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const f
   constexpr int LPT = NV <= 8 ? 8 : 16;    // lanes per token (power of two)
   constexpr int TPW = 32 / LPT;            // tokens per warp step
   constexpr int TK = kKvTokens<DH>;        // tokens per stage
-  constexpr int U = (TK + kWarps * TPW - 1) / (kWarps * TPW);  // warp steps per stage
+  constexpr int U = (TK + kConsumerWarps * TPW - 1) / (kConsumerWarps * TPW);  // warp steps per stage
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;
@@ -303,7 +306,7 @@ __device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const f
       bool ok[UB];
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
-        const int tl = ((u0 + u) * kWarps + warp) * TPW + slot;
+        const int tl = ((u0 + u) * kConsumerWarps + warp) * TPW + slot;
         ok[u] = tl < count;
         const int off = (ok[u] ? tl : count - 1) * DH + dv_c * 8;
         kr[u] = ptx::lds128(Ks + off);
@@ -403,10 +406,10 @@ __device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c
                                     int sum_floats) {
   const float qscale = p.scale * kLog2e;
   const bool has_new = w.t0 <= c.len && c.len < w.t1;
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
+  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kConsumerThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
     float m = -INFINITY;
-    for (int wp = 0; wp < kWarps; ++wp) m = fmaxf(m, warp_states[(wp * MH + head) * (DH + 2) + DH]);
+    for (int wp = 0; wp < kConsumerWarps; ++wp) m = fmaxf(m, warp_states[(wp * MH + head) * (DH + 2) + DH]);
     float s_new = -INFINITY;
     if (has_new) {
       float d = 0.f;
@@ -415,7 +418,7 @@ __device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c
     }
     const float mm = fmaxf(m, s_new);
     float acc = 0.f;
-    for (int wp = 0; wp < kWarps; ++wp) {
+    for (int wp = 0; wp < kConsumerWarps; ++wp) {
       const float* ws = warp_states + (wp * MH + head) * (DH + 2);
       const float wm = ws[DH];
       if (wm == -INFINITY) continue;
@@ -432,10 +435,10 @@ __device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c
       mx[head] = mm;
     }
   }
-  for (int e = threadIdx.x; e < kMaxH; e += kThreads) {
+  for (int e = threadIdx.x; e < kMaxH; e += kConsumerThreads) {
     if (e >= hpc) mx[e] = -INFINITY;
   }
-  for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kThreads) sums[e] = 0.f;
+  for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kConsumerThreads) sums[e] = 0.f;
   consumers().sync();
 }
 
@@ -449,7 +452,7 @@ __device__ void project_output(const BlockWork& w, int out_box_rows, const float
                                float* ored, float* partial_row, Ring<kMaxStages>& ring,
                                RingCursor& cur, const unsigned char* stages, int num_stages) {
   constexpr int kTileVecs = kOutTileCols / 8;
-  constexpr int kRowGroups = kThreads / kTileVecs;
+  constexpr int kRowGroups = kConsumerThreads / kTileVecs;
   constexpr int kRows = (kMaxOutBoxRows + kRowGroups - 1) / kRowGroups;
   const int cv = threadIdx.x % kTileVecs, rg = threadIdx.x / kTileVecs;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -488,7 +491,7 @@ __device__ void project_output(const BlockWork& w, int out_box_rows, const float
       acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
       acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
     }
-    float* red = ored + (tile & 1) * kWarps * kOutTileCols;
+    float* red = ored + (tile & 1) * kConsumerWarps * kOutTileCols;
     if (lane < kTileVecs) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) red[warp * kOutTileCols + lane * 8 + i] = acc[i];
@@ -496,15 +499,15 @@ __device__ void project_output(const BlockWork& w, int out_box_rows, const float
     consumers().sync();
     if (threadIdx.x < kOutTileCols) {
       float s = 0.f;
-      for (int wp = 0; wp < kWarps; ++wp) s += red[wp * kOutTileCols + threadIdx.x];
+      for (int wp = 0; wp < kConsumerWarps; ++wp) s += red[wp * kOutTileCols + threadIdx.x];
       partial_row[(w.out_tile0 + tile) * kOutTileCols + threadIdx.x] = s;
     }
   }
 }
 
 template <typename T, int DH, int MH>
-__global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
-    attention_decode_kernel(const __grid_constant__ AttentionDecodeParams p,
+__global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
+    attention_decode_tma_kernel(const __grid_constant__ AttentionDecodeParams p,
                             const __grid_constant__ StreamArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers qkv_bars, max_bars, sum_bars;
@@ -534,7 +537,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
   reduce_max.init();
   reduce_sum.init();
   if (threadIdx.x == 0) {
-    ring.init(kWarps);
+    ring.init(kConsumerWarps);
     ptx::fence_mbarrier_init_cluster();
   }
   __syncthreads();        // the ring's barriers, for the producer
@@ -561,7 +564,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
   reduce_qkv(reinterpret_cast<uint4*>(qkv));
   if (p.has_qkv_bias) {
     const T* bias = static_cast<const T*>(p.qkv_bias);
-    for (int e = threadIdx.x; e < L.qkv_floats; e += kThreads) {
+    for (int e = threadIdx.x; e < L.qkv_floats; e += kConsumerThreads) {
       qkv[e] += to_float(bias[qkv_column(p, c, hpc, e)]);
     }
     group.sync();
@@ -576,13 +579,13 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
   combine_block_state<DH, MH>(p, c, hpc, w, qkv, warp_states, mx, sums, L.sum_vecs * 4);
   if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
   reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a consumer barrier
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
+  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kConsumerThreads) {
     const int head = e < hpc * DH ? e / DH : e - hpc * DH;
     const float scale = local_max[head] == -INFINITY ? 0.f : exp2f(local_max[head] - mx[head]);
     sums[e] *= scale;
   }
   reduce_sum(reinterpret_cast<uint4*>(sums));
-  for (int e = threadIdx.x; e < hpc * DH; e += kThreads) sums[e] /= sums[hpc * DH + e / DH];
+  for (int e = threadIdx.x; e < hpc * DH; e += kConsumerThreads) sums[e] /= sums[hpc * DH + e / DH];
   group.sync();
 
   // 4. Output projection: this block's W_o column tiles.
@@ -591,7 +594,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
   reduce_qkv.finish();  // no block leaves while a peer may still write into it
 }
 
-// The SplitHead kernel: a textual part of this file (same anonymous namespace, helpers).
+// The other kernels: textual parts of this file (same anonymous namespace, helpers).
+#include "kernels/attention_decode_registers.cuh"   // NOLINT(build/include)
 #include "kernels/attention_decode_split_head.cuh"  // NOLINT(build/include)
 
 // W_o rows per box: the largest multiple of 8 that divides the chunk's hpc*Dh rows and
@@ -604,7 +608,7 @@ inline int out_box_rows(int rows) {
 }
 
 template <typename T, int DH, int MH>
-cudaError_t launch_streamed(const AttentionDecodeParams& p, cudaStream_t stream) {
+cudaError_t launch_tma(const AttentionDecodeParams& p, cudaStream_t stream) {
   const int hpc = static_cast<int>(p.heads_per_cluster());
   StreamArgs a{};
   a.out_box_rows = out_box_rows(hpc * DH);
@@ -614,7 +618,7 @@ cudaError_t launch_streamed(const AttentionDecodeParams& p, cudaStream_t stream)
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.out, p.dtype, p.w_o, p.num_q_heads * DH,
                                                      p.hidden, a.out_box_rows, kOutTileCols));
   // As many stages as this many blocks per SM leave room for (1 KB for the static part).
-  constexpr int kBlocks = kMinBlocks<DH, MH>;
+  constexpr int kBlocks = kTmaMinBlocks<DH, MH>;
   const int64_t budget = (kMaxSharedBytesPerBlock + 1024) / kBlocks - 2048;
   const StreamLayout none(static_cast<int>(p.hidden), hpc, DH, MH, p.cluster_size, 0);
   a.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (budget - none.fixed) / kStageBytes));
@@ -622,9 +626,9 @@ cudaError_t launch_streamed(const AttentionDecodeParams& p, cudaStream_t stream)
   const StreamLayout L(static_cast<int>(p.hidden), hpc, DH, MH, p.cluster_size, a.stages);
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
-      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
+      attention_decode_tma_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
       dim3(kStreamThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p, a));
-  return launch_combine<T>(p, stream);
+  return cudaSuccess;
 }
 
 // MH: register arrays sized for the heads a cluster serves (1, 2, 4 or 8).
@@ -632,9 +636,12 @@ template <typename T, int DH, int MH>
 cudaError_t launch_typed(const AttentionDecodeParams& p, cudaStream_t stream) {
   if (p.dataflow == AttnDataflow::kSplitHead) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_split_head_typed<T, DH, MH>(p, stream)));
-    return launch_combine<T>(p, stream);
+  } else if (p.pipeline == AttnPipeline::kTma) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_tma<T, DH, MH>(p, stream)));
+  } else {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_registers<T, DH, MH>(p, stream)));
   }
-  return launch_streamed<T, DH, MH>(p, stream);
+  return launch_combine<T>(p, stream);
 }
 
 template <typename T, int DH>

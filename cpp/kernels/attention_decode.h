@@ -14,6 +14,9 @@ enum class RopeLayout : int32_t { kHalf = 0, kInterleaved = 1 };
 // How a cluster's blocks share the attention: by tokens (the main kernel) or by head
 // dimension (ClusterFusion's SplitHead alternative; needs Dh % (8 N) == 0).
 enum class AttnDataflow : int32_t { kSplitToken = 0, kSplitHead = 1 };
+// How SplitToken streams weights and KV: straight into registers (every thread loads and
+// computes), or through a TMA/mbarrier ring of shared-memory stages fed by a producer warp.
+enum class AttnPipeline : int32_t { kRegisters = 0, kTma = 1 };
 
 inline constexpr int kAttnMaxHeadsPerCluster = 8;  // query heads one cluster serves
 
@@ -32,6 +35,7 @@ struct AttentionDecodeParams {
   // small batch. A tuning knob; the chunks split the group evenly.
   int max_heads_per_cluster = kAttnMaxHeadsPerCluster;
   AttnDataflow dataflow = AttnDataflow::kSplitToken;
+  AttnPipeline pipeline = AttnPipeline::kRegisters;
 
   const void* x;          // [B, D]
   const void* norm_w;     // [D] (norm != kNone)

@@ -7,6 +7,10 @@
 #pragma once
 
 constexpr int kMaxComputeWarps = 8;
+// Threads of the plain (not warp-specialised) kernels: SplitHead, and SplitToken with
+// pipeline="registers".
+constexpr int kBlockThreads = 256;
+constexpr int kBlockWarps = kBlockThreads / 32;
 constexpr int kMaxH = kAttnMaxHeadsPerCluster;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kOutTileCols = 64;  // W_o / output columns are split over a cluster in these
@@ -188,6 +192,80 @@ struct SoftmaxState {
     }
   }
 };
+
+// out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
+// block's `ncv` column vectors. Threads split rows into groups; partial sums
+// meet in shared memory in a fixed order.
+template <typename T, typename ColOf, typename Emit>
+__device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, int ncv,
+                           ColOf col_of, float* red, Emit emit) {
+  for (int j0 = 0; j0 < ncv; j0 += kBlockThreads) {
+    const int cv = min(kBlockThreads, ncv - j0);
+    const int groups = kBlockThreads / cv;
+    const int jl = threadIdx.x % cv, rg = threadIdx.x / cv;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (rg < groups) {
+      const T* wcol = W + col_of(j0 + jl);
+      int r = rg;
+      constexpr int U = 16;  // 16-byte loads in flight per thread: 64 KB per block
+      for (; r + (U - 1) * groups < rows; r += U * groups) {
+        uint4 w[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) w[u] = ptx::ldg_stream(wcol + (r + u * groups) * ld);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float f[8];
+          unpack<T>(w[u], f);
+          const float s = vec[r + u * groups];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
+        }
+      }
+      for (; r < rows; r += groups) {
+        float f[8];
+        unpack<T>(ptx::ldg_stream(wcol + r * ld), f);
+        const float s = vec[r];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
+      }
+    }
+    __syncthreads();  // `red` free (previous chunk consumed)
+    if (rg < groups) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[(rg * cv + jl) * 8 + i] = acc[i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < cv * 8; e += kBlockThreads) {
+      float s = 0.f;
+      for (int q = 0; q < groups; ++q) s += red[q * cv * 8 + e];
+      emit(j0 + e / 8, e % 8, s);
+    }
+  }
+  __syncthreads();
+}
+
+// This block's `my_vecs` column vectors of the group's Q|K|V (from `first_vec`, + bias)
+// into qkv; the rest of its `seg_vecs`-vector segment is zero padding for the gather.
+template <typename T>
+__device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+                                  const float* h, float* red, float* qkv, int first_vec,
+                                  int my_vecs, int seg_vecs) {
+  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int64_t ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  for (int e = threadIdx.x; e < seg_vecs * 8; e += kBlockThreads) my_seg[e] = 0.f;
+  __syncthreads();
+  block_gemv<T>(
+      h, static_cast<int>(p.hidden), static_cast<const T*>(p.w_qkv), ld, my_vecs,
+      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
+      [&](int j, int i, float v) {
+        if (p.has_qkv_bias) {
+          v += to_float(bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
+        }
+        my_seg[j * 8 + i] = v;
+      });
+}
+
 
 // y[b, :] = sum over the row's clusters (fixed order) + bias + residual.
 template <typename T>

@@ -33,6 +33,10 @@ ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
 IMPLS = ("auto", "kernel", "xla", "reference")
 DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/attention_decode.h
+# How SplitToken streams weights and KV (AttnPipeline): "registers" = every thread loads
+# straight into registers; "tma" = a producer warp feeds a ring of shared-memory stages
+# through the bulk copy engine (TMA/mbarrier), 7 consumer warps compute.
+PIPELINES = {"registers": 0, "tma": 1}
 CUDA_HEAD_DIMS = (64, 80, 96, 128)
 MAX_HEADS_PER_CLUSTER = 8
 
@@ -119,20 +123,27 @@ def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int
 
 def _tuner_candidates(group: int) -> tuple:
     """Cluster sizes (default heads per cluster), "xla", and for GQA fewer heads per
-    cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head."""
+    cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head; each
+    cluster configuration with the register pipeline, and the TMA pipeline ("tma:" prefix)
+    at the sizes that fill an H100 at small batch (2, 4, 8)."""
     default = _heads_per_cluster(group)
     fewer = sorted({_heads_per_cluster(group, h) for h in (1, 2, 4) if h < default}, reverse=True)
-    return CLUSTER_SIZES + ("xla",) + tuple(f"n{n}:h{h}" for h in fewer[:2] for n in (2, 4, 8))
+    spread = tuple(f"n{n}:h{h}" for h in fewer[:2] for n in (2, 4, 8))
+    tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(c for c in spread if not c.startswith("n2")))
+    return CLUSTER_SIZES + ("xla",) + spread + tma
 
 
-def parse_choice(choice) -> tuple[int, int | None] | str:
-    """A tuner choice -> (cluster_size, max heads per cluster or None) or "xla"."""
+def parse_choice(choice) -> tuple[int, int | None, str] | str:
+    """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline) or "xla"."""
     if choice == "xla":
         return "xla"
-    if isinstance(choice, str):
+    pipeline = "registers"
+    if isinstance(choice, str) and choice.startswith("tma:"):
+        pipeline, choice = "tma", choice[4:]
+    if isinstance(choice, str) and choice.startswith("n"):
         n, h = choice.split(":")
-        return int(n[1:]), int(h[1:])
-    return int(choice), None
+        return int(n[1:]), int(h[1:]), pipeline
+    return int(choice), None, pipeline
 
 
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
@@ -146,12 +157,12 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v4 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v5 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(choice):
         parsed = parse_choice(choice)
-        n, heads = (None, None) if parsed == "xla" else parsed
+        n, heads, pipeline = (None, None, None) if parsed == "xla" else parsed
         rng = np.random.default_rng(0)
         f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
         kc, vc = f(batch, hkv, ctx, head_dim), f(batch, hkv, ctx, head_dim)
@@ -169,6 +180,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                 return attention_decode(s[0], w_qkv, w_o, s[1], s[2], lengths, inv_freq,
                                         num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
                                         residual=True, cluster_size=n, heads_per_cluster=heads,
+                                        pipeline=pipeline,
                                         impl="xla" if parsed == "xla" else "kernel")
 
             return jax.lax.fori_loop(0, 10, body, state)
@@ -183,7 +195,8 @@ def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_s
              head_dim: int, dtype) -> int | str:
     """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
     impl="auto" will run for it: a cluster size of the kernel, "n<size>:h<heads>" (cluster
-    size and at most that many query heads per cluster), or "xla"."""
+    size and at most that many query heads per cluster), either with a "tma:" prefix (the
+    TMA pipeline), or "xla"."""
     return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
                                 num_kv_heads, max_seq, head_dim, dtype)
 
@@ -195,7 +208,7 @@ def attention_decode(
     qkv_bias=None, o_bias=None, residual: bool = False,
     rotary_dim: int | None = None, rope_layout: str = "half", scale: float | None = None,
     cluster_size: int | None = None, heads_per_cluster: int | None = None, impl: str = "auto",
-    dataflow: str = "split_token",
+    dataflow: str = "split_token", pipeline: str | None = None,
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
 
@@ -207,7 +220,10 @@ def attention_decode(
     attention: "split_token" (by tokens; the tuned default) or "split_head" (by head
     dimension, ClusterFusion's SplitHead alternative: the scores of every token are reduced
     across the cluster; needs head_dim % (8 * cluster_size) == 0; cluster_size None picks
-    the largest such size <= 4, untuned).
+    the largest such size <= 4, untuned). pipeline (SplitToken): "registers" (weights and
+    KV loaded straight into registers by every thread) or "tma" (a producer warp streams
+    every byte through a TMA/mbarrier ring of shared-memory stages); None: the tuner's pick
+    when it picks the cluster size, else "registers".
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
@@ -270,6 +286,12 @@ def attention_decode(
             raise ValueError(f"attention_decode: dataflow='split_head' needs head_dim ({head_dim}) divisible "
                              f"by 8 * cluster_size ({cluster_size})")
         cluster_size = cluster_size or max(n for n in CLUSTER_SIZES if n <= 4 and head_dim % (8 * n) == 0)
+    if pipeline is not None and pipeline not in PIPELINES:
+        raise ValueError(f"attention_decode: pipeline must be one of {list(PIPELINES)} or None, "
+                         f"got {pipeline!r}")
+    if pipeline == "tma" and dataflow != "split_token":
+        raise ValueError("attention_decode: pipeline='tma' is a SplitToken pipeline "
+                         "(dataflow='split_token')")
     if impl not in IMPLS:
         raise ValueError(f"attention_decode: impl must be one of {IMPLS}, got {impl!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -299,9 +321,12 @@ def attention_decode(
         if choice == "xla":  # measured faster than every kernel configuration for this shape
             if impl != "kernel":
                 return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
-            choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None)
-        cluster_size, tuned_heads = choice
+            choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None,
+                      "registers")
+        cluster_size, tuned_heads, tuned_pipeline = choice
         heads_per_cluster = heads_per_cluster or tuned_heads
+        if dataflow == "split_token":
+            pipeline = pipeline or tuned_pipeline
     empty = jnp.zeros((0,), dt)
     y, k, v, _ = _PRIM.bind(
         x, norm_weight if norm_weight is not None else empty,
@@ -313,5 +338,5 @@ def attention_decode(
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
         has_o_bias=o_bias is not None, cluster_size=int(cluster_size),
         max_heads_per_cluster=int(heads_per_cluster or MAX_HEADS_PER_CLUSTER),
-        dataflow=DATAFLOWS[dataflow])
+        dataflow=DATAFLOWS[dataflow], pipeline=PIPELINES[pipeline or "registers"])
     return y, k, v

@@ -1,0 +1,332 @@
+// The SplitToken kernel with weights and KV streamed straight into registers
+// (pipeline="registers"), the alternative to the TMA ring of attention_decode.cu.
+//
+// One cluster of N blocks of 256 threads per (batch row, KV head, chunk of <= 8 query
+// heads); every thread computes and loads:
+//   1. every block normalises x[b] into shared memory (fp32);
+//   2. block r computes its share of the group's Q|K|V COLUMNS (GEMV, 16-byte weight
+//      loads, 16 in flight per thread); ClusterGather gives every block all of them;
+//   3. RoPE on q and k at position lengths[b]; block 0 of chunk 0 writes the new k, v;
+//   4. block r attends over its slice of the tokens (K/V loads straight into registers,
+//      several token steps in flight); ClusterReduce(max) and ClusterReduce(sum) combine
+//      (m, l, o) across the cluster;
+//   5. block r multiplies the attention output by its W_o column tiles -> fp32 partial row
+//      (the combine kernel sums the clusters' partials in a fixed order).
+// Each phase's first 32 KB is prefetched into L2 while the previous phase finishes.
+// Measured against the TMA ring (session 7, H100): faster per SM on CUDA-core math, as
+// its 8 warps load without a shared-memory round trip; see attention_decode.cu.
+// Included inside attention_decode.cu's anonymous namespace (uses
+// attention_decode_common.cuh).
+#pragma once
+
+// Shared memory carve-up, computed identically on host and device.
+struct RegistersLayout {
+  int hpc, dh, n;
+  int qkv_vecs;      // 8-column vectors of the group's Q|K|V columns
+  int vecs_per_blk;  // their share per block (ceil)
+  int64_t h_off, qkv_off, red_off, warp_off, max_off, max_recv_off, sum_off, sum_recv_off, bytes;
+  int sum_vecs;  // 16-byte vectors of the (o, l) all-reduce
+
+  __host__ __device__ RegistersLayout(int hidden, int hpc_, int dh_, int n_) : hpc(hpc_), dh(dh_), n(n_) {
+    int rounds = 0;
+    while ((1 << rounds) < n) ++rounds;
+    qkv_vecs = (hpc + 2) * dh / 8;
+    vecs_per_blk = (qkv_vecs + n - 1) / n;
+    sum_vecs = (hpc * dh + kMaxH) / 4;
+    int64_t off = 0;
+    auto take = [&](int64_t bytes) {
+      int64_t at = off;
+      off += (bytes + 127) / 128 * 128;
+      return at;
+    };
+    h_off = take(4LL * hidden);
+    qkv_off = take(32LL * vecs_per_blk * n);  // gathered Q|K|V, fp32, natural column order
+    red_off = take(4LL * kBlockThreads * 8);       // GEMV partial sums across row groups
+    warp_off = take(4LL * kBlockWarps * kMaxH * (dh + 2));
+    max_off = take(4LL * kMaxH);
+    max_recv_off = take(4LL * kMaxH * rounds);
+    sum_off = take(16LL * sum_vecs);
+    sum_recv_off = take(16LL * sum_vecs * rounds);
+    bytes = off;
+  }
+};
+
+constexpr uint32_t kPrefetchBytes = 32 * 1024;  // per block, per stream, ahead of a phase
+
+// The first kPrefetchBytes of `rows` row segments of `seg_bytes` each, `ld` elements
+// apart, into L2: one bulk prefetch per row, one row per thread.
+template <typename T>
+__device__ void prefetch_rows(const T* first, int64_t ld, int rows, int64_t seg_bytes) {
+  if (seg_bytes <= 0) return;
+  const int64_t fit = static_cast<int64_t>(kPrefetchBytes) / seg_bytes;
+  const int n = static_cast<int>(fit < 1 ? 1 : fit < rows ? fit : rows);
+  for (int r = threadIdx.x; r < n; r += kBlockThreads) {
+    ptx::prefetch_l2(first + r * ld, static_cast<uint32_t>(seg_bytes));
+  }
+}
+
+// Blocks per SM the kernel is built for: 2 where ptxas fits it in 128 registers without
+// spills, else 1. Two let clusters of 8 and 16 find enough SMs: at one block per SM an
+// H100 keeps only 7 clusters of 16 resident (ncu: Max Active Clusters), and Llama-3-8B's
+// 8 KV heads then ran in two waves.
+template <int DH, int MH>
+constexpr int kRegistersMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
+// Token steps per warp in flight in attention: as many as the registers allow.
+template <int DH, int MH>
+constexpr int kRegistersTokenSteps = MH <= 2 ? 8 : MH == 4 && kRegistersMinBlocks<DH, MH> == 2 ? 2 : 4;
+
+// Attention of the block's queries over cached tokens [t0, t1).
+template <typename T, int DH, int MH>
+__device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+                              const float* qkv, int t0, int t1, float* warp_states) {
+  constexpr int NV = DH / 8;                   // 16-byte vectors per row
+  constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
+  constexpr int TPW = 32 / LPT;                // tokens per warp step
+  constexpr int U = kRegistersTokenSteps<DH, MH>;       // token steps in flight
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int dv = lane % LPT, slot = lane / LPT;
+  const bool active = dv < NV;
+
+  float q[MH][8];
+#pragma unroll
+  for (int h = 0; h < MH; ++h) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
+    }
+  }
+  const int64_t row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
+  const T* K = static_cast<const T*>(p.k_cache) + row0 * DH + dv * 8;
+  const T* V = static_cast<const T*>(p.v_cache) + row0 * DH + dv * 8;
+
+  SoftmaxState<MH> st;
+  st.init();
+  for (int first = t0 + warp * TPW * U; first < t1; first += kBlockWarps * TPW * U) {
+    uint4 kr[U], vr[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = first + u * TPW + slot;
+      ok[u] = t < t1;
+      if (ok[u] && active) {
+        kr[u] = ptx::ldg_stream(K + static_cast<int64_t>(t) * DH);
+        vr[u] = ptx::ldg_stream(V + static_cast<int64_t>(t) * DH);
+      } else {
+        kr[u] = make_uint4(0, 0, 0, 0);
+        vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float s[U][MH];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8];
+      unpack<T>(kr[u], kf);
+#pragma unroll
+      for (int h = 0; h < MH; ++h) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d = fmaf(q[h][i], kf[i], d);
+#pragma unroll
+        for (int off = LPT / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        s[u][h] = ok[u] ? d : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      if (h >= hpc) break;
+      float mx = st.m[h];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][h]);
+      if (mx == -INFINITY) continue;
+      const float a = exp2f(st.m[h] - mx);
+      st.m[h] = mx;
+      st.l[h] *= a;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float pr = exp2f(s[u][h] - mx);
+        st.l[h] += pr;
+        float vf[8];
+        unpack<T>(vr[u], vf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
+      }
+    }
+  }
+  // Merge the token slots of the warp (lanes LPT apart hold the same dims).
+#pragma unroll
+  for (int off = LPT; off < 32; off <<= 1) {
+    float m2[MH], l2[MH], o2[MH][8];
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      m2[h] = __shfl_xor_sync(0xffffffffu, st.m[h], off);
+      l2[h] = __shfl_xor_sync(0xffffffffu, st.l[h], off);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o2[h][i] = __shfl_xor_sync(0xffffffffu, st.o[h][i], off);
+    }
+    st.merge(m2, l2, o2);
+  }
+  // Warp state -> shared: [warp][head][DH + 2] = (o..., m, l).
+  if (slot == 0) {
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      if (h >= hpc) break;
+      float* ws = warp_states + (warp * kMaxH + h) * (DH + 2);
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ws[dv * 8 + i] = st.o[h][i];
+      }
+      if (lane == 0) {
+        ws[DH] = st.m[h];
+        ws[DH + 1] = st.l[h];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int DH, int MH>
+__global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
+    attention_decode_kernel(const AttentionDecodeParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ ClusterCollectiveBarriers gather_bars, max_bars, sum_bars;
+  const int hpc = static_cast<int>(p.heads_per_cluster());
+  const int n = p.cluster_size;
+  const RegistersLayout L(static_cast<int>(p.hidden), hpc, DH, n);
+  float* h = reinterpret_cast<float*>(smem + L.h_off);
+  float* qkv = reinterpret_cast<float*>(smem + L.qkv_off);
+  float* red = reinterpret_cast<float*>(smem + L.red_off);
+  float* warp_states = reinterpret_cast<float*>(smem + L.warp_off);
+  float* mx = reinterpret_cast<float*>(smem + L.max_off);
+  float* sums = reinterpret_cast<float*>(smem + L.sum_off);
+
+  const Ctx c = cluster_ctx(p);
+
+  ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
+  ClusterReduce<float, ReduceOp::kMax> reduce_max(
+      &max_bars, reinterpret_cast<uint4*>(smem + L.max_recv_off), kMaxH / 4);
+  ClusterReduce<float, ReduceOp::kSum> reduce_sum(
+      &sum_bars, reinterpret_cast<uint4*>(smem + L.sum_recv_off), L.sum_vecs);
+  gather.init();
+  reduce_max.init();
+  reduce_sum.init();
+  ptx::cluster_arrive();  // barrier init visible to peers; overlap the wait with the norm
+
+  const OutputSlice out = output_slice(p, c);
+  float* partial_row = out.row;
+  const int o_first = out.first, o_count = out.count;
+  if (length_out_of_range(p, c)) {
+    write_nan_slice(out, ThreadGroup::block());
+    ptx::cluster_wait();
+    return;
+  }
+  // This block's share of each phase: QKV column vectors, tokens, W_o columns.
+  const int first_vec = c.rank * L.vecs_per_blk;
+  const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
+  const int total = c.len + 1;
+  const int per_block = (total + n - 1) / n;
+  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
+  const T* wqkv = static_cast<const T*>(p.w_qkv);
+  const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  const T* wo = static_cast<const T*>(p.w_o) + (c.g * p.group() + c.chunk * hpc) * DH * p.hidden;
+
+  // Each phase's first bytes are requested ahead (L2 prefetch) so no phase starts with an
+  // empty memory pipeline: here the QKV rows (per contiguous run: Q, K or V columns).
+  for (int v = first_vec, end = first_vec + my_vecs; v < end;) {
+    const int bound = v < hpc * DH / 8 ? hpc * DH / 8 : v < (hpc + 1) * DH / 8 ? (hpc + 1) * DH / 8
+                                                                               : end;
+    const int run_end = min(end, bound);
+    prefetch_rows(wqkv + qkv_column(p, c, hpc, static_cast<int64_t>(v) * 8), qkv_ld,
+                  static_cast<int>(p.hidden), static_cast<int64_t>(run_end - v) * 16);
+    v = run_end;
+  }
+  normalize_input<T>(p, c.b, h, ThreadGroup::block());
+  ptx::cluster_wait();
+
+  // 2. QKV projection: this block's column vectors, then gather.
+  project_qkv_slice<T>(p, c, hpc, h, red, qkv, first_vec, my_vecs, L.vecs_per_blk);
+  const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
+  if (threadIdx.x < 2 && t0 < c.len) {  // this block's first cached K and V tokens
+    const T* cache = static_cast<const T*>(threadIdx.x == 0 ? p.k_cache : p.v_cache);
+    const int64_t bytes = static_cast<int64_t>(min(t1, c.len) - t0) * DH * sizeof(T);
+    const int64_t ahead = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
+    ptx::prefetch_l2(cache + (kv_row0 + t0) * DH, static_cast<uint32_t>(ahead));
+  }
+  gather();
+
+  // 3. RoPE, the new k, v rounded to the cache dtype and written.
+  rope_and_round_kv<T>(p, qkv, hpc, c.len, ThreadGroup::block());
+  __syncthreads();
+  write_new_kv<T>(p, c, qkv, hpc, kv_row0, ThreadGroup::block());
+
+  // 4. Attention over this block's token slice; the new token comes from smem.
+  attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
+  prefetch_rows(wo + o_first * 8, p.hidden, hpc * DH, static_cast<int64_t>(o_count) * 16);
+
+  // Combine the warps (fixed order), then the new token, per head.
+  const float qscale = p.scale * kLog2e;
+  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
+    const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
+    float m = -INFINITY;
+    for (int w = 0; w < kBlockWarps; ++w) m = fmaxf(m, warp_states[(w * kMaxH + head) * (DH + 2) + DH]);
+    float s_new = -INFINITY;
+    if (t0 <= c.len && c.len < t1) {
+      float d = 0.f;
+      for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
+      s_new = d;
+    }
+    const float mm = fmaxf(m, s_new);
+    float acc = 0.f;
+    for (int w = 0; w < kBlockWarps; ++w) {
+      const float* ws = warp_states + (w * kMaxH + head) * (DH + 2);
+      const float wm = ws[DH];
+      if (wm == -INFINITY) continue;
+      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
+    }
+    if (s_new != -INFINITY) {
+      const float pr = exp2f(s_new - mm);
+      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
+    }
+    if (i < DH) {
+      sums[head * DH + i] = acc;
+    } else {
+      sums[hpc * DH + head] = acc;
+      mx[head] = mm;
+    }
+  }
+  for (int e = threadIdx.x; e < kMaxH; e += kBlockThreads) {
+    if (e >= hpc) mx[e] = -INFINITY;
+  }
+  for (int e = hpc * DH + hpc + threadIdx.x; e < L.sum_vecs * 4; e += kBlockThreads) sums[e] = 0.f;
+  __syncthreads();
+  __shared__ float local_max[kMaxH];
+  if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
+  reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a block barrier
+  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
+    const int head = e < hpc * DH ? e / DH : e - hpc * DH;
+    const float scale = local_max[head] == -INFINITY ? 0.f : exp2f(local_max[head] - mx[head]);
+    sums[e] *= scale;
+  }
+  reduce_sum(reinterpret_cast<uint4*>(sums));
+  for (int e = threadIdx.x; e < hpc * DH; e += kBlockThreads) sums[e] /= sums[hpc * DH + e / DH];
+  __syncthreads();
+
+  // 5. Output projection: this block's output columns of the group's W_o rows.
+  block_gemv<T>(
+      sums, hpc * DH, wo, p.hidden, o_count,
+      [&](int j) { return static_cast<int64_t>(o_first + j) * 8; }, red,
+      [&](int j, int i, float v) { partial_row[(o_first + j) * 8 + i] = v; });
+
+  gather.finish();
+}
+
+template <typename T, int DH, int MH>
+cudaError_t launch_registers(const AttentionDecodeParams& p, cudaStream_t stream) {
+  const RegistersLayout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
+                          p.cluster_size);
+  const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
+  return launch_cluster(attention_decode_kernel<T, DH, MH>,
+                        dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kBlockThreads),
+                        static_cast<size_t>(L.bytes), p.cluster_size, stream, p);
+}
