@@ -119,7 +119,7 @@ def time_case(model, length, dtype, kernels, key):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="16384")
+    parser.add_argument("--lengths", default="16384", help="comma list; empty: check only")
     parser.add_argument("--models", default="flux,cogvideox")
     parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--kernels", default=",".join(KERNELS))
@@ -132,7 +132,7 @@ def main(argv=None):
     key = jax.random.key(0)
     for model in args.models.split(","):
         for dtype in (jnp.dtype(t) for t in args.dtypes.split(",")):
-            for length in (int(x) for x in args.lengths.split(",")):
+            for length in (int(x) for x in args.lengths.split(",") if x):
                 key, sub = jax.random.split(key)
                 flops, res = time_case(model, length, dtype, kernels, sub)
                 base = res["cudnn"][0]
