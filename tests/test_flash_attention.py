@@ -439,20 +439,44 @@ def test_gpu_each_kernel_vs_reference(rng, cuda_kernel, dtype, dh):
         assert a.size == 0 or rel_l2(a, r) <= TOLERANCE[dtype], rel_l2(a, r)
 
 
+def check_many_chunks(rng, nq, nkv, dh, device, **kw):
+    """nq query x nkv KV chunks (ragged, some empty, random states on every third query chunk,
+    some of their rows empty) against ONE reference call on the concatenated problem (a
+    reference per chunk would take minutes)."""
+    b, h = 1, 2
+    q_lens = [int(n) for n in rng.integers(0, 150, size=nq)]
+    kv_lens = [int(n) for n in rng.integers(0, 150, size=nkv)]
+    q_lens[0], kv_lens[-1] = 0, 0
+    qs, kvs, _ = make_chunks(rng, q_lens, kv_lens, batch=b, heads=h, dh=dh, dtype="bfloat16")
+    states, full = [], []
+    for i, n in enumerate(q_lens):
+        st = la.empty_state(b, n, h, dh)
+        if i % 3 == 0:
+            lse = _arr(rng, (b, h, n), "float32") + 2.0
+            lse = lse.at[:, 0, : n // 4].set(-jnp.inf)
+            st = la.State(_arr(rng, (b, n, h, dh), "float32"), lse)
+            states.append(st)
+        else:
+            states.append(None)
+        full.append(st)
+    cat = lambda xs, axis=1: jnp.concatenate(list(xs), axis)  # noqa: E731
+    ref = ref_flash([cat(qs)], [(cat(k for k, _ in kvs), cat(v for _, v in kvs))],
+                    [la.State(cat(s.o for s in full), cat((s.lse for s in full), 2))])[0]
+    out = run(qs, kvs, states, device, impl="kernel", **kw)
+    check_state((cat(s.o for s in out), cat((s.lse for s in out), 2)), ref, "bfloat16")
+
+
+def test_cpu_many_chunks_against_one_concatenated_reference(rng):
+    check_many_chunks(rng, 5, 4, 16, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dh", [64, 128])
 def test_gpu_chunk_limit_of_one_launch(rng, dh):
-    """32 query x 32 KV chunks: every chunk's tensor maps in one parameter struct (one launch);
-    past that the wrapper concatenates (35 x 37 chunks)."""
-    for nq, nkv in ((fa.MAX_Q_CHUNKS, fa.MAX_KV_CHUNKS), (fa.MAX_Q_CHUNKS + 3, fa.MAX_KV_CHUNKS + 5)):
-        q_lens = [int(n) for n in rng.integers(0, 150, size=nq)]
-        kv_lens = [int(n) for n in rng.integers(0, 150, size=nkv)]
-        q_lens[0], kv_lens[-1] = 0, 0
-        state_lens = [None if i % 3 else 7 for i in range(nq)]
-        qs, kvs, states = make_chunks(rng, q_lens, kv_lens, batch=1, heads=2, dh=dh,
-                                      dtype="bfloat16", state_lens=state_lens)
-        out = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel="wgmma")
-        check_all(out, ref_flash(qs, kvs, states), "bfloat16")
+    """32 query x 32 KV chunks: every chunk's tensor maps in one parameter struct (one launch
+    of the wgmma kernel); past that the wrapper concatenates (35 x 37 chunks)."""
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS, fa.MAX_KV_CHUNKS, dh, _gpu(), cuda_kernel="wgmma")
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS + 3, fa.MAX_KV_CHUNKS + 5, dh, _gpu(), cuda_kernel="wgmma")
 
 
 @pytest.mark.gpu
