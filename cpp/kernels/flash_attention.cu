@@ -18,6 +18,10 @@
 //  * epilogue: l summed over the quad, o = O / l (0 where l = 0), lse = (m + log2 l) ln 2
 //    (-inf where l = 0); fp32 state or, with finalize, o in the input dtype.
 // Deterministic: every output element is written once by one thread, no atomics.
+//
+// Since the Hopper kernel (flash_attention_sm90.cu, ~1.9x faster on Flux L = 16K) this one
+// runs what that one does not serve (a negative scale, a buffer TMA cannot map) and on
+// request (cuda_kernel="mma"): launch_flash_attention below tries the wgmma kernel first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
