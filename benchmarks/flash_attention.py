@@ -8,7 +8,8 @@ fit in memory); Pallas' attention kernels that ship with jax: `pallas` (the Trit
 which does not change its work). Shapes: Flux (24 heads x 128) and CogVideoX (30 heads x 64), batch 1,
 non-causal, Lq = Lk = L for L = 4K .. 64K, fp16 / bf16.
 
-Per case: ours (one chunk, finalize=True, output in the input dtype), ours on the same work
+Per case: ours (one chunk, finalize=True, output in the input dtype: the wgmma kernel),
+ours_mma (the same call on the older mma.sync kernel, cuda_kernel="mma"), ours on the same work
 split into 4 query x 4 KV chunks in ONE call (the Torus / Ring shape of the work), ours as a
 ring step (incoming fp32 state, fp32 state out), the peers; TFLOP/s = 4 B H L^2 Dh / time.
 roofline_fraction = our TFLOP/s / the TFLOP/s of a large bf16 matmul measured in the same run
@@ -55,6 +56,10 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
 
 def ours(q, k, v):
     return jc.flash_attention(q, [(k, v)], finalize=True, impl="kernel")
+
+
+def ours_mma(q, k, v):
+    return jc.flash_attention(q, [(k, v)], finalize=True, impl="kernel", cuda_kernel="mma")
 
 
 def ours_chunked(qs, kvs):
@@ -116,6 +121,7 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
             t[name] = None
 
     attempt("ours", lambda: time_per_call(lambda x: ours(x, k, v), q, calls))
+    attempt("ours_mma", lambda: time_per_call(lambda x: ours_mma(x, k, v), q, calls))
     qs, kvs = split(q, 4), list(zip(split(k, 4), split(v, 4)))
     attempt("ours_4x4", lambda: time_per_call(lambda xs: ours_chunked(xs, kvs), qs, calls))
 
@@ -153,6 +159,7 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     row = {
         "case": f"{model} b1 l{length} {dtype_tag(dtype)}",
         "ours_us": us["ours"],
+        "ours_mma_us": us["ours_mma"],
         "ours_4x4_us": us["ours_4x4"],
         "ours_state_us": us["ours_state"],
         "cudnn_us": us["cudnn"],
@@ -162,6 +169,7 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
         "speedup_vs_pallas": t["pallas"] / t["ours"] if t["pallas"] and t["ours"] else None,
         "speedup_vs_pallas_mgpu": t["pallas_mgpu"] / t["ours"] if t["pallas_mgpu"] and t["ours"] else None,
         "speedup_vs_cudnn": t["cudnn"] / t["ours"] if t["cudnn"] and t["ours"] else None,
+        "speedup_vs_ours_mma": t["ours_mma"] / t["ours"] if t["ours_mma"] and t["ours"] else None,
         "speedup_vs_xla": t["xla"] / t["ours"] if t["xla"] and t["ours"] else None,
         "chunked_overhead": t["ours_4x4"] / t["ours"] if t["ours_4x4"] and t["ours"] else None,
         "tflops": tf(t["ours"]),
@@ -173,11 +181,12 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     return row
 
 
-COLUMNS = ["case", "ours_us", "ours_4x4_us", "ours_state_us", "cudnn_us", "xla_us", "pallas_us",
-           "pallas_mgpu_us", "speedup_vs_cudnn", "speedup_vs_xla", "speedup_vs_pallas",
+COLUMNS = ["case", "ours_us", "ours_mma_us", "ours_4x4_us", "ours_state_us", "cudnn_us", "xla_us", "pallas_us",
+           "pallas_mgpu_us", "speedup_vs_cudnn", "speedup_vs_ours_mma", "speedup_vs_xla", "speedup_vs_pallas",
            "speedup_vs_pallas_mgpu", "chunked_overhead", "tflops", "cudnn_tflops", "roofline_fraction",
            "rel_err_vs_cudnn"]
-NOTES = ("Non-causal attention, batch 1, Lq = Lk = L. ours: one chunk, finalize=True; ours_4x4: the same "
+NOTES = ("Non-causal attention, batch 1, Lq = Lk = L. ours: one chunk, finalize=True (the wgmma kernel); "
+         "ours_mma: the same on the mma.sync kernel; ours_4x4: the same "
          "work as 4 query x 4 KV chunks (uneven) in one call; ours_state: fp32 state in and out (a ring "
          "step). TFLOP/s = 4 B H L^2 Dh / time. xla only where its fp32 scores fit in 16 GiB.")
 
@@ -216,6 +225,7 @@ def main(argv=None):
                 rows.append(row)
                 f = lambda x, fmt="7.0f": format(x, fmt) if x is not None else "    n/a"  # noqa: E731
                 print(f"  {row['case']:28s} ours {f(row['ours_us'])} us ({f(row['tflops'], '4.0f')} TF)"
+                      f"  mma {f(row['ours_mma_us'])}"
                       f"  4x4 {f(row['ours_4x4_us'])}  state {f(row['ours_state_us'])}"
                       f"  cudnn {f(row['cudnn_us'])} ({f(row['cudnn_tflops'], '4.0f')} TF)  xla {f(row['xla_us'])}"
                       f"  pallas {f(row['pallas_us'])}  mgpu {f(row['pallas_mgpu_us'])}"

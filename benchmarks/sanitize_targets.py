@@ -90,7 +90,7 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192)), variants=None):
     print("swiglu ok")
 
 
-def flash_attention(dtypes=(jnp.float16, jnp.bfloat16)):
+def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), cuda_kernel="auto"):
     """Both head dims, ragged / empty query and KV chunks (tile remainders), incoming states,
     state and finalized outputs, vs the jnp reference."""
     rng = np.random.default_rng(0)
@@ -101,7 +101,8 @@ def flash_attention(dtypes=(jnp.float16, jnp.bfloat16)):
             kvs = [(f(2, n, 2, dh), f(2, n, 2, dh)) for n in (65, 0, 3)]
             states = [jc.reference.flash_attention([qs[0]], [(f(2, 9, 2, dh), f(2, 9, 2, dh))])[0], None, None]
             for finalize in (False, True):
-                out = jc.flash_attention(qs, kvs, states, finalize=finalize, impl="kernel")
+                out = jc.flash_attention(qs, kvs, states, finalize=finalize, impl="kernel",
+                                         cuda_kernel=cuda_kernel)
                 ref = jc.reference.flash_attention(qs, kvs, states, finalize=finalize)
                 for a, r in zip(out, ref):
                     a, r = (a, r) if finalize else (a[0], r[0])
@@ -129,5 +130,6 @@ if __name__ == "__main__":
             swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=variants)
         else:
             swiglu((jnp.float16, jnp.bfloat16), variants=variants)
-    if wanted("flash_attention"):
-        flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("flash_attention"):  # --flash-kernel=mma|wgmma|...: one of its CUDA kernels
+        kern = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--flash-kernel=")), "auto")
+        flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kern)

@@ -245,6 +245,7 @@ def _bad_cases():
         (lambda: jc.flash_attention(q, [kv], scale=float("nan")), "scale must be a finite"),
         (lambda: jc.flash_attention(q, [kv], scale=jnp.float32(0.5) * jnp.ones(())), "scale must be a finite"),
         (lambda: jc.flash_attention(q, [kv], impl="fast"), "impl must be one of"),
+        (lambda: jc.flash_attention(q, [kv], cuda_kernel="fast"), "cuda_kernel must be one of"),
     ]
 
 
@@ -259,7 +260,7 @@ def test_ffi_validation_errors():
     """The C++ decoder rejects malformed calls (last line of defence behind the wrapper)."""
     q = jnp.ones((1, 4, 2, 8), jnp.float16)
     k = jnp.ones((1, 5, 2, 8), jnp.float16)
-    good = dict(num_q=1, num_kv=1, state_mask=0, scale=np.float32(0.3), finalize=False)
+    good = dict(num_q=1, num_kv=1, state_mask=0, scale=np.float32(0.3), finalize=False, kernel=0)
     cases = [
         ((q, k, k), {"num_q": 33}, "num_q must be in 1..32"),
         ((q, k, k), {"num_kv": 33}, "num_kv must be in 0..32"),
@@ -272,6 +273,7 @@ def test_ffi_validation_errors():
         ((q, k, k, q.astype(jnp.float32), jnp.zeros((1, 2, 3), jnp.float32)), {"state_mask": 1},
          "state lse[0] must be float32 [B, H, Lq]"),
         ((q, k, k), {"scale": np.float32(np.inf)}, "scale must be finite"),
+        ((q, k, k), {"kernel": 4}, "kernel must be in 0..3"),
     ]
     for operands, change, message in cases:
         with pytest.raises(Exception, match=re.escape(message)):
@@ -417,3 +419,78 @@ def test_gpu_hook_single_device_and_two_gpu_torus(rng):
     qs, ks, vs = (jax.device_put(x, p.sharding()) for x in (q, k, v))
     out = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, kernel="flash_attention"))(qs, ks, vs)
     assert rel_l2(jax.device_put(out, gpus[0]), la.reference_attention(q, k, v)) < 1e-2
+
+
+# ---------------------------------------------------------------- GPU: the two CUDA kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_kernel", ["wgmma", "wgmma_no_pingpong", "mma"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dh", [64, 128])
+def test_gpu_each_kernel_vs_reference(rng, cuda_kernel, dtype, dh):
+    """Every CUDA kernel on ragged chunks (tile remainders of both the 128-row query tiles and
+    the 128-key tiles, empty chunks, a KV sequence of several tiles and ring passes, states)."""
+    qs, kvs, states = make_chunks(rng, [1, 129, 0, 300], [257, 0, 1, 700, 128], batch=2, heads=3,
+                                  dh=dh, dtype=dtype, state_lens=[None, 9, None, 0])
+    out = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel=cuda_kernel)
+    check_all(out, ref_flash(qs, kvs, states), dtype)
+    fin = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel=cuda_kernel, finalize=True)
+    for a, r in zip(fin, ref_flash(qs, kvs, states, finalize=True)):
+        assert a.dtype == jnp.dtype(dtype) and a.shape == r.shape
+        assert a.size == 0 or rel_l2(a, r) <= TOLERANCE[dtype], rel_l2(a, r)
+
+
+def check_many_chunks(rng, nq, nkv, dh, device, **kw):
+    """nq query x nkv KV chunks (ragged, some empty, random states on every third query chunk,
+    some of their rows empty) against ONE reference call on the concatenated problem (a
+    reference per chunk would take minutes)."""
+    b, h = 1, 2
+    q_lens = [int(n) for n in rng.integers(0, 150, size=nq)]
+    kv_lens = [int(n) for n in rng.integers(0, 150, size=nkv)]
+    q_lens[0], kv_lens[-1] = 0, 0
+    qs, kvs, _ = make_chunks(rng, q_lens, kv_lens, batch=b, heads=h, dh=dh, dtype="bfloat16")
+    states, full = [], []
+    for i, n in enumerate(q_lens):
+        st = la.empty_state(b, n, h, dh)
+        if i % 3 == 0:
+            lse = _arr(rng, (b, h, n), "float32") + 2.0
+            lse = lse.at[:, 0, : n // 4].set(-jnp.inf)
+            st = la.State(_arr(rng, (b, n, h, dh), "float32"), lse)
+            states.append(st)
+        else:
+            states.append(None)
+        full.append(st)
+    cat = lambda xs, axis=1: jnp.concatenate(list(xs), axis)  # noqa: E731
+    ref = ref_flash([cat(qs)], [(cat(k for k, _ in kvs), cat(v for _, v in kvs))],
+                    [la.State(cat(s.o for s in full), cat((s.lse for s in full), 2))])[0]
+    out = run(qs, kvs, states, device, impl="kernel", **kw)
+    check_state((cat(s.o for s in out), cat((s.lse for s in out), 2)), ref, "bfloat16")
+
+
+def test_cpu_many_chunks_against_one_concatenated_reference(rng):
+    check_many_chunks(rng, 5, 4, 16, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dh", [64, 128])
+def test_gpu_chunk_limit_of_one_launch(rng, dh):
+    """32 query x 32 KV chunks: every chunk's tensor maps in one parameter struct (one launch
+    of the wgmma kernel); past that the wrapper concatenates (35 x 37 chunks)."""
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS, fa.MAX_KV_CHUNKS, dh, _gpu(), cuda_kernel="wgmma")
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS + 3, fa.MAX_KV_CHUNKS + 5, dh, _gpu(), cuda_kernel="wgmma")
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_agree_and_negative_scale(rng):
+    """The wgmma and mma.sync kernels compute the same function; a negative scale (which the
+    wgmma kernel does not serve) runs the mma.sync kernel under auto, and is refused by the
+    wgmma one with a clear message."""
+    qs, kvs, states = make_chunks(rng, [200, 33], [150, 77], dh=128, dtype="float16",
+                                  state_lens=[12, None])
+    a = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel="wgmma")
+    b = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel="mma")
+    check_all(a, b, "float16")
+    neg = run(qs, kvs, states, _gpu(), impl="kernel", scale=-0.1)
+    check_all(neg, ref_flash(qs, kvs, states, scale=-0.1), "float16")
+    with pytest.raises(Exception, match="wgmma kernel does not serve"):
+        jax.block_until_ready(run(qs, kvs, states, _gpu(), impl="kernel", scale=-0.1,
+                                  cuda_kernel="wgmma"))

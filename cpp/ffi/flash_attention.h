@@ -5,7 +5,7 @@
 // Operands (variadic): q_0 .. q_{nq-1}, k_0 .. k_{nkv-1}, v_0 .. v_{nkv-1}, then
 // (o_in_i, lse_in_i) for each query chunk i whose bit is set in `state_mask`, in order.
 // Results: (o_i, lse_i) for each query chunk. Attributes: num_q, num_kv, state_mask,
-// scale, finalize.
+// scale, finalize, kernel (a FlashKernel: which CUDA kernel; the CPU handler ignores it).
 #pragma once
 
 #include <cmath>
@@ -21,7 +21,7 @@ namespace ffi = xla::ffi;
 
 inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(
     ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,
-    int64_t state_mask, float scale, bool finalize) {
+    int64_t state_mask, float scale, bool finalize, int64_t kernel) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("flash_attention: " + m));
   };
@@ -45,10 +45,14 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(
     return fail("expected " + std::to_string(2 * num_q) + " results (o, lse per q chunk)");
   }
   if (!std::isfinite(scale)) return fail("scale must be finite");
+  if (kernel < 0 || kernel >= kFlashNumKernels) {
+    return fail("kernel must be in 0.." + std::to_string(kFlashNumKernels - 1));
+  }
 
   FlashAttentionParams p{};
   p.scale = scale;
   p.finalize = finalize;
+  p.kernel = static_cast<FlashKernel>(kernel);
   p.num_q = static_cast<int>(num_q);
   p.num_kv = static_cast<int>(num_kv);
   ffi::DataType elem = ffi::DataType::INVALID;
@@ -153,7 +157,8 @@ auto bind_flash_attention(Binding&& b) {
       .template Attr<int64_t>("num_kv")
       .template Attr<int64_t>("state_mask")
       .template Attr<float>("scale")
-      .template Attr<bool>("finalize");
+      .template Attr<bool>("finalize")
+      .template Attr<int64_t>("kernel");
 }
 
 }  // namespace jax_cluster
@@ -161,6 +166,6 @@ auto bind_flash_attention(Binding&& b) {
 // The handler signature both platforms implement (after the optional stream).
 #define JAX_CLUSTER_FLASH_ATTENTION_ARGS                                                     \
   ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,            \
-      int64_t state_mask, float scale, bool finalize
+      int64_t state_mask, float scale, bool finalize, int64_t kernel
 #define JAX_CLUSTER_FLASH_ATTENTION_DECODE \
-  decode_flash_attention(args, rets, num_q, num_kv, state_mask, scale, finalize)
+  decode_flash_attention(args, rets, num_q, num_kv, state_mask, scale, finalize, kernel)

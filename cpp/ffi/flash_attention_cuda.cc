@@ -12,6 +12,12 @@ ffi::Error flash_attention_cuda(cudaStream_t stream, JAX_CLUSTER_FLASH_ATTENTION
     return ffi_util::invalid("flash_attention: no CUDA kernel for this head_dim/dtype "
                              "(the Python wrapper should have used the reference path)");
   }
+  const bool wgmma_only =
+      p->kernel == FlashKernel::kWgmma || p->kernel == FlashKernel::kWgmmaNoPingPong;
+  if (wgmma_only && !flash_attention_sm90_serves(*p)) {
+    return ffi_util::invalid("flash_attention: the wgmma kernel does not serve this call "
+                             "(it needs scale >= 0); use cuda_kernel='auto' or 'mma'");
+  }
   return ffi_util::from_cuda(launch_flash_attention(*p, stream), "flash_attention");
 }
 

@@ -18,6 +18,10 @@
 //  * epilogue: l summed over the quad, o = O / l (0 where l = 0), lse = (m + log2 l) ln 2
 //    (-inf where l = 0); fp32 state or, with finalize, o in the input dtype.
 // Deterministic: every output element is written once by one thread, no atomics.
+//
+// Since the Hopper kernel (flash_attention_sm90.cu, ~1.9x faster on Flux L = 16K) this one
+// runs what that one does not serve (a negative scale, a buffer TMA cannot map) and on
+// request (cuda_kernel="mma"): launch_flash_attention below tries the wgmma kernel first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -68,13 +72,6 @@ struct FlashArgs {
 
 // ------------------------------------------------------------------ PTX helpers
 // (swizzled tiles, cp.async, ldmatrix, mma: jax_cluster/mma.cuh)
-
-// 2^x (MUFU.EX2; 2^-inf = 0).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // ROWS x D tile (rows `stride` elements apart in global memory) -> swizzled shared memory;
 // rows >= valid are zero-filled (never read from global memory).
@@ -258,14 +255,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float ref = mx == -INFINITY ? 0.f : mx;  // no (-inf) - (-inf)
-        const float alpha = ex2(m_run[mt][hf] - ref);
+        const float alpha = ptx::ex2(m_run[mt][hf] - ref);
         m_run[mt][hf] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
           for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            const float p = ex2(s[mt][n][e] - ref);
+            const float p = ptx::ex2(s[mt][n][e] - ref);
             s[mt][n][e] = p;
             sum += p;
           }
@@ -360,6 +357,11 @@ cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t s
   if (!flash_attention_cuda_supports(p) || p.num_q < 1 || p.num_q > kFlashMaxQChunks ||
       p.num_kv < 0 || p.num_kv > kFlashMaxKVChunks) {
     return cudaErrorInvalidValue;
+  }
+  if (p.kernel != FlashKernel::kMma) {  // the Hopper kernel first (flash_attention_sm90.cu)
+    const cudaError_t err =
+        launch_flash_attention_sm90(p, stream, p.kernel != FlashKernel::kWgmmaNoPingPong);
+    if (err != cudaErrorNotSupported || p.kernel != FlashKernel::kAuto) return err;
   }
   FlashArgs args{};
   args.heads = static_cast<int32_t>(p.heads);

@@ -38,11 +38,21 @@ struct FlashKVChunk {
   int64_t len;
 };
 
+// Which CUDA kernel runs a call (the FFI attribute `kernel`; tests and benchmarks pick).
+enum class FlashKernel : int32_t {
+  kAuto = 0,          // the wgmma kernel where it serves the call, else the mma.sync one
+  kWgmma = 1,         // the wgmma/TMA kernel (an error where it does not serve the call)
+  kMma = 2,           // the mma.sync kernel
+  kWgmmaNoPingPong = 3,  // the wgmma kernel without the ping-pong between its warpgroups
+};
+inline constexpr int kFlashNumKernels = 4;
+
 struct FlashAttentionParams {
   DType dtype;  // q, k, v (and o when finalize)
   int64_t batch, heads, head_dim;
   float scale;
   bool finalize;
+  FlashKernel kernel;
   int num_q, num_kv;
   FlashQChunk q[kFlashMaxQChunks];
   FlashKVChunk kv[kFlashMaxKVChunks];

@@ -11,10 +11,13 @@ q chunks [B, Lq_i, H, Dh] and kv chunks (k, v) [B, Lk_j, H, Dh] may have differe
 [B, Lq, H, Dh] NORMALIZED (softmax-weighted mean of V over the keys seen), lse fp32 [B, H, Lq]
 natural log; lse = -inf is an empty row (its o is ignored); ``None`` = empty.
 
-On a Hopper GPU this is one FlashAttention-2 style kernel (mma.sync m16n8k16, fp32
-accumulation, online softmax, cp.async double buffering) over every (query tile, head, batch),
-for Dh 64 / 128 and fp16 / bf16; the chunks' pointers are kernel parameters (no
-concatenation). Other head dims or fp32 run the blocked jnp path
+On a Hopper GPU this is one launch over every (query tile, head, batch), for Dh 64 / 128 and
+fp16 / bf16: by default the FlashAttention-3 style kernel (TMA into an mbarrier ring fed by a
+producer warp, wgmma on two consumer warpgroups with setmaxnreg, the softmax overlapped with
+the GEMMs, ping-pong between the warpgroups); the mma.sync m16n8k16 kernel (FlashAttention-2
+style, cp.async double buffering) serves what the first does not (a negative scale) and can be
+asked for with ``cuda_kernel="mma"``. The chunks' tensor maps and pointers are kernel
+parameters (no concatenation up to 32 query and 32 KV chunks per launch). Other head dims or fp32 run the blocked jnp path
 (:func:`jax_cluster.parallel.attend`) with a one-time warning. On CPU a plain C++ handler
 computes the same for any head dim and fp32 too.
 
@@ -42,11 +45,13 @@ CUDA_HEAD_DIMS = (64, 128)
 MAX_Q_CHUNKS = 32  # mirrors kFlashMaxQChunks / kFlashMaxKVChunks (cpp/kernels/flash_attention.h)
 MAX_KV_CHUNKS = 32
 IMPLS = ("auto", "kernel", "jnp", "reference")
+# cuda_kernel -> the FFI attribute `kernel` (FlashKernel in cpp/kernels/flash_attention.h)
+CUDA_KERNELS = {"auto": 0, "wgmma": 1, "mma": 2, "wgmma_no_pingpong": 3}
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def _abstract(*args, num_q, num_kv, state_mask, scale, finalize):
-    del num_kv, state_mask, scale
+def _abstract(*args, num_q, num_kv, state_mask, scale, finalize, kernel):
+    del num_kv, state_mask, scale, kernel
     outs = []
     for q in args[:num_q]:
         b, lq, h, _ = q.shape
@@ -156,14 +161,14 @@ def _jnp_path(qs, kvs, states, scale, finalize):
     return out
 
 
-def _kernel_path(qs, kvs, states, scale, finalize):
+def _kernel_path(qs, kvs, states, scale, finalize, kernel=0):
     # More chunks than one launch takes: concatenate (a copy, but still one launch).
     if len(qs) > MAX_Q_CHUNKS:
         b, _, h, d = qs[0].shape
         lens = [q.shape[1] for q in qs]
         full = [st if st is not None else la.empty_state(b, n, h, d) for st, n in zip(states, lens)]
         st = (jnp.concatenate([s[0] for s in full], 1), jnp.concatenate([s[1] for s in full], 2))
-        (res,) = _kernel_path([jnp.concatenate(qs, 1)], kvs, [st], scale, finalize)
+        (res,) = _kernel_path([jnp.concatenate(qs, 1)], kvs, [st], scale, finalize, kernel)
         cuts = np.cumsum([0] + lens)
         if finalize:
             return [res[:, a:c] for a, c in zip(cuts[:-1], cuts[1:])]
@@ -176,7 +181,7 @@ def _kernel_path(qs, kvs, states, scale, finalize):
         if st is not None:
             operands += [st[0], st[1]]
     outs = _PRIM.bind(*operands, num_q=len(qs), num_kv=len(kvs), state_mask=int(mask),
-                      scale=np.float32(scale), finalize=bool(finalize))
+                      scale=np.float32(scale), finalize=bool(finalize), kernel=int(kernel))
     if finalize:
         return list(outs[0::2])
     return [State(o, lse) for o, lse in zip(outs[0::2], outs[1::2])]
@@ -190,6 +195,7 @@ def flash_attention(
     scale: float | None = None,
     finalize: bool = False,
     impl: str = "auto",
+    cuda_kernel: str = "auto",
 ):
     """Attention of query chunk(s) over every (k, v) chunk, merged into the incoming state.
 
@@ -204,6 +210,9 @@ def flash_attention(
     impl       "auto" (the CUDA kernel where supported, else the jnp path with a one-time
                warning; the CPU handler on CPU), "kernel" (the FFI op; an error where the GPU
                has no kernel), "jnp" (blocked jnp path), "reference" (dense jnp reference)
+    cuda_kernel which CUDA kernel the op runs (tests, benchmarks): "auto" (the wgmma kernel
+               where it serves the call, else the mma.sync one), "wgmma", "mma",
+               "wgmma_no_pingpong" (the wgmma kernel without its warpgroup ping-pong)
     Returns one result for an array q, a list for a sequence.
     """
     single = not isinstance(q, (list, tuple))
@@ -217,6 +226,8 @@ def flash_attention(
     scale = float(scale)
     if impl not in IMPLS:
         _fail(f"impl must be one of {IMPLS}, got {impl!r}")
+    if cuda_kernel not in CUDA_KERNELS:
+        _fail(f"cuda_kernel must be one of {tuple(CUDA_KERNELS)}, got {cuda_kernel!r}")
 
     if impl == "reference":
         res = reference.flash_attention(qs, kvs, states, scale=scale, finalize=finalize)
@@ -234,7 +245,7 @@ def flash_attention(
             _warn_once((d, dtype.name), message + "; using the jnp path")
             res = _jnp_path(qs, kvs, states, scale, finalize)
         else:
-            res = _kernel_path(qs, kvs, states, scale, finalize)
+            res = _kernel_path(qs, kvs, states, scale, finalize, CUDA_KERNELS[cuda_kernel])
     return res[0] if single else res
 
 

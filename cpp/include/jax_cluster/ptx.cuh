@@ -56,6 +56,13 @@ __device__ __forceinline__ uint4 lds128(const void* p) {
   return v;
 }
 
+// 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0): softmax in the log2 domain.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Full cluster barrier, split so independent work can sit between the halves.
 // release/acquire order shared AND global memory across the cluster.
 __device__ __forceinline__ void cluster_arrive() {

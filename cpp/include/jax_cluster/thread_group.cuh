@@ -14,6 +14,12 @@ namespace ptx {
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+
+// bar.arrive: counts toward barrier `id` without waiting (a signal to the warps that
+// bar.sync on it, e.g. "your turn" between two consumer warpgroups).
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 }  // namespace ptx
 
 // Threads [0, threads) of the block, synchronised on barrier `barrier`.
