@@ -50,7 +50,7 @@
 
 namespace jax_cluster {
 
-enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2, kGemv = 3 };
+enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2, kGemv = 3, kTma = 4 };
 enum class SwigluOrder : int32_t { kCol = 0, kRow = 1 };
 
 inline constexpr int64_t kSwigluAlign = 64;      // D and F must be multiples of this
@@ -78,13 +78,15 @@ struct SwigluParams {
   int num_clusters;  // fused: clusters in the persistent grid; stream: blocks (clusters of 1)
   int k_splits_up;    // gemv: K chunks of the up GEMM (blocks per column tile)
   int k_splits_down;  // gemv: K chunks of the down GEMM
+  bool pdl;           // tma: the down kernel launches programmatically (PDL)
   const void* x;
   const void* w_gate;
   const void* w_up;
   const void* w_down;
   const void* residual;
   void* out;        // [M, D] with w_down, else A2 [M, F]
-  void* workspace;  // split: A2 [M, F]; fused: counters + partials; stream: SwigluStreamLayout
+  void* workspace;  // split: A2 [M, F]; fused: counters + partials; stream, tma:
+                    // SwigluStreamLayout; gemv: SwigluGemvLayout
 };
 
 inline int64_t swiglu_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -192,7 +194,9 @@ inline int64_t swiglu_gemv_chunk(int64_t k, int64_t splits) {
 inline constexpr int64_t kSwigluCounterBytes = 64;
 
 inline int64_t swiglu_workspace_bytes(const SwigluParams& p) {
-  if (p.variant == SwigluVariant::kStream) return swiglu_stream_layout(p).total;
+  if (p.variant == SwigluVariant::kStream || p.variant == SwigluVariant::kTma) {
+    return swiglu_stream_layout(p).total;
+  }
   if (p.variant == SwigluVariant::kGemv) return swiglu_gemv_layout(p).total;
   if (p.variant == SwigluVariant::kSplit) {
     return p.has_down ? p.m * p.f * dtype_size(p.dtype) : 0;

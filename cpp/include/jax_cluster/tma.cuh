@@ -32,6 +32,20 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   return policy;
 }
 
+// An L2 policy for small data that many blocks re-read (activations): kept first.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// The default L2 behaviour as an explicit policy (for copies that take one).
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // [src, src + bytes) -> shared dst; bytes complete on `bar`. 16-byte aligned addresses,
 // bytes a multiple of 16.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
