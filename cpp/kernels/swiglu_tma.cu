@@ -64,7 +64,7 @@ constexpr uint32_t kStageBytes = 2 * kBoxBytes + MT * 16 * 128;  // multiple of 
 template <int MT>
 constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(kStages<MT>) * kStageBytes<MT>;
 
-struct alignas(64) TmaGemmArgs {
+struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
   CUtensorMap b0_map;    // w_gate (up) or w_down (down) [K, N], box {64, 64}
   CUtensorMap b1_map;    // w_up (up) or w_down (down)
@@ -322,6 +322,9 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
   const int64_t groups = swiglu_ceil_div(p.m, R);
   constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
+  // other blocks at other times): fetch exactly those rows.
+  constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
     TmaGemmArgs a;
     a.up = up == 1;
@@ -335,9 +338,9 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, p.x, p.m, p.d, R,
                                                          kBoxCols, kSwizzle));
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_gate, p.d, p.f,
-                                                         kKRows, kBoxCols, kSwizzle));
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b1_map, p.dtype, p.w_up, p.d, p.f,
-                                                         kKRows, kBoxCols, kSwizzle));
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
       a.residual = nullptr;
       a.out = p.has_down ? static_cast<void*>(ws) : p.out;
       a.out_cols = p.f;
@@ -351,7 +354,7 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, ws, p.m, p.f, R,
                                                          kBoxCols, kSwizzle));
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_down, p.f, p.d,
-                                                         kKRows, kBoxCols, kSwizzle));
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
       a.b1_map = a.b0_map;
       a.residual = p.has_residual ? p.residual : nullptr;
       a.out = p.out;
