@@ -6,31 +6,33 @@
 // Work: the flat sequence of units (work tile, 64-row K block), work tiles in column
 // order (a weight tile's row groups side by side), K fastest; block b of G owns units
 // [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM).
-//  * up: a work tile is 64 columns of w_gate AND the same 64 columns of w_up (plus one
-//    row group of x); down: 128 columns of w_down (two 64-column boxes).
-//  * a unit = two 64 x 64 weight boxes (8 KB each, 128-byte rows, 128B-swizzled) plus the
+//  * up: a work tile is 128 columns of w_gate AND the same 128 columns of w_up (plus one
+//    row group of x); down: 256 columns of w_down. Every weight row segment a block reads
+//    is 256 (up) or 512 (down) contiguous bytes: 64-column tiles (128-byte segments, read
+//    by the neighbouring blocks at other K offsets) streamed at only ~2.3 TB/s on H100.
+//  * a unit = four 64 x 64 weight boxes (8 KB each, 128-byte rows, 128B-swizzled) plus the
 //    A box (x or A2: 16 MT rows x 64 K, rows past M zero-filled by the copy engine).
 //
-// Block = 1 producer warp + 4 consumer warps (160 threads), a Ring of kStages stages:
+// Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
+// kStages stages (~200 KB):
 //  * the producer (one thread) waits for a free stage, announces its bytes and issues the
-//    three boxes (weights with an L2 evict-first hint when read once), running up to
+//    five boxes (weights with an L2 evict-first hint when read once), running up to
 //    kStages units ahead, across tile boundaries and through the consumers' epilogues;
-//  * consumer warp w owns columns [16 w, 16 w + 16) of BOTH boxes: per 16-deep K step two
-//    ldmatrix.x4.trans (one per box: conflict-free, the chunks of 8 consecutive rows land
-//    in 8 different 16-byte bank groups under the 128B swizzle), one ldmatrix.x4 of A per
-//    16-row tile, four mma.m16n8k16 (fp32 accumulators acc[MT][4][4]). Up: the thread
-//    holding gate(r, c) also holds up(r, c), so SiLU * mul happens in registers.
+//  * consumer warp w owns two 16-column groups P, Q of the stage: up: gate columns
+//    [16 w, 16 w + 16) and the same up columns (so SiLU * mul happens in registers);
+//    down: columns [32 w, 32 w + 32). Per 16-deep K step: two ldmatrix.x4.trans (the
+//    chunks of 8 consecutive rows land in 8 different 16-byte bank groups under the 128B
+//    swizzle: conflict-free), one ldmatrix.x4 of A per 16-row tile, four mma.m16n8k16
+//    (fp32 accumulators acc[MT][4][4]);
 //  * at the end of a work tile's K range (or of its own units) a block that owned the
 //    whole tile writes the output directly; otherwise it writes its fp32 partial to slot
 //    (b + tile) of the workspace, and the tile's last block to arrive (integer counter)
 //    sums the slots in block order (deterministic) and writes A2 / y.
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
-// launch at once; down blocks take the SMs' second slot (each block uses < half of an SM's
-// shared memory), issue their first kStages weight boxes (independent of the up kernel),
-// then wait for the up grid (griddepcontrol.wait) before they load A2 or touch the
-// counters and slots. The down kernel's first weights are then in flight while the up
-// kernel drains, and its launch latency is hidden.
+// launch at once; a down block issues its first kStages units' weight boxes (independent
+// of the up kernel) as soon as it is resident, then waits for the up grid
+// (griddepcontrol.wait) before it loads A2 or touches the counters and slots.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,33 +50,37 @@
 namespace jax_cluster {
 namespace {
 
-constexpr int kConsumerWarps = 4;
+constexpr int kConsumerWarps = 8;
 constexpr int kConsumers = 32 * kConsumerWarps;
 constexpr int kThreads = kConsumers + 32;  // + the producer warp
 constexpr int kKRows = 64;                 // K rows per unit
 constexpr int kBoxCols = 64;               // columns per weight box: 128-byte rows
+constexpr int kBoxes = 4;                  // weight boxes per unit
 constexpr uint32_t kBoxBytes = kKRows * kBoxCols * 2;
 constexpr uint32_t kConsumerBarrier = 1;   // named barrier of the consumer warps
+constexpr int kSlotCols = static_cast<int>(kSwigluTmaSlotCols);
 
-// Stages per block: < 113 KB of shared memory, so a down block fits beside an up block.
+// Stages per block: as many as ~220 KB of shared memory hold, at most 6 (~200 KB of
+// weights in flight per SM; ~100 KB sustained ~3.05 TB/s in benchmarks/micro/gemv_locality).
 template <int MT>
-constexpr int kStages = MT == 1 ? 6 : MT == 2 ? 5 : 4;
+constexpr int kStages = MT == 4 ? 5 : 6;
 template <int MT>
-constexpr uint32_t kStageBytes = 2 * kBoxBytes + MT * 16 * 128;  // multiple of 1024
+constexpr uint32_t kStageBytes = kBoxes * kBoxBytes + MT * 16 * 128;  // multiple of 1024
 template <int MT>
 constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(kStages<MT>) * kStageBytes<MT>;
+static_assert(kSmemBytes<2> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024, "shared memory");
 
 struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
-  CUtensorMap b0_map;    // w_gate (up) or w_down (down) [K, N], box {64, 64}
-  CUtensorMap b1_map;    // w_up (up) or w_down (down)
+  CUtensorMap b0_map;    // w_gate (up) or w_down (down) [K, N], box {64, 64}: boxes 0, 1
+  CUtensorMap b1_map;    // w_up (up) or w_down (down): boxes 2, 3
   const void* residual;  // down only; may be null
   void* out;             // A2 [m, F] (up) or y [m, D] (down)
   unsigned int* counters;  // [work tiles], zero before the up kernel
-  float* slots;            // fp32 partials [segments][slot_rows][128]
+  float* slots;            // fp32 partials [segments][slot_rows][256]
   int64_t m, out_cols, k_blocks, col_tiles, row_groups, slot_rows;
-  int tile_cols;  // columns of a work tile per box: 64 (up: gate and up boxes) or 128 (down)
-  int b1_off;     // column of box 1 relative to box 0: 0 (up) or 64 (down)
+  int tile_cols;  // weight columns of a work tile: 128 (up: of each matrix) or 256 (down)
+  int b1_off;     // first column of boxes 2, 3 relative to box 0: 0 (up) or 128 (down)
   bool up;
   bool hint;        // each weight byte is read once: L2 evict-first
   bool wait_prior;  // PDL: A (A2), counters and slots come from the previous grid
@@ -108,12 +114,15 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>&
     int32_t k, col, row;
     where(u, k, col, row);
     ptx::tma_load_2d(st, &g.b0_map, col, k, bar, w_policy);
-    ptx::tma_load_2d(st + kBoxBytes, &g.b1_map, col + g.b1_off, k, bar, w_policy);
+    ptx::tma_load_2d(st + kBoxBytes, &g.b0_map, col + kBoxCols, k, bar, w_policy);
+    ptx::tma_load_2d(st + 2 * kBoxBytes, &g.b1_map, col + g.b1_off, k, bar, w_policy);
+    ptx::tma_load_2d(st + 3 * kBoxBytes, &g.b1_map, col + g.b1_off + kBoxCols, k, bar,
+                     w_policy);
   };
   auto issue_a = [&](int64_t u, uint8_t* st, uint64_t* bar) {
     int32_t k, col, row;
     where(u, k, col, row);
-    ptx::tma_load_2d(st + 2 * kBoxBytes, &g.a_map, k, row, bar, a_policy);
+    ptx::tma_load_2d(st + kBoxes * kBoxBytes, &g.a_map, k, row, bar, a_policy);
   };
   // PDL: the first S stages' weights go out before the wait for the previous grid; their
   // A boxes (A2, written by it) after it. The stages' barriers already expect them.
@@ -137,21 +146,40 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>&
 }
 
 // ------------------------------------------------------------------ consumers
+// The two 16-column groups P, Q of consumer warp `warp`: (box, first 16-byte chunk).
+struct WarpCols {
+  uint32_t p_box, q_box;  // byte offsets of the boxes in a stage
+  int p_chunk, q_chunk;
+};
+
+__device__ __forceinline__ WarpCols warp_cols(bool up, int warp) {
+  WarpCols c;
+  if (up) {  // gate box warp / 4, up box 2 + warp / 4, same chunks
+    c.p_box = (warp >> 2) * kBoxBytes;
+    c.q_box = (2 + (warp >> 2)) * kBoxBytes;
+    c.p_chunk = c.q_chunk = (warp & 3) * 2;
+  } else {  // columns [32 warp, 32 warp + 32): box warp / 2
+    c.p_box = c.q_box = (warp >> 1) * kBoxBytes;
+    c.p_chunk = (warp & 1) * 4;
+    c.q_chunk = c.p_chunk + 2;
+  }
+  return c;
+}
+
 template <typename T, int MT>
-__device__ __forceinline__ void mma_unit(float (&acc)[MT][4][4], uint32_t st, int warp,
+__device__ __forceinline__ void mma_unit(float (&acc)[MT][4][4], uint32_t st, const WarpCols& wc,
                                          int lane) {
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // row this lane addresses
   const int lchunk = lane >> 4;                          // +0 / +1 chunk (8 elements)
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     uint32_t b0[4], b1[4];
-    const uint32_t boff = swz(kk * 16 + lrow, warp * 2 + lchunk, 128);
-    ldsm_x4_trans(b0, st + boff);
-    ldsm_x4_trans(b1, st + kBoxBytes + boff);
+    ldsm_x4_trans(b0, st + wc.p_box + swz(kk * 16 + lrow, wc.p_chunk + lchunk, 128));
+    ldsm_x4_trans(b1, st + wc.q_box + swz(kk * 16 + lrow, wc.q_chunk + lchunk, 128));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       uint32_t a[4];
-      ldsm_x4(a, st + 2 * kBoxBytes + swz(mt * 16 + lrow, kk * 2 + lchunk, 128));
+      ldsm_x4(a, st + kBoxes * kBoxBytes + swz(mt * 16 + lrow, kk * 2 + lchunk, 128));
       mma16816<T>(acc[mt][0], a, b0[0], b0[1]);
       mma16816<T>(acc[mt][1], a, b0[2], b0[3]);
       mma16816<T>(acc[mt][2], a, b1[0], b1[1]);
@@ -160,10 +188,12 @@ __device__ __forceinline__ void mma_unit(float (&acc)[MT][4][4], uint32_t st, in
   }
 }
 
-// Fragment (mt, nt, i) of warp `warp`: row 16 mt + lane / 4 (+8 for i >= 2), work-tile
-// column 64 (nt / 2) + 16 warp + 8 (nt % 2) + 2 (lane % 4) + (i % 2) (box nt / 2).
-__device__ __forceinline__ int frag_col(int nt, int warp, int lane) {
-  return (nt >> 1) * 64 + warp * 16 + (nt & 1) * 8 + 2 * (lane & 3);
+// Fragment (mt, nt, i) of warp `warp`: row 16 mt + lane / 4 (+8 for i >= 2); its column
+// (+ i % 2) within the work tile's slot row of 256: up: [gate 128 | up 128] (nt / 2 picks
+// the matrix), down: the tile's 256 output columns.
+__device__ __forceinline__ int frag_col(bool up, int nt, int warp, int lane) {
+  return up ? (nt >> 1) * 128 + warp * 16 + (nt & 1) * 8 + 2 * (lane & 3)
+            : warp * 32 + nt * 8 + 2 * (lane & 3);
 }
 
 // A2 = SiLU(gate) * up (up) or y = acc (+ residual) (down) of one work tile, rows [0, rows).
@@ -182,7 +212,8 @@ __device__ __forceinline__ void emit(const TmaGemmArgs& g, const float (&acc)[MT
       if (g.up) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const int64_t col = tile * 64 + frag_col(nt, warp, lane);
+          const int64_t col = tile * 128 + frag_col(true, nt, warp, lane);
+          if (col >= g.out_cols) continue;  // columns past F of a last tile
           const float* ga = acc[mt][nt];
           const float* ua = acc[mt][nt + 2];
           *reinterpret_cast<uint32_t*>(out + base + col) =
@@ -191,8 +222,8 @@ __device__ __forceinline__ void emit(const TmaGemmArgs& g, const float (&acc)[MT
       } else {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          const int64_t col = tile * 128 + frag_col(nt, warp, lane);
-          if (col >= g.out_cols) continue;  // the 64-column half past D of a last tile
+          const int64_t col = tile * 256 + frag_col(false, nt, warp, lane);
+          if (col >= g.out_cols) continue;  // columns past D of a last tile
           float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
           if (res != nullptr) {
             const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
@@ -219,8 +250,8 @@ __device__ __forceinline__ void zero(float (&acc)[MT][4][4]) {
 
 // Rows [0, rows) of the accumulators to / from (kAdd: added from) an fp32 slot [rows][128].
 template <int MT, bool kLoad>
-__device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int rows, int warp,
-                                        int lane) {
+__device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int rows, bool up,
+                                        int warp, int lane) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -229,7 +260,7 @@ __device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int
       if (row >= rows) continue;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        float2* p = reinterpret_cast<float2*>(slot + row * 128 + frag_col(nt, warp, lane));
+        float2* p = reinterpret_cast<float2*>(slot + row * kSlotCols + frag_col(up, nt, warp, lane));
         if (kLoad) {
           const float2 v = __ldcg(p);
           acc[mt][nt][2 * h] += v.x;
@@ -270,12 +301,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
   if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
   const uint32_t stages_addr = ptx::smem_addr(stages);
+  const WarpCols wc = warp_cols(g.up, warp);
   float acc[MT][4][4];
   zero(acc);
   RingCursor cur;
   for (int i = 0; i < n; ++i) {
     ring_wait(ring, cur);
-    mma_unit<T, MT>(acc, stages_addr + cur.stage * kStageBytes<MT>, warp, lane);
+    mma_unit<T, MT>(acc, stages_addr + cur.stage * kStageBytes<MT>, wc, lane);
     ring_release(ring, cur);
     cur.advance<S>();
     const int64_t u = u0 + i, w = u / K;
@@ -285,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
     const int64_t first = owner(w * K, units, blocks), last = owner(w * K + K - 1, units, blocks);
     if (first != last) {
-      const int64_t slot_floats = g.slot_rows * 128;
-      slot_io<MT, false>(g.slots + (b + w) * slot_floats, acc, rows, warp, lane);
+      const int64_t slot_floats = g.slot_rows * kSlotCols;
+      slot_io<MT, false>(g.slots + (b + w) * slot_floats, acc, rows, g.up, warp, lane);
       __threadfence();
       group_sync.sync();
       if (tid == 0) {
@@ -297,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!tile_done) continue;
       __threadfence();
       for (int64_t blk = first; blk <= last; ++blk) {  // block order: deterministic
-        slot_io<MT, true>(g.slots + (blk + w) * slot_floats, acc, rows, warp, lane);
+        slot_io<MT, true>(g.slots + (blk + w) * slot_floats, acc, rows, g.up, warp, lane);
       }
     }
     emit<T, MT>(g, acc, tile, row0, rows, warp, lane);
@@ -310,12 +342,8 @@ template <typename T, int MT>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
   auto kernel = swiglu_tma_kernel<T, MT>;
-  // Shared memory over L1: an up block and a down block side by side (PDL).
-  static const cudaError_t carveout = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(carveout);
   if (p.row_tiles != MT || p.num_clusters < 1) return cudaErrorInvalidValue;
-  const SwigluStreamLayout l = swiglu_stream_layout(p);
+  const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
@@ -345,8 +373,8 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.out = p.has_down ? static_cast<void*>(ws) : p.out;
       a.out_cols = p.f;
       a.k_blocks = p.d / kKRows;
-      a.col_tiles = p.f / 64;
-      a.tile_cols = 64;
+      a.col_tiles = swiglu_ceil_div(p.f, kSwigluTmaUpCols);
+      a.tile_cols = static_cast<int>(kSwigluTmaUpCols);
       a.b1_off = 0;
       a.wait_prior = false;
       a.trigger = p.has_down && p.pdl;
@@ -360,9 +388,9 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.out = p.out;
       a.out_cols = p.d;
       a.k_blocks = p.f / kKRows;
-      a.col_tiles = swiglu_ceil_div(p.d, 128);
-      a.tile_cols = 128;
-      a.b1_off = 64;
+      a.col_tiles = swiglu_ceil_div(p.d, kSwigluTmaDownCols);
+      a.tile_cols = static_cast<int>(kSwigluTmaDownCols);
+      a.b1_off = 128;
       a.wait_prior = p.pdl;
       a.trigger = false;
     }

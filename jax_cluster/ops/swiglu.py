@@ -180,6 +180,20 @@ def stream_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
     return a2 + counters + segments * min(m, rows) * 128 * 4
 
 
+def tma_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
+                        has_down: bool) -> int:
+    """[A2 | one counter per work tile of each GEMM | partial slots] (swiglu_tma_layout:
+    128-column up tiles, 256-column down tiles, slots of 256 fp32 columns)."""
+    rows = 16 * cfg.row_tiles
+    groups = _ceil_div(m, rows)
+    tiles_up = _ceil_div(f, 128) * groups
+    tiles_down = _ceil_div(d, 256) * groups if has_down else 0
+    a2 = _align16(m * f * itemsize) if has_down else 0
+    counters = _align16(4 * (tiles_up + tiles_down))
+    segments = cfg.num_clusters + max(tiles_up, tiles_down) - 1
+    return a2 + counters + segments * min(m, rows) * 256 * 4
+
+
 def gemv_rows(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
@@ -214,7 +228,9 @@ def _gemv_splits(k: int, tiles: int, rows: int, num_sms: int, want: int | None =
 def workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int, has_down: bool) -> int:
     if cfg.variant == 3:
         return gemv_workspace_bytes(cfg, m, d, f, itemsize, has_down)
-    if cfg.variant in (2, 4):  # tma: the stream layout (A2 | counters | slots)
+    if cfg.variant == 4:
+        return tma_workspace_bytes(cfg, m, d, f, itemsize, has_down)
+    if cfg.variant == 2:
         return stream_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if not has_down:
         return 0
@@ -301,7 +317,7 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         kd = _gemv_splits(f, _ceil_div(d, _GEMV_COLS), rows, num_sms, kn.get("kd")) if has_down else 1
         return Config(3, 0, 1, 1, 1, 1, 1, ku, kd)
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
-    if name == "tma":  # one block per SM (each leaves room for one of the next kernel)
+    if name == "tma":  # one block per SM
         return Config(4, 0, 1, 1, rt, 1, kn.get("c", num_sms), pdl=kn.get("p", 1))
     if name == "stream":  # one block per resident slot: 2 per SM when the stages fit
         per_sm = 2 if tile_smem(rt)[1] <= _BUDGET2 else 1
