@@ -341,16 +341,16 @@ def heuristic_variant(m: int, has_down: bool) -> str:
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
-    """What the scheduler measures for one shape (XLA's dots included: never slower)."""
+    """What the scheduler measures for one shape (XLA's dots included: never slower).
+    Measured on H100 (benchmarks/results/swiglu.md): "stream" was 5-15% slower than
+    "split" and "fused" 2.5-10x at every shape, and neither ever beat XLA, so they are not
+    measured (each candidate costs a compilation and a timing at the first trace)."""
     gemv = ["gemv"] if m <= GEMV_MAX_ROWS else []
     if not has_down:
-        return (["tma", "split", "split:rt=1", "split_row", "stream", "xla"] if m > 16
-                else ["tma"] + gemv + ["split", "split:nu=16", "stream", "xla"])
-    # fused: one candidate (on H100 every fused configuration measured 2.5-10x slower than
-    # split, benchmarks/results/swiglu.md: more of them would only lengthen tuning)
-    out = ["tma", "tma:p=0"] + gemv + ["split", "stream", "fused"]
+        return ["tma"] + gemv + ["split", "xla"]
+    out = ["tma"] + gemv + ["split"]
     if m > 16:
-        out += ["split:rt=1", "split_row"]
+        out += ["split_row"]
     return out + ["xla"]
 
 
