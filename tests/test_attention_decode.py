@@ -308,3 +308,31 @@ def test_gpu_donated_caches_update_in_place(rng):
         _, kc, vc = step(args["x"], kc, vc, ln)
         ln = ln + 1
     assert np.isfinite(np.asarray(kc.astype(jnp.float32))).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("config", [(1, None), (2, None), (4, None), (8, None), (16, None), (4, 1), (8, 2)])
+def test_gpu_model_sized_gqa_every_cluster(rng, dtype, config):
+    """Llama-3-8B's attention shape (hidden 4096, 32/8 heads): the streamed kernel's ring
+    wraps hundreds of times per block, phases hand over mid-ring; lengths that are not
+    multiples of any stage (a KV stage holds 32 tokens at head dim 128), row 2 the first token."""
+    n, heads = config
+    args, kw = make_inputs(rng, batch=3, hidden=4096, hq=32, hkv=8, dh=128, max_seq=1100,
+                           dtype=dtype, lengths=[1099, 517, 0])
+    check(args, kw, _gpu(), cluster_size=n, heads_per_cluster=heads, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dh", [64, 80, 96, 128])
+def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh):
+    """A traced length >= S_max reaches the kernel: that row's output is NaN, its caches
+    untouched, the other row exact."""
+    args, kw = make_inputs(rng, batch=2, hidden=512, hq=4, hkv=2, dh=dh, max_seq=64,
+                           dtype="float16", lengths=[5, 64])
+    y, k, v = run(args, kw, _gpu(), cluster_size=2, impl="kernel")
+    ry, _, _ = reference.attention_decode(**{**args, "lengths": jnp.asarray([5, 0], jnp.int32)}, **kw)
+    assert np.isnan(np.asarray(y[1].astype(jnp.float32))).all()
+    assert rel_l2(y[0], ry[0]) <= TOLERANCE["float16"]
+    np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(args["k_cache"][1]))
+    np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))

@@ -1,349 +1,278 @@
-// Fused decode attention block (ClusterFusion Alg. 3, SplitToken dataflow).
+// Fused decode attention block (ClusterFusion Alg. 3, SplitToken dataflow), streamed.
 //
-// One cluster of N blocks per (batch row b, KV head g, chunk of <= 8 query
-// heads of that group): the KV of a group is read once for all its heads.
-//   1. every block normalises x[b] into shared memory (fp32);
-//   2. block r computes its share of the group's Q|K|V columns (GEMV, 16-byte
-//      weight loads, 16 in flight per thread); ClusterGather gives every block
-//      all of them;
-//   3. RoPE on q and k at position lengths[b]; block 0 of chunk 0 writes the
-//      new k, v into the caches;
-//   4. block r attends over its slice of the tokens (online softmax in the
-//      exp2 domain, q pre-scaled by scale*log2(e)); ClusterReduce(max) and
-//      ClusterReduce(sum) combine (m, l, o) across the cluster, every block
-//      ending with the normalised attention output of all its heads;
-//   5. block r multiplies it by its slice of W_o's columns and writes an fp32
-//      partial; a second small kernel sums the partials of all clusters of a
-//      row in a fixed order (+ bias, + residual). No floating-point atomics:
-//      results are bitwise reproducible.
-// Each phase's first 32 KB (QKV rows, this block's K/V tokens, its W_o slice) is
-// prefetched into L2 while the previous phase finishes, so no phase starts with an
-// empty memory pipeline.
+// One cluster of N blocks per (batch row b, KV head g, chunk of <= 8 query heads of that
+// group): the KV of a group is read once for all its heads. Each block is warp-
+// specialised: one producer thread streams EVERY byte the block reads (its W_qkv rows,
+// its K/V tokens, its W_o columns) through a ring of 16 KB shared-memory stages with the
+// bulk copy engine (TMA boxes / bulk copies completing on mbarriers), in the order the
+// 7 consumer warps use them. (8 warps in all: Hopper places a block's warps round-robin
+// on the SM's 4 register-file quarters, so a 9th warp would cut every warp's registers to
+// 168 at one block per SM, 96 at two.) The producer runs ahead across phases, so the cluster
+// exchanges (reduce, max, sum) happen while the next phase's data is already landing:
+// memory never waits for compute.
+//   1. consumers normalise x[b] into shared memory (fp32);
+//   2. QKV projection split over the cluster by ROWS of W_qkv (64-row boxes of each of the
+//      group's head column blocks: K, V, then the Q heads), fp32 partials; ClusterReduce
+//      (sum) gives every block the whole q|k|v (butterfly: bitwise the same everywhere);
+//      + bias, RoPE at position lengths[b]; block 0 of chunk 0 writes the new k, v;
+//   3. block r attends over its slice of the cached tokens (online softmax in the exp2
+//      domain); the warps' states and the new token combine in a fixed order;
+//      ClusterReduce(max) and ClusterReduce(sum) combine (m, l, o) across the cluster;
+//   4. block r multiplies the normalised attention output by its 64-column tiles of W_o
+//      and writes an fp32 partial; a second small kernel sums the partials of all clusters
+//      of a row in a fixed order (+ bias, + residual). No floating-point atomics: results
+//      are bitwise reproducible.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "jax_cluster/cluster_collectives.cuh"
 #include "jax_cluster/ptx.cuh"
+#include "jax_cluster/thread_group.cuh"
+#include "jax_cluster/tma.cuh"
 #include "kernels/attention_decode_launch.h"
 #include "kernels/launch.cuh"
+#include "kernels/tma_host.h"
 
 namespace jax_cluster {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxH = kAttnMaxHeadsPerCluster;
-constexpr float kLog2e = 1.4426950408889634f;
+#include "kernels/attention_decode_common.cuh"  // NOLINT(build/include)
 
-// Shared memory carve-up, computed identically on host and device.
-struct Layout {
-  int hpc, dh, n;
-  int qkv_vecs;      // 8-column vectors of the group's Q|K|V columns
-  int vecs_per_blk;  // their share per block (ceil)
-  int64_t h_off, qkv_off, red_off, warp_off, max_off, max_recv_off, sum_off, sum_recv_off, bytes;
-  int sum_vecs;  // 16-byte vectors of the (o, l) all-reduce
+constexpr int kWarps = 7;  // consumer warps
+constexpr int kThreads = kWarps * 32;
+constexpr int kStreamThreads = kThreads + 32;  // + the producer warp
+constexpr int kProducerWarp = kWarps;
+constexpr int kStageBytes = 16 * 1024;
+constexpr int kMaxStages = 8;
+constexpr int kQkvBoxRows = 64;  // W_qkv rows per box; D is a multiple of 64
+constexpr uint32_t kConsumerBarrier = 1;
 
-  __host__ __device__ Layout(int hidden, int hpc_, int dh_, int n_) : hpc(hpc_), dh(dh_), n(n_) {
-    int rounds = 0;
-    while ((1 << rounds) < n) ++rounds;
-    qkv_vecs = (hpc + 2) * dh / 8;
-    vecs_per_blk = (qkv_vecs + n - 1) / n;
+__device__ __forceinline__ ThreadGroup consumers() { return {kThreads, kConsumerBarrier}; }
+
+// K and V tokens per stage: both fit 16 KB; a multiple of 8.
+template <int DH>
+constexpr int kKvTokens = (kStageBytes / (4 * DH)) & ~7;
+
+// Blocks per SM the kernel is built for: 2 where ptxas fits it without spills (lets
+// clusters of 8 and 16 find enough SMs: at one block per SM an H100 keeps only 7 clusters
+// of 16 resident), else 1.
+template <int DH, int MH>
+constexpr int kMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
+
+// Kernel arguments beside the op's params: the tensor maps (encoded per launch on the
+// host) and the launch-time geometry.
+struct StreamArgs {
+  CUtensorMap qkv;  // W_qkv [D, (Hq + 2 Hkv) Dh], boxes [64 rows, Dh]
+  CUtensorMap out;  // W_o [Hq Dh, D], boxes [out_box_rows, 64]
+  int out_box_rows;
+  int stages;
+};
+
+// Shared memory carve-up (host and device). Stages first (TMA destinations, aligned);
+// then the collectives' buffers; then scratch that phase 2 (h, row-group partials) and
+// phases 3-4 (warp states, W_o partials) use in turn (local data only: never a buffer
+// that a peer writes into).
+struct StreamLayout {
+  int qkv_floats, sum_vecs, groups;
+  int64_t qkv_off, qkv_recv_off, max_off, max_recv_off, sum_off, sum_recv_off;
+  int64_t h_off, red_off, warp_off, ored_off, fixed, bytes;
+
+  __host__ __device__ StreamLayout(int hidden, int hpc, int dh, int mh, int n, int stages) {
+    const int rounds = log2_ceil(n);
+    qkv_floats = (hpc + 2) * dh;
     sum_vecs = (hpc * dh + kMaxH) / 4;
-    int64_t off = 0;
+    groups = kThreads / (dh / 8);  // row groups of the QKV GEMV
+    int64_t off = static_cast<int64_t>(stages) * kStageBytes;
     auto take = [&](int64_t bytes) {
-      int64_t at = off;
+      const int64_t at = off;
       off += (bytes + 127) / 128 * 128;
       return at;
     };
-    h_off = take(4LL * hidden);
-    qkv_off = take(32LL * vecs_per_blk * n);  // gathered Q|K|V, fp32, natural column order
-    red_off = take(4LL * kThreads * 8);       // GEMV partial sums across row groups
-    warp_off = take(4LL * kWarps * kMaxH * (dh + 2));
+    qkv_off = take(4LL * qkv_floats);
+    qkv_recv_off = take(4LL * qkv_floats * rounds);
     max_off = take(4LL * kMaxH);
     max_recv_off = take(4LL * kMaxH * rounds);
     sum_off = take(16LL * sum_vecs);
     sum_recv_off = take(16LL * sum_vecs * rounds);
+    const int64_t local = off;
+    h_off = take(4LL * hidden);
+    red_off = take(4LL * groups * dh);
+    const int64_t phase2_end = off;
+    off = local;
+    warp_off = take(4LL * kWarps * mh * (dh + 2));
+    ored_off = take(4LL * 2 * kWarps * kOutTileCols);
+    off = off > phase2_end ? off : phase2_end;
     bytes = off;
+    fixed = bytes - static_cast<int64_t>(stages) * kStageBytes;
+  }
+
+  __host__ __device__ static int log2_ceil(int n) {
+    int r = 0;
+    while ((1 << r) < n) ++r;
+    return r;
   }
 };
 
-struct Ctx {  // per-cluster coordinates
-  int64_t b, g, chunk;
-  int rank;
-  int len;
+// What one block streams, in order (producer and consumers derive it identically).
+struct BlockWork {
+  int qkv_chunk0, qkv_chunks;  // 64-row chunks of W_qkv
+  int t0, tokens;              // cached tokens [t0, t0 + tokens)
+  int t1;                      // end of the block's token slice (the new token may sit there)
+  int out_tile0, out_tiles;    // 64-column tiles of W_o
+  int out_boxes;               // row boxes per W_o tile
 };
 
-// This block's cluster -> (b, g, chunk), the batch row fastest: the clusters resident
-// at one time then share a KV group's weight columns (read from HBM once, from L2 by
-// the other rows) instead of each bringing its own.
-__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
-  const int64_t cluster = blockIdx.x / p.cluster_size, rest = cluster / p.batch;
-  Ctx c;
-  c.rank = static_cast<int>(ptx::cluster_rank());
-  c.b = cluster % p.batch;
-  c.chunk = rest % p.head_chunks();
-  c.g = rest / p.head_chunks();
-  c.len = p.lengths[c.b];
-  return c;
+__device__ __forceinline__ BlockWork block_work(const AttentionDecodeParams& p, const Ctx& c,
+                                                int hpc, int out_box_rows) {
+  BlockWork w;
+  const int n = p.cluster_size;
+  const int chunks = static_cast<int>(p.hidden / kQkvBoxRows);
+  const int per_chunk = (chunks + n - 1) / n;
+  w.qkv_chunk0 = min(chunks, c.rank * per_chunk);
+  w.qkv_chunks = min(chunks, w.qkv_chunk0 + per_chunk) - w.qkv_chunk0;
+  const int total = c.len + 1;  // the cached tokens and the new one
+  const int per_block = (total + n - 1) / n;
+  w.t0 = min(total, c.rank * per_block);
+  w.t1 = min(total, w.t0 + per_block);
+  w.tokens = max(0, min(w.t1, c.len) - w.t0);
+  const OutputSlice out = output_slice(p, c);
+  w.out_tile0 = out.first / (kOutTileCols / 8);
+  w.out_tiles = out.count / (kOutTileCols / 8);
+  w.out_boxes = hpc * static_cast<int>(p.head_dim) / out_box_rows;
+  return w;
 }
 
-// This block's share of the output projection: W_o column vectors [first, first + count)
-// of its cluster's fp32 partial row.
-struct OutputSlice {
-  float* row;
-  int first, count;
-};
-
-__device__ __forceinline__ OutputSlice output_slice(const AttentionDecodeParams& p, const Ctx& c) {
-  const int vecs = static_cast<int>(p.hidden / 8);
-  const int per_block = (vecs + p.cluster_size - 1) / p.cluster_size;
-  const int first = c.rank * per_block;
-  return {p.partial + ((c.b * p.num_kv_heads + c.g) * p.head_chunks() + c.chunk) * p.hidden, first,
-          max(0, min(per_block, vecs - first))};
+// Column of the head block `hb` of the group (stream order: K, V, then the Q heads).
+__device__ __forceinline__ int qkv_box_column(const AttentionDecodeParams& p, const Ctx& c,
+                                              int hpc, int hb) {
+  const int local = hb == 0 ? hpc : hb == 1 ? hpc + 1 : hb - 2;  // [Q heads | K | V] index
+  return static_cast<int>(qkv_column(p, c, hpc, static_cast<int64_t>(local) * p.head_dim));
 }
 
-// A length outside [0, S_max) makes the row's output NaN (loud, never silently wrong); the
-// whole cluster agrees, as it serves one row.
-__device__ __forceinline__ bool length_out_of_range(const AttentionDecodeParams& p, const Ctx& c,
-                                                    const OutputSlice& out) {
-  if (c.len >= 0 && c.len < p.max_seq) return false;
-  for (int e = threadIdx.x; e < out.count * 8; e += kThreads) out.row[out.first * 8 + e] = NAN;
-  return true;
-}
-
-// out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
-// block's `ncv` column vectors. Threads split rows into groups; partial sums
-// meet in shared memory in a fixed order.
-template <typename T, typename ColOf, typename Emit>
-__device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, int ncv,
-                           ColOf col_of, float* red, Emit emit) {
-  for (int j0 = 0; j0 < ncv; j0 += kThreads) {
-    const int cv = min(kThreads, ncv - j0);
-    const int groups = kThreads / cv;
-    const int jl = threadIdx.x % cv, rg = threadIdx.x / cv;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (rg < groups) {
-      const T* wcol = W + col_of(j0 + jl);
-      int r = rg;
-      constexpr int U = 16;  // 16-byte loads in flight per thread: 64 KB per block
-      for (; r + (U - 1) * groups < rows; r += U * groups) {
-        uint4 w[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) w[u] = ptx::ldg_stream(wcol + (r + u * groups) * ld);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          float f[8];
-          unpack<T>(w[u], f);
-          const float s = vec[r + u * groups];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
-        }
-      }
-      for (; r < rows; r += groups) {
-        float f[8];
-        unpack<T>(ptx::ldg_stream(wcol + r * ld), f);
-        const float s = vec[r];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
-      }
-    }
-    __syncthreads();  // `red` free (previous chunk consumed)
-    if (rg < groups) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) red[(rg * cv + jl) * 8 + i] = acc[i];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < cv * 8; e += kThreads) {
-      float s = 0.f;
-      for (int q = 0; q < groups; ++q) s += red[q * cv * 8 + e];
-      emit(j0 + e / 8, e % 8, s);
+// The producer thread: every load of the block, in consumption order.
+template <typename T, int DH>
+__device__ void produce(const AttentionDecodeParams& p, const StreamArgs& a, const Ctx& c,
+                        int hpc, const BlockWork& w, Ring<kMaxStages>& ring,
+                        unsigned char* stages) {
+  ptx::prefetch_tensor_map(&a.qkv);
+  ptx::prefetch_tensor_map(&a.out);
+  const uint64_t policy = ptx::l2_evict_normal();
+  RingCursor cur;
+  auto stage = [&] { return stages + static_cast<int64_t>(cur.stage) * kStageBytes; };
+  constexpr uint32_t kQkvBox = kQkvBoxRows * DH * sizeof(T);
+  for (int ch = 0; ch < w.qkv_chunks; ++ch) {
+    const int row = (w.qkv_chunk0 + ch) * kQkvBoxRows;
+    for (int hb = 0; hb < hpc + 2; ++hb) {
+      uint64_t* bar = ring_acquire(ring, cur, kQkvBox);
+      ptx::tma_load_2d(stage(), &a.qkv, qkv_box_column(p, c, hpc, hb), row, bar, policy);
+      cur.advance(a.stages);
     }
   }
-  __syncthreads();
-}
-
-template <typename T>
-__device__ void normalize_input(const AttentionDecodeParams& p, int64_t b, float* h) {
-  __shared__ float stats[2 * kWarps];
-  const T* x = static_cast<const T*>(p.x) + b * p.hidden;
-  float sum = 0.f, sq = 0.f;
-  for (int64_t i = threadIdx.x; i < p.hidden; i += kThreads) {
-    const float v = to_float(x[i]);
-    h[i] = v;
-    sum += v;
-    sq += v * v;
+  constexpr int TK = kKvTokens<DH>;
+  const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
+  const T* K = static_cast<const T*>(p.k_cache) + (kv_row0 + w.t0) * DH;
+  const T* V = static_cast<const T*>(p.v_cache) + (kv_row0 + w.t0) * DH;
+  for (int t = 0; t < w.tokens; t += TK) {
+    const uint32_t bytes = static_cast<uint32_t>(min(TK, w.tokens - t) * DH * sizeof(T));
+    uint64_t* bar = ring_acquire(ring, cur, 2 * bytes);
+    ptx::bulk_load(stage(), K + static_cast<int64_t>(t) * DH, bytes, bar, policy);
+    ptx::bulk_load(stage() + TK * DH * sizeof(T), V + static_cast<int64_t>(t) * DH, bytes, bar,
+                   policy);
+    cur.advance(a.stages);
   }
-  if (p.norm == NormKind::kNone) {
-    __syncthreads();
-    return;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    sq += __shfl_xor_sync(0xffffffffu, sq, off);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    stats[threadIdx.x / 32] = sum;
-    stats[kWarps + threadIdx.x / 32] = sq;
-  }
-  __syncthreads();
-  float tsum = 0.f, tsq = 0.f;
-  for (int w = 0; w < kWarps; ++w) {
-    tsum += stats[w];
-    tsq += stats[kWarps + w];
-  }
-  const float inv_d = 1.f / static_cast<float>(p.hidden);
-  const T* wn = static_cast<const T*>(p.norm_w);
-  if (p.norm == NormKind::kRms) {
-    const float r = rsqrtf(tsq * inv_d + p.eps);
-    for (int64_t i = threadIdx.x; i < p.hidden; i += kThreads) h[i] = h[i] * r * to_float(wn[i]);
-  } else {
-    const float mean = tsum * inv_d;
-    const float var = fmaxf(tsq * inv_d - mean * mean, 0.f);
-    const float r = rsqrtf(var + p.eps);
-    const T* bn = static_cast<const T*>(p.norm_b);
-    for (int64_t i = threadIdx.x; i < p.hidden; i += kThreads) {
-      h[i] = (h[i] - mean) * r * to_float(wn[i]) + to_float(bn[i]);
+  const uint32_t out_box = static_cast<uint32_t>(a.out_box_rows) * kOutTileCols * sizeof(T);
+  const int row0 = static_cast<int>((c.g * p.group() + c.chunk * hpc) * DH);
+  for (int tile = 0; tile < w.out_tiles; ++tile) {
+    for (int rb = 0; rb < w.out_boxes; ++rb) {
+      uint64_t* bar = ring_acquire(ring, cur, out_box);
+      ptx::tma_load_2d(stage(), &a.out, (w.out_tile0 + tile) * kOutTileCols,
+                       row0 + rb * a.out_box_rows, bar, policy);
+      cur.advance(a.stages);
     }
   }
-  __syncthreads();
 }
 
-constexpr uint32_t kPrefetchBytes = 32 * 1024;  // per block, per stream, ahead of a phase
-
-// The first kPrefetchBytes of `rows` row segments of `seg_bytes` each, `ld` elements
-// apart, into L2: one bulk prefetch per row, one row per thread.
-template <typename T>
-__device__ void prefetch_rows(const T* first, int64_t ld, int rows, int64_t seg_bytes) {
-  if (seg_bytes <= 0) return;
-  const int64_t fit = static_cast<int64_t>(kPrefetchBytes) / seg_bytes;
-  const int n = static_cast<int>(fit < 1 ? 1 : fit < rows ? fit : rows);
-  for (int r = threadIdx.x; r < n; r += kThreads) {
-    ptx::prefetch_l2(first + r * ld, static_cast<uint32_t>(seg_bytes));
-  }
-}
-
-// Global column of the group's local Q|K|V column c.
-__device__ __forceinline__ int64_t qkv_column(const AttentionDecodeParams& p, const Ctx& c,
-                                              int hpc, int64_t col) {
-  const int64_t dh = p.head_dim;
-  if (col < hpc * dh) return (c.g * p.group() + c.chunk * hpc) * dh + col;
-  if (col < (hpc + 1) * dh) return p.num_q_heads * dh + c.g * dh + (col - hpc * dh);
-  return (p.num_q_heads + p.num_kv_heads) * dh + c.g * dh + (col - (hpc + 1) * dh);
-}
-
-__device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, int pos) {
-  const int dh = static_cast<int>(p.head_dim), half = static_cast<int>(p.rotary_dim / 2);
-  for (int e = threadIdx.x; e < (hpc + 1) * half; e += kThreads) {
-    const int head = e / half, i = e % half;  // heads 0..hpc-1 = q, hpc = k
-    float* v = qkv + head * dh;
-    float s, c;
-    sincosf(static_cast<float>(pos) * p.inv_freq[i], &s, &c);
-    const int i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
-    const int i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
-    const float x1 = v[i1], x2 = v[i2];
-    v[i1] = x1 * c - x2 * s;
-    v[i2] = x2 * c + x1 * s;
-  }
-  __syncthreads();
-}
-
-// This block's `my_vecs` column vectors of the group's Q|K|V (from `first_vec`, + bias)
-// into qkv; the rest of its `seg_vecs`-vector segment is zero padding for the gather.
-template <typename T>
-__device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, int hpc,
-                                  const float* h, float* red, float* qkv, int first_vec,
-                                  int my_vecs, int seg_vecs) {
-  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
-  const T* bias = static_cast<const T*>(p.qkv_bias);
-  const int64_t ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
-  for (int e = threadIdx.x; e < seg_vecs * 8; e += kThreads) my_seg[e] = 0.f;
-  __syncthreads();
-  block_gemv<T>(
-      h, static_cast<int>(p.hidden), static_cast<const T*>(p.w_qkv), ld, my_vecs,
-      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
-      [&](int j, int i, float v) {
-        if (p.has_qkv_bias) {
-          v += to_float(bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
-        }
-        my_seg[j * 8 + i] = v;
-      });
-}
-
-// RoPE at position `pos`, then the new k, v rounded to the cache dtype (what attention
-// reads back for the other tokens). Callers synchronise before reading k, v.
-template <typename T>
-__device__ void rope_and_round_kv(const AttentionDecodeParams& p, float* qkv, int hpc, int pos) {
-  apply_rope(p, qkv, hpc, pos);
-  const int dh = static_cast<int>(p.head_dim);
-  for (int e = threadIdx.x; e < 2 * dh; e += kThreads) {
-    float& v = qkv[hpc * dh + e];
-    v = to_float(from_float<T>(v));
-  }
-}
-
-// The new token's k, v into the caches at lengths[b]: one block of the KV head's first
-// cluster writes them.
-template <typename T>
-__device__ void write_new_kv(const AttentionDecodeParams& p, const Ctx& c, const float* qkv,
-                             int hpc, int64_t kv_row0) {
-  if (c.chunk != 0 || c.rank != 0) return;
-  const int64_t dh = p.head_dim, row = (kv_row0 + c.len) * dh;
-  for (int e = threadIdx.x; e < dh; e += kThreads) {
-    static_cast<T*>(p.k_cache)[row + e] = from_float<T>(qkv[hpc * dh + e]);
-    static_cast<T*>(p.v_cache)[row + e] = from_float<T>(qkv[(hpc + 1) * dh + e]);
-  }
-}
-
-// Blocks per SM the kernel is built for: 2 where ptxas fits it in 128 registers without
-// spills, else 1. Two let clusters of 8 and 16 find enough SMs: at one block per SM an
-// H100 keeps only 7 clusters of 16 resident (ncu: Max Active Clusters), and Llama-3-8B's
-// 8 KV heads then ran in two waves.
-template <int DH, int MH>
-constexpr int kMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
-// Token steps per warp in flight in attention: as many as the registers allow.
-template <int DH, int MH>
-constexpr int kTokenSteps = MH <= 2 ? 8 : MH == 4 && kMinBlocks<DH, MH> == 2 ? 2 : 4;
-
-// Online-softmax state of one thread: MH heads x its 8 dims of the head.
-template <int MH>
-struct SoftmaxState {
-  float m[MH], l[MH], o[MH][8];
-  __device__ void init() {
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      m[h] = -INFINITY;
-      l[h] = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[h][i] = 0.f;
-    }
-  }
-  // Merges another state (same dims) into this one.
-  __device__ void merge(const float (&m2)[MH], const float (&l2)[MH],
-                        const float (&o2)[MH][8]) {
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      const float mn = fmaxf(m[h], m2[h]);
-      const float a = mn == -INFINITY ? 0.f : exp2f(m[h] - mn);
-      const float b = mn == -INFINITY ? 0.f : exp2f(m2[h] - mn);
-      m[h] = mn;
-      l[h] = l[h] * a + l2[h] * b;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[h][i] = o[h][i] * a + o2[h][i] * b;
-    }
-  }
-};
-
-// Attention of the block's queries over cached tokens [t0, t1).
+// Phase 2 (consumers): this block's rows of the QKV projection, fp32, into qkv in
+// [Q heads | K | V] order. Thread = (row group, 8-column vector of a head block). With only
+// 7 warps per SM, latency is hidden by ILP alone: each thread issues all its shared loads
+// of a stage before any math, with clamped (branch-free) indices.
 template <typename T, int DH, int MH>
-__device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int hpc,
-                              const float* qkv, int t0, int t1, float* warp_states) {
-  constexpr int NV = DH / 8;                   // 16-byte vectors per row
-  constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
-  constexpr int TPW = 32 / LPT;                // tokens per warp step
-  constexpr int U = kTokenSteps<DH, MH>;       // token steps in flight
+__device__ void project_qkv_rows(const BlockWork& w, int hpc, const float* h, float* red,
+                                 float* qkv, Ring<kMaxStages>& ring, RingCursor& cur,
+                                 const unsigned char* stages, int num_stages) {
+  constexpr int NV = DH / 8, kGroups = kThreads / NV;
+  constexpr int kRows = (kQkvBoxRows + kGroups - 1) / kGroups;  // rows per thread and box
+  const int cv = threadIdx.x % NV, rg = threadIdx.x / NV;
+  float acc[MH + 2][8];
+#pragma unroll
+  for (int hb = 0; hb < MH + 2; ++hb)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[hb][i] = 0.f;
+  int row_off[kRows];  // element offset of the thread's row k in a box
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = rg + k * kGroups;
+    row_off[k] = (rg < kGroups && r < kQkvBoxRows ? r : 0) * DH + cv * 8;
+  }
+  for (int ch = 0; ch < w.qkv_chunks; ++ch) {
+    float hs[kRows];  // h of the thread's rows: 0 for rows it does not own
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int r = rg + k * kGroups;
+      hs[k] = rg < kGroups && r < kQkvBoxRows ? h[(w.qkv_chunk0 + ch) * kQkvBoxRows + r] : 0.f;
+    }
+#pragma unroll
+    for (int hb = 0; hb < MH + 2; ++hb) {  // static index: acc stays in registers
+      if (hb >= hpc + 2) break;
+      ring_wait(ring, cur);
+      const T* tile = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
+      uint4 wv[kRows];
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) wv[k] = ptx::lds128(tile + row_off[k]);
+      ring_release(ring, cur);
+      cur.advance(num_stages);
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        float f[8];
+        unpack<T>(wv[k], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[hb][i] = fmaf(hs[k], f[i], acc[hb][i]);
+      }
+    }
+  }
+  // Row groups -> one sum per column, in a fixed order; head block by head block.
+#pragma unroll
+  for (int hb = 0; hb < MH + 2; ++hb) {
+    if (hb >= hpc + 2) break;
+    if (rg < kGroups) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[rg * DH + cv * 8 + i] = acc[hb][i];
+    }
+    consumers().sync();
+    const int dst = (hb == 0 ? hpc : hb == 1 ? hpc + 1 : hb - 2) * DH;
+    for (int e = threadIdx.x; e < DH; e += kThreads) {
+      float s = 0.f;
+      for (int g = 0; g < kGroups; ++g) s += red[g * DH + e];
+      qkv[dst + e] = s;
+    }
+    consumers().sync();
+  }
+}
+
+// Phase 3 (consumers): attention of the block's queries over the streamed cached tokens;
+// each warp's (m, l, o) per head into warp_states [warp][head][DH + 2] = (o..., m, l).
+template <typename T, int DH, int MH>
+__device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const float* qkv,
+                                const BlockWork& w, float* warp_states, Ring<kMaxStages>& ring,
+                                RingCursor& cur, const unsigned char* stages, int num_stages) {
+  constexpr int NV = DH / 8;               // 16-byte vectors per row
+  constexpr int LPT = NV <= 8 ? 8 : 16;    // lanes per token (power of two)
+  constexpr int TPW = 32 / LPT;            // tokens per warp step
+  constexpr int TK = kKvTokens<DH>;        // tokens per stage
+  constexpr int U = (TK + kWarps * TPW - 1) / (kWarps * TPW);  // warp steps per stage
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;
@@ -356,62 +285,81 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
       q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
     }
   }
-  const int64_t row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
-  const T* K = static_cast<const T*>(p.k_cache) + row0 * DH + dv * 8;
-  const T* V = static_cast<const T*>(p.v_cache) + row0 * DH + dv * 8;
-
   SoftmaxState<MH> st;
   st.init();
-  for (int first = t0 + warp * TPW * U; first < t1; first += kWarps * TPW * U) {
-    uint4 kr[U], vr[U];
-    bool ok[U];
+  const int dv_c = active ? dv : 0;  // inactive lanes read a valid vector; their q is 0
+  // Token steps whose K and V vectors are loaded together before any math: all of the
+  // stage's, except where a cluster serves 4+ heads (the registers go to q and o).
+  constexpr int UB = MH >= 4 ? 1 : U;
+  for (int t = 0; t < w.tokens; t += TK) {
+    const int count = min(TK, w.tokens - t);
+    ring_wait(ring, cur);
+    const T* Ks = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
+    const T* Vs = Ks + TK * DH;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = first + u * TPW + slot;
-      ok[u] = t < t1;
-      if (ok[u] && active) {
-        kr[u] = ptx::ldg_stream(K + static_cast<int64_t>(t) * DH);
-        vr[u] = ptx::ldg_stream(V + static_cast<int64_t>(t) * DH);
-      } else {
-        kr[u] = make_uint4(0, 0, 0, 0);
-        vr[u] = make_uint4(0, 0, 0, 0);
+    for (int u0 = 0; u0 < U; u0 += UB) {
+      // (tokens past `count` read token count-1 and are masked by their -inf score)
+      uint4 kr[UB], vr[UB];
+      bool ok[UB];
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int tl = ((u0 + u) * kWarps + warp) * TPW + slot;
+        ok[u] = tl < count;
+        const int off = (ok[u] ? tl : count - 1) * DH + dv_c * 8;
+        kr[u] = ptx::lds128(Ks + off);
+        vr[u] = ptx::lds128(Vs + off);
       }
-    }
-    float s[U][MH];
+      if (u0 + UB >= U) {  // the stage's last reads issued (values land in registers)
+        ring_release(ring, cur);
+        cur.advance(num_stages);
+      }
+      float s[UB][MH];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[8];
-      unpack<T>(kr[u], kf);
+      for (int u = 0; u < UB; ++u) {
+        float kf[8];
+        unpack<T>(kr[u], kf);
+#pragma unroll
+        for (int h = 0; h < MH; ++h) {
+          float d0 = 0.f, d1 = 0.f;  // two chains: half the dependent FMA latency
+#pragma unroll
+          for (int i = 0; i < 8; i += 2) {
+            d0 = fmaf(q[h][i], kf[i], d0);
+            d1 = fmaf(q[h][i + 1], kf[i + 1], d1);
+          }
+          s[u][h] = d0 + d1;
+        }
+      }
+#pragma unroll
+      for (int off = LPT / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UB; ++u)
+#pragma unroll
+          for (int h = 0; h < MH; ++h) s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], off);
+      }
 #pragma unroll
       for (int h = 0; h < MH; ++h) {
-        float d = 0.f;
+        if (h >= hpc) break;
+        float mx = st.m[h];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(q[h][i], kf[i], d);
+        for (int u = 0; u < UB; ++u) {
+          s[u][h] = ok[u] ? s[u][h] : -INFINITY;
+          mx = fmaxf(mx, s[u][h]);
+        }
+        const float ref = mx == -INFINITY ? 0.f : mx;  // no (-inf) - (-inf)
+        const float a = exp2f(st.m[h] - ref);
+        st.m[h] = mx;
+        st.l[h] *= a;
 #pragma unroll
-        for (int off = LPT / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-        s[u][h] = ok[u] ? d : -INFINITY;
-      }
-    }
+        for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
 #pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      if (h >= hpc) break;
-      float mx = st.m[h];
+        for (int u = 0; u < UB; ++u) {
+          const float pr = exp2f(s[u][h] - ref);  // 0 for masked tokens
+          st.l[h] += pr;
+          float vf[8];
+          unpack<T>(vr[u], vf);
 #pragma unroll
-      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][h]);
-      if (mx == -INFINITY) continue;
-      const float a = exp2f(st.m[h] - mx);
-      st.m[h] = mx;
-      st.l[h] *= a;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float pr = exp2f(s[u][h] - mx);
-        st.l[h] += pr;
-        float vf[8];
-        unpack<T>(vr[u], vf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
+          for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
+        }
       }
     }
   }
@@ -428,12 +376,11 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
     }
     st.merge(m2, l2, o2);
   }
-  // Warp state -> shared: [warp][head][DH + 2] = (o..., m, l).
   if (slot == 0) {
 #pragma unroll
     for (int h = 0; h < MH; ++h) {
       if (h >= hpc) break;
-      float* ws = warp_states + (warp * kMaxH + h) * (DH + 2);
+      float* ws = warp_states + (warp * MH + h) * (DH + 2);
       if (active) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) ws[dv * 8 + i] = st.o[h][i];
@@ -444,103 +391,32 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
       }
     }
   }
-  __syncthreads();
+  consumers().sync();
 }
 
-// Blocks per SM: kMinBlocks (above).
-template <typename T, int DH, int MH>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
-    attention_decode_kernel(const AttentionDecodeParams p) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ ClusterCollectiveBarriers gather_bars, max_bars, sum_bars;
-  const int hpc = static_cast<int>(p.heads_per_cluster());
-  const int n = p.cluster_size;
-  const Layout L(static_cast<int>(p.hidden), hpc, DH, n);
-  float* h = reinterpret_cast<float*>(smem + L.h_off);
-  float* qkv = reinterpret_cast<float*>(smem + L.qkv_off);
-  float* red = reinterpret_cast<float*>(smem + L.red_off);
-  float* warp_states = reinterpret_cast<float*>(smem + L.warp_off);
-  float* mx = reinterpret_cast<float*>(smem + L.max_off);
-  float* sums = reinterpret_cast<float*>(smem + L.sum_off);
-
-  const Ctx c = cluster_ctx(p);
-
-  ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
-  ClusterReduce<float, ReduceOp::kMax> reduce_max(
-      &max_bars, reinterpret_cast<uint4*>(smem + L.max_recv_off), kMaxH / 4);
-  ClusterReduce<float, ReduceOp::kSum> reduce_sum(
-      &sum_bars, reinterpret_cast<uint4*>(smem + L.sum_recv_off), L.sum_vecs);
-  gather.init();
-  reduce_max.init();
-  reduce_sum.init();
-  ptx::cluster_arrive();  // barrier init visible to peers; overlap the wait with the norm
-
-  const OutputSlice out = output_slice(p, c);
-  float* partial_row = out.row;
-  const int o_first = out.first, o_count = out.count;
-  if (length_out_of_range(p, c, out)) {
-    ptx::cluster_wait();
-    return;
-  }
-  // This block's share of each phase: QKV column vectors, tokens, W_o columns.
-  const int first_vec = c.rank * L.vecs_per_blk;
-  const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
-  const int total = c.len + 1;
-  const int per_block = (total + n - 1) / n;
-  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
-  const T* wqkv = static_cast<const T*>(p.w_qkv);
-  const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
-  const T* wo = static_cast<const T*>(p.w_o) + (c.g * p.group() + c.chunk * hpc) * DH * p.hidden;
-
-  // Each phase's first bytes are requested ahead (L2 prefetch) so no phase starts with an
-  // empty memory pipeline: here the QKV rows (per contiguous run: Q, K or V columns).
-  for (int v = first_vec, end = first_vec + my_vecs; v < end;) {
-    const int bound = v < hpc * DH / 8 ? hpc * DH / 8 : v < (hpc + 1) * DH / 8 ? (hpc + 1) * DH / 8
-                                                                               : end;
-    const int run_end = min(end, bound);
-    prefetch_rows(wqkv + qkv_column(p, c, hpc, static_cast<int64_t>(v) * 8), qkv_ld,
-                  static_cast<int>(p.hidden), static_cast<int64_t>(run_end - v) * 16);
-    v = run_end;
-  }
-  normalize_input<T>(p, c.b, h);
-  ptx::cluster_wait();
-
-  // 2. QKV projection: this block's column vectors, then gather.
-  project_qkv_slice<T>(p, c, hpc, h, red, qkv, first_vec, my_vecs, L.vecs_per_blk);
-  const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
-  if (threadIdx.x < 2 && t0 < c.len) {  // this block's first cached K and V tokens
-    const T* cache = static_cast<const T*>(threadIdx.x == 0 ? p.k_cache : p.v_cache);
-    const int64_t bytes = static_cast<int64_t>(min(t1, c.len) - t0) * DH * sizeof(T);
-    const int64_t ahead = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
-    ptx::prefetch_l2(cache + (kv_row0 + t0) * DH, static_cast<uint32_t>(ahead));
-  }
-  gather();
-
-  // 3. RoPE, the new k, v rounded to the cache dtype and written.
-  rope_and_round_kv<T>(p, qkv, hpc, c.len);
-  __syncthreads();
-  write_new_kv<T>(p, c, qkv, hpc, kv_row0);
-
-  // 4. Attention over this block's token slice; the new token comes from smem.
-  attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
-  prefetch_rows(wo + o_first * 8, p.hidden, hpc * DH, static_cast<int64_t>(o_count) * 16);
-
-  // Combine the warps (fixed order), then the new token, per head.
+// Phase 3, end: the warps' states and the new token (if it is in this block's slice) ->
+// per head the block's max (mx) and its sum-scaled (o, l) in `sums` [hpc*DH o | hpc l].
+template <int DH, int MH>
+__device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+                                    const BlockWork& w, const float* qkv,
+                                    const float* warp_states, float* mx, float* sums,
+                                    int sum_floats) {
   const float qscale = p.scale * kLog2e;
+  const bool has_new = w.t0 <= c.len && c.len < w.t1;
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
     float m = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_states[(w * kMaxH + head) * (DH + 2) + DH]);
+    for (int wp = 0; wp < kWarps; ++wp) m = fmaxf(m, warp_states[(wp * MH + head) * (DH + 2) + DH]);
     float s_new = -INFINITY;
-    if (t0 <= c.len && c.len < t1) {
+    if (has_new) {
       float d = 0.f;
       for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
       s_new = d;
     }
     const float mm = fmaxf(m, s_new);
     float acc = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* ws = warp_states + (w * kMaxH + head) * (DH + 2);
+    for (int wp = 0; wp < kWarps; ++wp) {
+      const float* ws = warp_states + (wp * MH + head) * (DH + 2);
       const float wm = ws[DH];
       if (wm == -INFINITY) continue;
       acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
@@ -559,11 +435,147 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
   for (int e = threadIdx.x; e < kMaxH; e += kThreads) {
     if (e >= hpc) mx[e] = -INFINITY;
   }
-  for (int e = hpc * DH + hpc + threadIdx.x; e < L.sum_vecs * 4; e += kThreads) sums[e] = 0.f;
-  __syncthreads();
+  for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kThreads) sums[e] = 0.f;
+  consumers().sync();
+}
+
+// Phase 4 (consumers): attn [hpc*DH] times the block's W_o tiles -> the fp32 partial row.
+// Thread = (row group, 8-column vector of the 64-column tile): 4 row groups per warp; loads
+// first, branch-free, as in phase 2.
+constexpr int kMaxOutBoxRows = kStageBytes / (kOutTileCols * 2);
+
+template <typename T>
+__device__ void project_output(const BlockWork& w, int out_box_rows, const float* attn,
+                               float* ored, float* partial_row, Ring<kMaxStages>& ring,
+                               RingCursor& cur, const unsigned char* stages, int num_stages) {
+  constexpr int kTileVecs = kOutTileCols / 8;
+  constexpr int kRowGroups = kThreads / kTileVecs;
+  constexpr int kRows = (kMaxOutBoxRows + kRowGroups - 1) / kRowGroups;
+  const int cv = threadIdx.x % kTileVecs, rg = threadIdx.x / kTileVecs;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int row_off[kRows];
+  bool own[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = rg + k * kRowGroups;
+    own[k] = r < out_box_rows;
+    row_off[k] = (own[k] ? r : 0) * kOutTileCols + cv * 8;
+  }
+  for (int tile = 0; tile < w.out_tiles; ++tile) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int rb = 0; rb < w.out_boxes; ++rb) {
+      ring_wait(ring, cur);
+      const T* box = reinterpret_cast<const T*>(stages + static_cast<int64_t>(cur.stage) * kStageBytes);
+      uint4 wv[kRows];
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) wv[k] = ptx::lds128(box + row_off[k]);
+      ring_release(ring, cur);
+      cur.advance(num_stages);
+      const float* a = attn + rb * out_box_rows + rg;
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) {
+        const float s = own[k] ? a[k * kRowGroups] : 0.f;
+        float f[8];
+        unpack<T>(wv[k], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
+      }
+    }
+    // The warp's 4 row groups (lanes 8 apart), then the warps in order (double-buffered:
+    // one barrier per tile).
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
+      acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
+    }
+    float* red = ored + (tile & 1) * kWarps * kOutTileCols;
+    if (lane < kTileVecs) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[warp * kOutTileCols + lane * 8 + i] = acc[i];
+    }
+    consumers().sync();
+    if (threadIdx.x < kOutTileCols) {
+      float s = 0.f;
+      for (int wp = 0; wp < kWarps; ++wp) s += red[wp * kOutTileCols + threadIdx.x];
+      partial_row[(w.out_tile0 + tile) * kOutTileCols + threadIdx.x] = s;
+    }
+  }
+}
+
+template <typename T, int DH, int MH>
+__global__ void __launch_bounds__(kStreamThreads, kMinBlocks<DH, MH>)
+    attention_decode_kernel(const __grid_constant__ AttentionDecodeParams p,
+                            const __grid_constant__ StreamArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ ClusterCollectiveBarriers qkv_bars, max_bars, sum_bars;
+  __shared__ Ring<kMaxStages> ring;
   __shared__ float local_max[kMaxH];
+  const int hpc = static_cast<int>(p.heads_per_cluster());
+  const int n = p.cluster_size;
+  const StreamLayout L(static_cast<int>(p.hidden), hpc, DH, MH, n, a.stages);
+  float* qkv = reinterpret_cast<float*>(smem + L.qkv_off);
+  float* mx = reinterpret_cast<float*>(smem + L.max_off);
+  float* sums = reinterpret_cast<float*>(smem + L.sum_off);
+  float* h = reinterpret_cast<float*>(smem + L.h_off);
+  float* red = reinterpret_cast<float*>(smem + L.red_off);
+  float* warp_states = reinterpret_cast<float*>(smem + L.warp_off);
+  float* ored = reinterpret_cast<float*>(smem + L.ored_off);
+
+  const Ctx c = cluster_ctx(p);
+  const BlockWork w = block_work(p, c, hpc, a.out_box_rows);
+  const ThreadGroup group = consumers();
+  ClusterReduce<float, ReduceOp::kSum> reduce_qkv(
+      &qkv_bars, reinterpret_cast<uint4*>(smem + L.qkv_recv_off), L.qkv_floats / 4, group);
+  ClusterReduce<float, ReduceOp::kMax> reduce_max(
+      &max_bars, reinterpret_cast<uint4*>(smem + L.max_recv_off), kMaxH / 4, group);
+  ClusterReduce<float, ReduceOp::kSum> reduce_sum(
+      &sum_bars, reinterpret_cast<uint4*>(smem + L.sum_recv_off), L.sum_vecs, group);
+  reduce_qkv.init();
+  reduce_max.init();
+  reduce_sum.init();
+  if (threadIdx.x == 0) {
+    ring.init(kWarps);
+    ptx::fence_mbarrier_init_cluster();
+  }
+  __syncthreads();        // the ring's barriers, for the producer
+  ptx::cluster_arrive();  // the collectives' barriers, for the peers
+
+  const bool bad_length = length_out_of_range(p, c);
+  if (threadIdx.x / 32 == kProducerWarp) {
+    ptx::cluster_wait();
+    if ((threadIdx.x & 31) == 0 && !bad_length) produce<T, DH>(p, a, c, hpc, w, ring, smem);
+    return;  // the consumers wait for every stage: the block outlives its copies
+  }
+  const OutputSlice out = output_slice(p, c);
+  if (bad_length) {
+    write_nan_slice(out, group);
+    ptx::cluster_wait();
+    return;
+  }
+  normalize_input<T>(p, c.b, h, group);
+  ptx::cluster_wait();
+
+  // 2. QKV projection over this block's rows, summed over the cluster; bias, RoPE.
+  RingCursor cur;
+  project_qkv_rows<T, DH, MH>(w, hpc, h, red, qkv, ring, cur, smem, a.stages);
+  reduce_qkv(reinterpret_cast<uint4*>(qkv));
+  if (p.has_qkv_bias) {
+    const T* bias = static_cast<const T*>(p.qkv_bias);
+    for (int e = threadIdx.x; e < L.qkv_floats; e += kThreads) {
+      qkv[e] += to_float(bias[qkv_column(p, c, hpc, e)]);
+    }
+    group.sync();
+  }
+  rope_and_round_kv<T>(p, qkv, hpc, c.len, group);
+  group.sync();
+  const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
+  write_new_kv<T>(p, c, qkv, hpc, kv_row0, group);
+
+  // 3. Attention over this block's cached tokens; then the new token; cluster combine.
+  attend_streamed<T, DH, MH>(p, hpc, qkv, w, warp_states, ring, cur, smem, a.stages);
+  combine_block_state<DH, MH>(p, c, hpc, w, qkv, warp_states, mx, sums, L.sum_vecs * 4);
   if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
-  reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a block barrier
+  reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a consumer barrier
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
     const int head = e < hpc * DH ? e / DH : e - hpc * DH;
     const float scale = local_max[head] == -INFINITY ? 0.f : exp2f(local_max[head] - mx[head]);
@@ -571,53 +583,58 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DH, MH>)
   }
   reduce_sum(reinterpret_cast<uint4*>(sums));
   for (int e = threadIdx.x; e < hpc * DH; e += kThreads) sums[e] /= sums[hpc * DH + e / DH];
-  __syncthreads();
+  group.sync();
 
-  // 5. Output projection: this block's output columns of the group's W_o rows.
-  block_gemv<T>(
-      sums, hpc * DH, wo, p.hidden, o_count,
-      [&](int j) { return static_cast<int64_t>(o_first + j) * 8; }, red,
-      [&](int j, int i, float v) { partial_row[(o_first + j) * 8 + i] = v; });
+  // 4. Output projection: this block's W_o column tiles.
+  project_output<T>(w, a.out_box_rows, sums, ored, out.row, ring, cur, smem, a.stages);
 
-  gather.finish();
-}
-
-// y[b, :] = sum over the row's clusters (fixed order) + bias + residual.
-template <typename T>
-__global__ void __launch_bounds__(256) attention_decode_combine_kernel(const AttentionDecodeParams p) {
-  const int64_t b = blockIdx.y;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (col >= p.hidden) return;
-  const int64_t parts = p.num_kv_heads * p.head_chunks();
-  const float* src = p.partial + b * parts * p.hidden + col;
-  float acc = 0.f;
-  for (int64_t k = 0; k < parts; ++k) acc += src[k * p.hidden];
-  if (p.has_o_bias) acc += to_float(static_cast<const T*>(p.o_bias)[col]);
-  if (p.residual) acc += to_float(static_cast<const T*>(p.x)[b * p.hidden + col]);
-  static_cast<T*>(p.y)[b * p.hidden + col] = from_float<T>(acc);
+  reduce_qkv.finish();  // no block leaves while a peer may still write into it
 }
 
 // The SplitHead kernel: a textual part of this file (same anonymous namespace, helpers).
 #include "kernels/attention_decode_split_head.cuh"  // NOLINT(build/include)
+
+// W_o rows per box: the largest multiple of 8 that divides the chunk's hpc*Dh rows and
+// keeps a [rows, 64] box within a stage.
+inline int out_box_rows(int rows) {
+  for (int r = kMaxOutBoxRows; r >= 8; r -= 8) {
+    if (rows % r == 0) return r;
+  }
+  return 8;
+}
+
+template <typename T, int DH, int MH>
+cudaError_t launch_streamed(const AttentionDecodeParams& p, cudaStream_t stream) {
+  const int hpc = static_cast<int>(p.heads_per_cluster());
+  StreamArgs a{};
+  a.out_box_rows = out_box_rows(hpc * DH);
+  const int64_t qkv_cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.qkv, p.dtype, p.w_qkv, p.hidden, qkv_cols,
+                                                     kQkvBoxRows, DH));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.out, p.dtype, p.w_o, p.num_q_heads * DH,
+                                                     p.hidden, a.out_box_rows, kOutTileCols));
+  // As many stages as this many blocks per SM leave room for (1 KB for the static part).
+  constexpr int kBlocks = kMinBlocks<DH, MH>;
+  const int64_t budget = (kMaxSharedBytesPerBlock + 1024) / kBlocks - 2048;
+  const StreamLayout none(static_cast<int>(p.hidden), hpc, DH, MH, p.cluster_size, 0);
+  a.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (budget - none.fixed) / kStageBytes));
+  if (a.stages < 2) return cudaErrorInvalidConfiguration;  // hidden too large for this kernel
+  const StreamLayout L(static_cast<int>(p.hidden), hpc, DH, MH, p.cluster_size, a.stages);
+  const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
+      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
+      dim3(kStreamThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p, a));
+  return launch_combine<T>(p, stream);
+}
 
 // MH: register arrays sized for the heads a cluster serves (1, 2, 4 or 8).
 template <typename T, int DH, int MH>
 cudaError_t launch_typed(const AttentionDecodeParams& p, cudaStream_t stream) {
   if (p.dataflow == AttnDataflow::kSplitHead) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_split_head_typed<T, DH, MH>(p, stream)));
-    const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
-    attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_combine<T>(p, stream);
   }
-  const Layout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
-                 p.cluster_size);
-  const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
-      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
-      dim3(kThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p));
-  const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
-  attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_streamed<T, DH, MH>(p, stream);
 }
 
 template <typename T, int DH>

@@ -10,8 +10,86 @@
 //   5.   the block's dims of the attention output times the matching rows of W_o give a
 //        partial [D] row; ClusterReduce(sum) in 1024-float pieces; block r writes its
 //        share of the columns to the workspace; the combine kernel adds the clusters.
-// Included inside attention_decode.cu's anonymous namespace (uses its helpers).
+// Its loads are plain 16-byte global loads (it keeps the original structure for the
+// comparison); every thread of the block computes. Included inside attention_decode.cu's
+// anonymous namespace (uses attention_decode_common.cuh).
 #pragma once
+
+constexpr int kSplitHeadThreads = 256;
+
+// out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
+// block's `ncv` column vectors. Threads split rows into groups; partial sums
+// meet in shared memory in a fixed order.
+template <typename T, typename ColOf, typename Emit>
+__device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, int ncv,
+                           ColOf col_of, float* red, Emit emit) {
+  for (int j0 = 0; j0 < ncv; j0 += kSplitHeadThreads) {
+    const int cv = min(kSplitHeadThreads, ncv - j0);
+    const int groups = kSplitHeadThreads / cv;
+    const int jl = threadIdx.x % cv, rg = threadIdx.x / cv;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (rg < groups) {
+      const T* wcol = W + col_of(j0 + jl);
+      int r = rg;
+      constexpr int U = 16;  // 16-byte loads in flight per thread: 64 KB per block
+      for (; r + (U - 1) * groups < rows; r += U * groups) {
+        uint4 w[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) w[u] = ptx::ldg_stream(wcol + (r + u * groups) * ld);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float f[8];
+          unpack<T>(w[u], f);
+          const float s = vec[r + u * groups];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
+        }
+      }
+      for (; r < rows; r += groups) {
+        float f[8];
+        unpack<T>(ptx::ldg_stream(wcol + r * ld), f);
+        const float s = vec[r];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(s, f[i], acc[i]);
+      }
+    }
+    __syncthreads();  // `red` free (previous chunk consumed)
+    if (rg < groups) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[(rg * cv + jl) * 8 + i] = acc[i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < cv * 8; e += kSplitHeadThreads) {
+      float s = 0.f;
+      for (int q = 0; q < groups; ++q) s += red[q * cv * 8 + e];
+      emit(j0 + e / 8, e % 8, s);
+    }
+  }
+  __syncthreads();
+}
+
+// This block's `my_vecs` column vectors of the group's Q|K|V (from `first_vec`, + bias)
+// into qkv; the rest of its `seg_vecs`-vector segment is zero padding for the gather.
+template <typename T>
+__device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+                                  const float* h, float* red, float* qkv, int first_vec,
+                                  int my_vecs, int seg_vecs) {
+  float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int64_t ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  for (int e = threadIdx.x; e < seg_vecs * 8; e += kSplitHeadThreads) my_seg[e] = 0.f;
+  __syncthreads();
+  block_gemv<T>(
+      h, static_cast<int>(p.hidden), static_cast<const T*>(p.w_qkv), ld, my_vecs,
+      [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
+      [&](int j, int i, float v) {
+        if (p.has_qkv_bias) {
+          v += to_float(bias[qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8 + i)]);
+        }
+        my_seg[j * 8 + i] = v;
+      });
+}
+
 
 constexpr int kSplitHeadReduceFloats = 1024;  // one ClusterReduce call: scores or an output piece
 
@@ -38,7 +116,7 @@ struct SplitHeadLayout {
     };
     h_off = take(4LL * hidden);  // normalised x, later the partial output row
     qkv_off = take(32LL * vecs_per_blk * n);
-    red_off = take(4LL * kThreads * 8);  // block_gemv; then the P x V partials of one head
+    red_off = take(4LL * kSplitHeadThreads * 8);  // block_gemv; then the P x V partials of one head
     scores_off = take(4LL * kSplitHeadReduceFloats);
     recv_off = take(4LL * kSplitHeadReduceFloats * rounds);
     stats_off = take(4LL * 4 * kAttnMaxHeadsPerCluster);  // m, l, rescale, chunk max
@@ -65,7 +143,7 @@ __device__ __forceinline__ void token_values(const T* cache, const float* fresh,
 }
 
 template <typename T, int DH, int MH>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kSplitHeadThreads, 1)
     attention_decode_split_head_kernel(const AttentionDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers gather_bars, reduce_bars;
@@ -94,11 +172,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const OutputSlice out = output_slice(p, c);
   float* partial_row = out.row;
   const int o_first = out.first, o_count = out.count;
-  if (length_out_of_range(p, c, out)) {
+  if (length_out_of_range(p, c)) {
+    write_nan_slice(out, ThreadGroup::block());
     ptx::cluster_wait();
     return;
   }
-  normalize_input<T>(p, c.b, h);
+  normalize_input<T>(p, c.b, h, ThreadGroup::block());
   ptx::cluster_wait();
 
   // 2-3. QKV projection (columns split, gathered), RoPE, cache write: as SplitToken.
@@ -106,16 +185,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
   project_qkv_slice<T>(p, c, hpc, h, red, qkv, first_vec, my_vecs, L.vecs_per_blk);
   gather();
-  rope_and_round_kv<T>(p, qkv, hpc, c.len);
+  rope_and_round_kv<T>(p, qkv, hpc, c.len, ThreadGroup::block());
   const float qscale = p.scale * kLog2e;
-  for (int e = threadIdx.x; e < hpc * DH; e += kThreads) qkv[e] *= qscale;  // exp2-domain scores
+  for (int e = threadIdx.x; e < hpc * DH; e += kSplitHeadThreads) qkv[e] *= qscale;  // exp2-domain scores
   if (threadIdx.x < kMaxH) {
     run_max[threadIdx.x] = -INFINITY;
     run_sum[threadIdx.x] = 0.f;
   }
   __syncthreads();
   const int64_t kv_row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
-  write_new_kv<T>(p, c, qkv, hpc, kv_row0);
+  write_new_kv<T>(p, c, qkv, hpc, kv_row0, ThreadGroup::block());
 
   // 4. Attention over all tokens, this block's dims d0 + [0, w). The new token (index
   // len) comes from shared memory: other clusters of this KV head do not wait for the write.
@@ -124,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const T* V = static_cast<const T*>(p.v_cache) + kv_row0 * DH + d0;
   const float* k_new = qkv + hpc * DH + d0;
   const float* v_new = qkv + (hpc + 1) * DH + d0;
-  const int groups = kThreads / wv;  // P x V: thread = (vector j of the dims, token group)
+  const int groups = kSplitHeadThreads / wv;  // P x V: thread = (vector j of the dims, token group)
   const int pv_j = threadIdx.x % wv, pv_g = threadIdx.x / wv;
   float o[MH][8];
 #pragma unroll
@@ -136,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t0 = 0; t0 < total; t0 += T_) {
     const int count = min(T_, total - t0);
     // partial scores [head][token] over the block's dims; one token per thread
-    for (int tl = threadIdx.x; tl < T_; tl += kThreads) {
+    for (int tl = threadIdx.x; tl < T_; tl += kSplitHeadThreads) {
       float acc[MH];
 #pragma unroll
       for (int hh = 0; hh < MH; ++hh) acc[hh] = 0.f;
@@ -214,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 8; ++i) red[(pv_g * wv + pv_j) * 8 + i] = o[hh][i];
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < L.w; e += kThreads) {
+    for (int e = threadIdx.x; e < L.w; e += kSplitHeadThreads) {
       float s = 0.f;
       for (int g2 = 0; g2 < groups; ++g2) s += red[g2 * L.w + e];
       attn[hh * L.w + e] = s / run_sum[hh];
@@ -235,11 +314,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t c0 = 0; c0 < p.hidden; c0 += kSplitHeadReduceFloats) {
     const int64_t left = p.hidden - c0;
     const int piece = left < kSplitHeadReduceFloats ? static_cast<int>(left) : kSplitHeadReduceFloats;
-    for (int e = threadIdx.x; e < kSplitHeadReduceFloats; e += kThreads) {
+    for (int e = threadIdx.x; e < kSplitHeadReduceFloats; e += kSplitHeadThreads) {
       scores[e] = e < piece ? h[c0 + e] : 0.f;
     }
     reduce(reinterpret_cast<uint4*>(scores));
-    for (int e = threadIdx.x; e < piece; e += kThreads) {
+    for (int e = threadIdx.x; e < piece; e += kSplitHeadThreads) {
       const int64_t col = c0 + e;
       if (col >= o_first * 8 && col < (o_first + o_count) * 8) partial_row[col] = scores[e];
     }
@@ -254,7 +333,7 @@ cudaError_t launch_split_head_typed(const AttentionDecodeParams& p, cudaStream_t
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
       attention_decode_split_head_kernel<T, DH, MH>,
-      dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kThreads),
+      dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kSplitHeadThreads),
       static_cast<size_t>(L.bytes), p.cluster_size, stream, p));
   return cudaGetLastError();
 }

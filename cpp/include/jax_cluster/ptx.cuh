@@ -59,6 +59,15 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// 16-byte shared-memory load (one LDS.128; the address must be 16-byte aligned).
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr(p)));
+  return v;
+}
+
 // Full cluster barrier, split so independent work can sit between the halves.
 // release/acquire order shared AND global memory across the cluster.
 __device__ __forceinline__ void cluster_arrive() {

@@ -39,7 +39,8 @@ __device__ __forceinline__ uint64_t l2_evict_last() {
   return policy;
 }
 
-// The default L2 behaviour as an explicit policy (for copies that take one).
+// The default policy, for data other blocks may read too (shared weights, a KV head read
+// by several clusters).
 __device__ __forceinline__ uint64_t l2_evict_normal() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
@@ -131,7 +132,11 @@ struct RingCursor {
   uint32_t phase = 0;
   template <int S>
   __device__ void advance() {
-    if (++stage == S) {
+    advance(S);
+  }
+  // A ring used with fewer stages than its capacity (sized at launch).
+  __device__ void advance(int stages) {
+    if (++stage == stages) {
       stage = 0;
       phase ^= 1;
     }

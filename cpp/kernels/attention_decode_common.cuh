@@ -1,0 +1,212 @@
+// Pieces shared by the two attention_decode dataflows (attention_decode.cu: SplitToken,
+// streamed; attention_decode_split_head.cuh: SplitHead): the cluster's coordinates, the
+// input norm, RoPE, the new token's cache write, the online-softmax state, the combine
+// kernel. They run on a ThreadGroup: the whole block, or the consumer warps of a
+// warp-specialised block (threads [0, group.threads)). Included inside
+// attention_decode.cu's anonymous namespace.
+#pragma once
+
+constexpr int kMaxComputeWarps = 8;
+constexpr int kMaxH = kAttnMaxHeadsPerCluster;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kOutTileCols = 64;  // W_o / output columns are split over a cluster in these
+
+struct Ctx {  // per-cluster coordinates
+  int64_t b, g, chunk;
+  int rank;
+  int len;
+};
+
+// This block's cluster -> (b, g, chunk), the batch row fastest: the clusters resident
+// at one time then share a KV group's weight columns (read from HBM once, from L2 by
+// the other rows) instead of each bringing its own.
+__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
+  const int64_t cluster = blockIdx.x / p.cluster_size, rest = cluster / p.batch;
+  Ctx c;
+  c.rank = static_cast<int>(ptx::cluster_rank());
+  c.b = cluster % p.batch;
+  c.chunk = rest % p.head_chunks();
+  c.g = rest / p.head_chunks();
+  c.len = p.lengths[c.b];
+  return c;
+}
+
+// This block's share of the output projection: W_o column vectors [first, first + count)
+// of its cluster's fp32 partial row, in whole kOutTileCols-column tiles (the unit of the
+// streamed kernel's W_o boxes).
+struct OutputSlice {
+  float* row;
+  int first, count;  // 8-column vectors
+};
+
+__device__ __forceinline__ OutputSlice output_slice(const AttentionDecodeParams& p, const Ctx& c) {
+  constexpr int kTileVecs = kOutTileCols / 8;
+  const int tiles = static_cast<int>(p.hidden / kOutTileCols);
+  const int per_block = (tiles + p.cluster_size - 1) / p.cluster_size;
+  const int first = c.rank * per_block;
+  return {p.partial + ((c.b * p.num_kv_heads + c.g) * p.head_chunks() + c.chunk) * p.hidden,
+          first * kTileVecs, max(0, min(per_block, tiles - first)) * kTileVecs};
+}
+
+// A length outside [0, S_max) makes the row's output NaN (loud, never silently wrong); the
+// whole cluster agrees, as it serves one row.
+__device__ __forceinline__ bool length_out_of_range(const AttentionDecodeParams& p, const Ctx& c) {
+  return c.len < 0 || c.len >= p.max_seq;
+}
+
+__device__ __forceinline__ void write_nan_slice(const OutputSlice& out, ThreadGroup group) {
+  for (int e = threadIdx.x; e < out.count * 8; e += group.threads) out.row[out.first * 8 + e] = NAN;
+}
+
+// h = norm(x[b]) in fp32 (or x itself).
+template <typename T>
+__device__ void normalize_input(const AttentionDecodeParams& p, int64_t b, float* h,
+                                ThreadGroup group) {
+  __shared__ float stats[2 * kMaxComputeWarps];
+  const int warps = static_cast<int>(group.threads / 32);
+  const T* x = static_cast<const T*>(p.x) + b * p.hidden;
+  float sum = 0.f, sq = 0.f;
+  for (int64_t i = threadIdx.x; i < p.hidden; i += group.threads) {
+    const float v = to_float(x[i]);
+    h[i] = v;
+    sum += v;
+    sq += v * v;
+  }
+  if (p.norm == NormKind::kNone) {
+    group.sync();
+    return;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    stats[threadIdx.x / 32] = sum;
+    stats[kMaxComputeWarps + threadIdx.x / 32] = sq;
+  }
+  group.sync();
+  float tsum = 0.f, tsq = 0.f;
+  for (int w = 0; w < warps; ++w) {
+    tsum += stats[w];
+    tsq += stats[kMaxComputeWarps + w];
+  }
+  const float inv_d = 1.f / static_cast<float>(p.hidden);
+  const T* wn = static_cast<const T*>(p.norm_w);
+  if (p.norm == NormKind::kRms) {
+    const float r = rsqrtf(tsq * inv_d + p.eps);
+    for (int64_t i = threadIdx.x; i < p.hidden; i += group.threads) h[i] = h[i] * r * to_float(wn[i]);
+  } else {
+    const float mean = tsum * inv_d;
+    const float var = fmaxf(tsq * inv_d - mean * mean, 0.f);
+    const float r = rsqrtf(var + p.eps);
+    const T* bn = static_cast<const T*>(p.norm_b);
+    for (int64_t i = threadIdx.x; i < p.hidden; i += group.threads) {
+      h[i] = (h[i] - mean) * r * to_float(wn[i]) + to_float(bn[i]);
+    }
+  }
+  group.sync();
+}
+
+// Global column of the group's local Q|K|V column c.
+__device__ __forceinline__ int64_t qkv_column(const AttentionDecodeParams& p, const Ctx& c,
+                                              int hpc, int64_t col) {
+  const int64_t dh = p.head_dim;
+  if (col < hpc * dh) return (c.g * p.group() + c.chunk * hpc) * dh + col;
+  if (col < (hpc + 1) * dh) return p.num_q_heads * dh + c.g * dh + (col - hpc * dh);
+  return (p.num_q_heads + p.num_kv_heads) * dh + c.g * dh + (col - (hpc + 1) * dh);
+}
+
+__device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, int pos,
+                           ThreadGroup group) {
+  const int dh = static_cast<int>(p.head_dim), half = static_cast<int>(p.rotary_dim / 2);
+  for (int e = threadIdx.x; e < (hpc + 1) * half; e += group.threads) {
+    const int head = e / half, i = e % half;  // heads 0..hpc-1 = q, hpc = k
+    float* v = qkv + head * dh;
+    float s, c;
+    sincosf(static_cast<float>(pos) * p.inv_freq[i], &s, &c);
+    const int i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
+    const int i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
+    const float x1 = v[i1], x2 = v[i2];
+    v[i1] = x1 * c - x2 * s;
+    v[i2] = x2 * c + x1 * s;
+  }
+  group.sync();
+}
+
+// RoPE at position `pos`, then the new k, v rounded to the cache dtype (what attention
+// reads back for the other tokens). Callers synchronise before reading k, v.
+template <typename T>
+__device__ void rope_and_round_kv(const AttentionDecodeParams& p, float* qkv, int hpc, int pos,
+                                  ThreadGroup group) {
+  apply_rope(p, qkv, hpc, pos, group);
+  const int dh = static_cast<int>(p.head_dim);
+  for (int e = threadIdx.x; e < 2 * dh; e += group.threads) {
+    float& v = qkv[hpc * dh + e];
+    v = to_float(from_float<T>(v));
+  }
+}
+
+// The new token's k, v into the caches at lengths[b]: one block of the KV head's first
+// cluster writes them.
+template <typename T>
+__device__ void write_new_kv(const AttentionDecodeParams& p, const Ctx& c, const float* qkv,
+                             int hpc, int64_t kv_row0, ThreadGroup group) {
+  if (c.chunk != 0 || c.rank != 0) return;
+  const int64_t dh = p.head_dim, row = (kv_row0 + c.len) * dh;
+  for (int e = threadIdx.x; e < dh; e += group.threads) {
+    static_cast<T*>(p.k_cache)[row + e] = from_float<T>(qkv[hpc * dh + e]);
+    static_cast<T*>(p.v_cache)[row + e] = from_float<T>(qkv[(hpc + 1) * dh + e]);
+  }
+}
+
+// Online-softmax state of one thread: MH heads x its 8 dims of the head.
+template <int MH>
+struct SoftmaxState {
+  float m[MH], l[MH], o[MH][8];
+  __device__ void init() {
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      m[h] = -INFINITY;
+      l[h] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[h][i] = 0.f;
+    }
+  }
+  // Merges another state (same dims) into this one.
+  __device__ void merge(const float (&m2)[MH], const float (&l2)[MH],
+                        const float (&o2)[MH][8]) {
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      const float mn = fmaxf(m[h], m2[h]);
+      const float a = mn == -INFINITY ? 0.f : exp2f(m[h] - mn);
+      const float b = mn == -INFINITY ? 0.f : exp2f(m2[h] - mn);
+      m[h] = mn;
+      l[h] = l[h] * a + l2[h] * b;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[h][i] = o[h][i] * a + o2[h][i] * b;
+    }
+  }
+};
+
+// y[b, :] = sum over the row's clusters (fixed order) + bias + residual.
+template <typename T>
+__global__ void __launch_bounds__(256) attention_decode_combine_kernel(const AttentionDecodeParams p) {
+  const int64_t b = blockIdx.y;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (col >= p.hidden) return;
+  const int64_t parts = p.num_kv_heads * p.head_chunks();
+  const float* src = p.partial + b * parts * p.hidden + col;
+  float acc = 0.f;
+  for (int64_t k = 0; k < parts; ++k) acc += src[k * p.hidden];
+  if (p.has_o_bias) acc += to_float(static_cast<const T*>(p.o_bias)[col]);
+  if (p.residual) acc += to_float(static_cast<const T*>(p.x)[b * p.hidden + col]);
+  static_cast<T*>(p.y)[b * p.hidden + col] = from_float<T>(acc);
+}
+
+template <typename T>
+cudaError_t launch_combine(const AttentionDecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
+  attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
