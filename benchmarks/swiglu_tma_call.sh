@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The tma variant's measuring call (device machine, prebuilt package carried in prebuilt/):
-# streaming-read bandwidth probe, GPU tests, the benchmark in parts, memcheck.
+# The tma variant's measuring call (device machine, prebuilt package carried in prebuilt/:
+# a jax_cluster built on the CPU machine in a Python 3.12 venv with jaxlib 0.11.2, so the
+# call spends no time building): streaming-read bandwidth probe, GPU tests, the benchmark
+# in parts, sanitizers. Step logs go to $OUT/<step>.log; the device tool returns at most 8
+# files, so keep STEPS short (the tests log was lost to that limit twice).
 #   STEPS="probe tests bench16a bench16b memcheck" bash benchmarks/swiglu_tma_call.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -33,6 +33,19 @@
 //    the chunks' fp32 partials meet in the workspace and the tile's last block sums them in
 //    chunk order (deterministic). The access pattern of benchmarks/micro/gemv_locality.cu,
 //    which read weights at ~3.05 TB/s on H100 where the cp.async/mma engine reached 2.26.
+//  * kTma (any M; kernels/swiglu_tma.cu): the split form's two GEMMs as persistent
+//    stream-K kernels (one block per SM) fed by the bulk tensor copy engine: one producer
+//    thread streams 64 x 64 128B-swizzled weight boxes (4 per unit: 128 columns of w_gate
+//    and of w_up, or 256 of w_down, x 64 K rows) plus the x / A2 box into a 5-6 stage Ring
+//    (~200 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
+//    of the (work tile, K block) units per block, partial tiles summed in block order by
+//    the tile's last block (deterministic); the down kernel launched programmatically (PDL).
+//    Measured on H100 (benchmarks/results/swiglu.md, logs/swiglu_tma): 0.73-0.92x plain
+//    jnp, 49-72% of the roofline at 3.09 TB/s (streaming-read probe), no better than gemv at
+//    M = 1 and within +-5% of split; 64-column tiles (first version) measured the same, so
+//    the 128-byte row segments are not what limits it, nor is PDL (p=0 vs p=1 within 2%).
+//    What does is not yet known (next: ncu of the two kernels: per-kernel DRAM throughput
+//    vs the gaps between them); the scheduler keeps picking XLA's dots.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds

@@ -36,7 +36,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                block, partial tiles summed in block order by the tile's last block
                (deterministic); the down kernel launched programmatically (PDL) so its
                first weight tiles load while the up kernel drains. Any M (row groups of
-               16 rt rows; weights re-read per group above 64 rows).
+               16 rt rows; weights re-read per group above 64 rows). H100: 0.73-0.92x
+               plain jnp (benchmarks/results/swiglu.md), so "auto" still picks "xla".
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, M = 1..64: they do, by 2-7% for gemv
