@@ -28,7 +28,7 @@ from common import RESULTS_DIR, dtype_tag, measure_bandwidth, merge_results, tim
 
 SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
 MS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("split", "split_row", "fused", "fused_row", "stream", "gemv")
+VARIANTS = ("split", "split_row", "fused", "fused_row", "stream", "gemv", "tma")
 COLUMNS = ["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction", "pick", "auto_vs_best",
            "config"]
 EXPLAIN = ("bytes = weights + x + residual + y. jnp = plain jnp under jax.jit. auto = the scheduler's "
@@ -90,6 +90,11 @@ def main(argv=None):
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="our variants to time (and auto)")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="roofline bandwidth in bytes/s (e.g. from the streaming-read probe "
+                             "benchmarks/micro/gemv_locality.cu) instead of measure_bandwidth()")
+    parser.add_argument("--no-auto", action="store_true",
+                        help="time the named variants and jnp only (no scheduler pick: quicker)")
     parser.add_argument("--part", default=None, help="write results/parts/swiglu_PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join parts a,b,... into results/swiglu")
     args = parser.parse_args(argv)
@@ -106,7 +111,7 @@ def main(argv=None):
     if not args.keep_cache:
         os.environ[tuning.ENV_CACHE] = os.path.join(tempfile.mkdtemp(), "tuning.json")
     os.environ.setdefault(tuning.ENV_ENABLE, "1")
-    bw = measure_bandwidth()
+    bw = args.bandwidth or measure_bandwidth()
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", 132)
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {dev.device_kind} ({sms} SMs)")
@@ -138,8 +143,12 @@ def main(argv=None):
                     except Exception as exc:  # noqa: BLE001 - report, keep going
                         print(f"  {base} {v} failed: {type(exc).__name__}: {str(exc)[:200]}")
                         times[v] = None
-                pick = sw.autotune(m, d, f, dtype)  # the scheduler (tunes now if needed)
-                times["auto"] = time_us(ours("auto"), inputs)
+                pick = None
+                if not args.no_auto:
+                    pick = sw.autotune(m, d, f, dtype)  # the scheduler (tunes now if needed)
+                    # "auto" resolved to a variant timed above is the same program: reuse
+                    times["auto"] = (times[pick] if times.get(pick) else
+                                     time_us(ours("auto"), inputs))
                 # the scheduler also weighs XLA's dots ("xla" ~ the jnp peer): best of both
                 best = min([t for v, t in times.items() if v != "auto" and t] + [t_jnp])
                 for v, t in times.items():
@@ -153,14 +162,18 @@ def main(argv=None):
                         row["pick"] = pick
                         row["auto_vs_best"] = t / best
                     rows.append(row)
-                auto = rows[-1]
-                print(f"  {base:24s} jnp {t_jnp:7.1f} us ({floor_us / t_jnp:4.0%})  " +
-                      "  ".join(f"{v} {t:7.1f}" for v, t in times.items() if t) +
-                      f"  -> auto={pick} {auto['roofline_fraction']:.0%} roofline, "
-                      f"{auto['speedup_vs_jnp']:.2f}x jnp, {auto['auto_vs_best']:.3f} of best")
+                line = (f"  {base:24s} jnp {t_jnp:7.1f} us ({floor_us / t_jnp:4.0%})  " +
+                        "  ".join(f"{v} {t:7.1f}" for v, t in times.items() if t))
+                if pick is not None:
+                    auto = rows[-1]
+                    line += (f"  -> auto={pick} {auto['roofline_fraction']:.0%} roofline, "
+                             f"{auto['speedup_vs_jnp']:.2f}x jnp, {auto['auto_vs_best']:.3f} of best")
+                print(line)
     misses = goal_misses(rows)
-    notes = (f"Bandwidth {bw / 1e12:.2f} TB/s (best of an elementwise pass and a read-only reduction, "
-             f"same run). {EXPLAIN} {GOALS}. Goals missed: {'; '.join(misses) if misses else 'none'}.")
+    source = ("given (--bandwidth)" if args.bandwidth else
+              "best of an elementwise pass and a read-only reduction, same run")
+    notes = (f"Bandwidth {bw / 1e12:.2f} TB/s ({source}). {EXPLAIN} {GOALS}. Goals missed: "
+             f"{'; '.join(misses) if misses else 'none'}.")
     write_results(f"parts/swiglu_{args.part}" if args.part else "swiglu", rows, notes=notes,
                   extra={"bandwidth_bytes_per_s": bw}, columns=COLUMNS)
     print(GOALS)

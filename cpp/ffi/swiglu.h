@@ -19,7 +19,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
     ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order, int64_t cluster_up,
     int64_t cluster_down, int64_t row_tiles, int64_t f_group, int64_t num_clusters,
-    int64_t k_splits_up, int64_t k_splits_down, bool has_down, bool has_residual) {
+    int64_t k_splits_up, int64_t k_splits_down, int64_t pdl, bool has_down, bool has_residual) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("swiglu: " + m));
   };
@@ -45,6 +45,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   p.num_clusters = static_cast<int>(num_clusters);
   p.k_splits_up = static_cast<int>(k_splits_up);
   p.k_splits_down = static_cast<int>(k_splits_down);
+  p.pdl = pdl != 0;
   if (p.m < 1) return fail("x must have at least one row");
   if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
   if (p.d % kSwigluAlign || p.f % kSwigluAlign) {
@@ -73,9 +74,10 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
       return fail("residual must be [M, D] of x's dtype");
     }
   }
-  if (variant < 0 || variant > 3) {
-    return fail("variant must be 0 (split), 1 (fused), 2 (stream) or 3 (gemv)");
+  if (variant < 0 || variant > 4) {
+    return fail("variant must be 0 (split), 1 (fused), 2 (stream), 3 (gemv) or 4 (tma)");
   }
+  if (pdl != 0 && pdl != 1) return fail("pdl must be 0 or 1");
   if (p.variant == SwigluVariant::kGemv) {
     if (p.m > kSwigluGemvMaxRows) return fail("the gemv variant takes at most 8 rows of x");
     const int64_t xrow = swiglu_gemv_rows(p.m) * 4;  // bytes of one K row of x, fp32
@@ -99,6 +101,9 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   }
   if (p.variant == SwigluVariant::kStream && (num_clusters < 1 || num_clusters > 65535)) {
     return fail("num_clusters (the stream kernels' blocks) must be in 1..65535");
+  }
+  if (p.variant == SwigluVariant::kTma && (num_clusters < 1 || num_clusters > 65535)) {
+    return fail("num_clusters (the tma kernels' blocks) must be in 1..65535");
   }
   const bool fused = p.variant == SwigluVariant::kFused && has_down;
   if (fused) {
@@ -143,6 +148,7 @@ auto bind_swiglu(Binding&& b) {
       .template Attr<int64_t>("num_clusters")
       .template Attr<int64_t>("k_splits_up")
       .template Attr<int64_t>("k_splits_down")
+      .template Attr<int64_t>("pdl")
       .template Attr<bool>("has_down")
       .template Attr<bool>("has_residual");
 }
@@ -154,9 +160,9 @@ auto bind_swiglu(Binding&& b) {
       ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,                               \
       ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order,                  \
       int64_t cluster_up, int64_t cluster_down, int64_t row_tiles, int64_t f_group,           \
-      int64_t num_clusters, int64_t k_splits_up, int64_t k_splits_down, bool has_down,      \
-      bool has_residual
+      int64_t num_clusters, int64_t k_splits_up, int64_t k_splits_down, int64_t pdl,        \
+      bool has_down, bool has_residual
 #define JAX_CLUSTER_SWIGLU_DECODE                                                             \
   decode_swiglu(x, w_gate, w_up, w_down, residual, out, workspace, variant, order, cluster_up, \
-                cluster_down, row_tiles, f_group, num_clusters, k_splits_up, k_splits_down,     \
+                cluster_down, row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, \
                 has_down, has_residual)

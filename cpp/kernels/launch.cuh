@@ -8,6 +8,7 @@
 
 #include <mutex>
 #include <unordered_set>
+#include <utility>
 
 namespace jax_cluster {
 
@@ -56,6 +57,30 @@ cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return cudaGetLastError();
+}
+
+// A plain (cluster-less) launch through cudaLaunchKernelEx. programmatic: programmatic
+// dependent launch (PDL): the kernel may be scheduled while the previous kernel of the
+// stream still runs (once that one's blocks called ptx::griddep_launch_dependents() or
+// exited) and must call ptx::griddep_wait() before it touches that kernel's results.
+// Captured into CUDA graphs as a programmatic edge.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                                bool programmatic, cudaStream_t stream, Args&&... args) {
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = programmatic ? 1 : 0;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return cudaGetLastError();

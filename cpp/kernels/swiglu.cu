@@ -959,6 +959,7 @@ cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
 
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream) {
   if (p.variant == SwigluVariant::kGemv) return launch_swiglu_gemv(p, stream);
+  if (p.variant == SwigluVariant::kTma) return launch_swiglu_tma(p, stream);
   switch (p.dtype) {
     case DType::kF16: return launch_typed<__half>(p, stream);
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);

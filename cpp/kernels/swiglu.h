@@ -33,6 +33,19 @@
 //    the chunks' fp32 partials meet in the workspace and the tile's last block sums them in
 //    chunk order (deterministic). The access pattern of benchmarks/micro/gemv_locality.cu,
 //    which read weights at ~3.05 TB/s on H100 where the cp.async/mma engine reached 2.26.
+//  * kTma (any M; kernels/swiglu_tma.cu): the split form's two GEMMs as persistent
+//    stream-K kernels (one block per SM) fed by the bulk tensor copy engine: one producer
+//    thread streams 64 x 64 128B-swizzled weight boxes (4 per unit: 128 columns of w_gate
+//    and of w_up, or 256 of w_down, x 64 K rows) plus the x / A2 box into a 5-6 stage Ring
+//    (~200 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
+//    of the (work tile, K block) units per block, partial tiles summed in block order by
+//    the tile's last block (deterministic); the down kernel launched programmatically (PDL).
+//    Measured on H100 (benchmarks/results/swiglu.md, logs/swiglu_tma): 0.73-0.92x plain
+//    jnp, 49-72% of the roofline at 3.09 TB/s (streaming-read probe), no better than gemv at
+//    M = 1 and within +-5% of split; 64-column tiles (first version) measured the same, so
+//    the 128-byte row segments are not what limits it, nor is PDL (p=0 vs p=1 within 2%).
+//    What does is not yet known (next: ncu of the two kernels: per-kernel DRAM throughput
+//    vs the gaps between them); the scheduler keeps picking XLA's dots.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds
@@ -50,7 +63,7 @@
 
 namespace jax_cluster {
 
-enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2, kGemv = 3 };
+enum class SwigluVariant : int32_t { kSplit = 0, kFused = 1, kStream = 2, kGemv = 3, kTma = 4 };
 enum class SwigluOrder : int32_t { kCol = 0, kRow = 1 };
 
 inline constexpr int64_t kSwigluAlign = 64;      // D and F must be multiples of this
@@ -78,13 +91,15 @@ struct SwigluParams {
   int num_clusters;  // fused: clusters in the persistent grid; stream: blocks (clusters of 1)
   int k_splits_up;    // gemv: K chunks of the up GEMM (blocks per column tile)
   int k_splits_down;  // gemv: K chunks of the down GEMM
+  bool pdl;           // tma: the down kernel launches programmatically (PDL)
   const void* x;
   const void* w_gate;
   const void* w_up;
   const void* w_down;
   const void* residual;
   void* out;        // [M, D] with w_down, else A2 [M, F]
-  void* workspace;  // split: A2 [M, F]; fused: counters + partials; stream: SwigluStreamLayout
+  void* workspace;  // split: A2 [M, F]; fused: counters + partials; stream:
+                    // SwigluStreamLayout; gemv: SwigluGemvLayout; tma: SwigluTmaLayout
 };
 
 inline int64_t swiglu_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -161,6 +176,35 @@ inline SwigluStreamLayout swiglu_stream_layout(const SwigluParams& p) {
   return l;
 }
 
+// Tma: work tiles of 128 F columns (of w_gate AND of w_up) for the up GEMM and 256 D
+// columns for the down GEMM: each weight row segment a block streams is 256 or 512
+// contiguous bytes (narrower segments read at other times by other blocks cost DRAM
+// bandwidth: 64-column tiles measured 2.3 TB/s effective on H100). Workspace: [A2 [M, F]
+// (with w_down) | counters (one per work tile of either GEMM) | fp32 partial slots
+// [segments][slot_rows][256]] (segment (b, t) of block b in work tile t: slot b + t).
+inline constexpr int64_t kSwigluTmaUpCols = 128;
+inline constexpr int64_t kSwigluTmaDownCols = 256;
+inline constexpr int64_t kSwigluTmaSlotCols = 256;
+
+struct SwigluTmaLayout {
+  int64_t tiles_up, tiles_down;  // work tiles: column tiles x row groups
+  int64_t slot_rows;             // min(M, rows per block)
+  int64_t counters, slots, total;  // byte offsets, bytes
+};
+
+inline SwigluTmaLayout swiglu_tma_layout(const SwigluParams& p) {
+  const int64_t rows = swiglu_rows_per_block(p), groups = swiglu_ceil_div(p.m, rows);
+  SwigluTmaLayout l;
+  l.tiles_up = swiglu_ceil_div(p.f, kSwigluTmaUpCols) * groups;
+  l.tiles_down = p.has_down ? swiglu_ceil_div(p.d, kSwigluTmaDownCols) * groups : 0;
+  l.slot_rows = std::min(p.m, rows);
+  l.counters = p.has_down ? swiglu_align16(p.m * p.f * dtype_size(p.dtype)) : 0;
+  l.slots = l.counters + swiglu_align16(4 * (l.tiles_up + l.tiles_down));
+  const int64_t segments = p.num_clusters + std::max(l.tiles_up, l.tiles_down) - 1;
+  l.total = l.slots + segments * l.slot_rows * kSwigluTmaSlotCols * 4;
+  return l;
+}
+
 // Gemv: rows of x padded to a power of two (the kernel's template rows).
 inline int64_t swiglu_gemv_rows(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
 
@@ -193,6 +237,7 @@ inline constexpr int64_t kSwigluCounterBytes = 64;
 
 inline int64_t swiglu_workspace_bytes(const SwigluParams& p) {
   if (p.variant == SwigluVariant::kStream) return swiglu_stream_layout(p).total;
+  if (p.variant == SwigluVariant::kTma) return swiglu_tma_layout(p).total;
   if (p.variant == SwigluVariant::kGemv) return swiglu_gemv_layout(p).total;
   if (p.variant == SwigluVariant::kSplit) {
     return p.has_down ? p.m * p.f * dtype_size(p.dtype) : 0;

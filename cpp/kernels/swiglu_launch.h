@@ -7,11 +7,14 @@
 
 namespace jax_cluster {
 
-// Runs the variant p.variant (one or two kernel launches, plus a 64-byte memset of the
-// fused kernel's counters); every CUDA return code is checked.
+// Runs the variant p.variant (one or two kernel launches, plus a memset of the counters
+// of the fused, stream, gemv and tma variants); every CUDA return code is checked.
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream);
 
 // The gemv variant (kernels/swiglu_gemv.cu); launch_swiglu dispatches to it.
 cudaError_t launch_swiglu_gemv(const SwigluParams& p, cudaStream_t stream);
+
+// The weight-streaming (bulk tensor copy) variant (kernels/swiglu_tma.cu).
+cudaError_t launch_swiglu_tma(const SwigluParams& p, cudaStream_t stream);
 
 }  // namespace jax_cluster

@@ -29,6 +29,15 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                16-byte loads in flight per thread), x in shared memory; each block owns
                128 columns (gate and up) and one K chunk; chunks are summed in order by
                the tile's last block (deterministic).
+  "tma"        the split form's two GEMMs as persistent stream-K kernels fed by the bulk
+               tensor copy engine: one block per SM, one producer warp streaming 64 x 64
+               weight boxes (and the x / A2 box) into a ring of shared-memory stages, four
+               consumer warps on mma.sync; equal shares of the (tile, K block) units per
+               block, partial tiles summed in block order by the tile's last block
+               (deterministic); the down kernel launched programmatically (PDL) so its
+               first weight tiles load while the up kernel drains. Any M (row groups of
+               16 rt rows; weights re-read per group above 64 rows). H100: 0.73-0.92x
+               plain jnp (benchmarks/results/swiglu.md), so "auto" still picks "xla".
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, M = 1..64: they do, by 2-7% for gemv
@@ -41,7 +50,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
 down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid),
-"gemv:ku=8:kd=21" (K chunks of the up and down GEMMs).
+"gemv:ku=8:kd=21" (K chunks of the up and down GEMMs), "tma:rt=1:c=132:p=0" (16-row
+tiles per block, blocks, programmatic launch of the down kernel off).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
 columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
@@ -63,11 +73,11 @@ from jax.core import ShapedArray
 from jax_cluster import reference, tuning
 from jax_cluster.ops._primitive import ffi_primitive
 
-VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "xla")
+VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "xla")
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
-_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd"}
+_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd", "p"}
 GEMV_MAX_ROWS = 8  # the gemv kernels' M; larger M runs in chunks of this many rows
 _GEMV_COLS = 128
 _GEMV_X_BYTES = 32 * 1024
@@ -84,20 +94,23 @@ _COUNTER_BYTES = 64
 class Config:
     """One concrete launch configuration (the FFI attributes)."""
 
-    variant: int  # 0 split, 1 fused, 2 stream, 3 gemv
+    variant: int  # 0 split, 1 fused, 2 stream, 3 gemv, 4 tma
     order: int  # 0 col, 1 row
     cluster_up: int
     cluster_down: int
     row_tiles: int
     f_group: int
-    num_clusters: int  # fused: clusters; stream: blocks (clusters of one)
+    num_clusters: int  # fused: clusters; stream, tma: blocks (clusters of one)
     k_splits_up: int = 1  # gemv: K chunks of each GEMM
     k_splits_down: int = 1
+    pdl: int = 0  # tma: the down kernel starts programmatically (PDL)
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
+        if self.variant == 4:
+            return f"tma rt{self.row_tiles} c{self.num_clusters} pdl{self.pdl}"
         if self.variant == 3:
             return f"gemv ku{self.k_splits_up} kd{self.k_splits_down}"
         if self.variant == 2:
@@ -111,7 +124,7 @@ class Config:
     def effective(self, m: int) -> "Config":
         """The same configuration with knobs that cannot change the launch normalised
         (tile order with one row group, or in the fused kernel): equal means same kernels."""
-        if self.variant in (1, 2, 3) or _ceil_div(m, 16 * self.row_tiles) == 1:
+        if self.variant in (1, 2, 3, 4) or _ceil_div(m, 16 * self.row_tiles) == 1:
             return dataclasses.replace(self, order=0)
         return self
 
@@ -168,6 +181,20 @@ def stream_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
     return a2 + counters + segments * min(m, rows) * 128 * 4
 
 
+def tma_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
+                        has_down: bool) -> int:
+    """[A2 | one counter per work tile of each GEMM | partial slots] (swiglu_tma_layout:
+    128-column up tiles, 256-column down tiles, slots of 256 fp32 columns)."""
+    rows = 16 * cfg.row_tiles
+    groups = _ceil_div(m, rows)
+    tiles_up = _ceil_div(f, 128) * groups
+    tiles_down = _ceil_div(d, 256) * groups if has_down else 0
+    a2 = _align16(m * f * itemsize) if has_down else 0
+    counters = _align16(4 * (tiles_up + tiles_down))
+    segments = cfg.num_clusters + max(tiles_up, tiles_down) - 1
+    return a2 + counters + segments * min(m, rows) * 256 * 4
+
+
 def gemv_rows(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
@@ -202,6 +229,8 @@ def _gemv_splits(k: int, tiles: int, rows: int, num_sms: int, want: int | None =
 def workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int, has_down: bool) -> int:
     if cfg.variant == 3:
         return gemv_workspace_bytes(cfg, m, d, f, itemsize, has_down)
+    if cfg.variant == 4:
+        return tma_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if cfg.variant == 2:
         return stream_workspace_bytes(cfg, m, d, f, itemsize, has_down)
     if not has_down:
@@ -228,7 +257,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if key not in _KNOBS or not value.isdigit():
             raise ValueError(f"swiglu: bad knob {knob!r} in variant {spec!r}; knobs are "
                              f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
-                             "exchange), c= (clusters; for 'stream' blocks), ku=, kd= (gemv K chunks), "
+                             "exchange), c= (clusters; for 'stream' and 'tma' blocks), ku=, kd= (gemv K "
+                             "chunks), p= (tma: programmatic launch of the down kernel, 0 or 1), "
                              "each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
@@ -237,6 +267,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     for key in ("ku", "kd"):
         if key in out and out[key] < 1:
             raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: K chunks must be >= 1")
+    if "p" in out and out["p"] not in (0, 1):
+        raise ValueError(f"swiglu: p={out['p']} in {spec!r}: p= is 0 or 1")
     if "rt" in out and out["rt"] not in (1, 2, 4):
         raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
     if out.get("g", 1) < 1 or not 1 <= out.get("c", 1) <= 65535:
@@ -286,6 +318,8 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         kd = _gemv_splits(f, _ceil_div(d, _GEMV_COLS), rows, num_sms, kn.get("kd")) if has_down else 1
         return Config(3, 0, 1, 1, 1, 1, 1, ku, kd)
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
+    if name == "tma":  # one block per SM
+        return Config(4, 0, 1, 1, rt, 1, kn.get("c", num_sms), pdl=kn.get("p", 1))
     if name == "stream":  # one block per resident slot: 2 per SM when the stages fit
         per_sm = 2 if tile_smem(rt)[1] <= _BUDGET2 else 1
         return Config(2, 0, 1, 1, rt, 1, kn.get("c", per_sm * num_sms))
@@ -308,16 +342,16 @@ def heuristic_variant(m: int, has_down: bool) -> str:
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
-    """What the scheduler measures for one shape (XLA's dots included: never slower)."""
+    """What the scheduler measures for one shape (XLA's dots included: never slower).
+    Measured on H100 (benchmarks/results/swiglu.md): "stream" was 5-15% slower than
+    "split" and "fused" 2.5-10x at every shape, and neither ever beat XLA, so they are not
+    measured (each candidate costs a compilation and a timing at the first trace)."""
     gemv = ["gemv"] if m <= GEMV_MAX_ROWS else []
     if not has_down:
-        return (["split", "split:rt=1", "split_row", "stream", "xla"] if m > 16
-                else gemv + ["split", "split:nu=16", "stream", "xla"])
-    # fused: one candidate (on H100 every fused configuration measured 2.5-10x slower than
-    # split, benchmarks/results/swiglu.md: more of them would only lengthen tuning)
-    out = gemv + ["split", "stream", "fused"]
+        return ["tma"] + gemv + ["split", "xla"]
+    out = ["tma"] + gemv + ["split"]
     if m > 16:
-        out += ["split:rt=1", "split_row"]
+        out += ["split_row"]
     return out + ["xla"]
 
 
@@ -325,7 +359,7 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 4  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 5  # bump when the kernels change: cached choices are then re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
@@ -335,12 +369,12 @@ def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
 
 # ----------------------------------------------------------------------------- primitive
 def _abstract(x, w_gate, w_up, w_down, residual, *, variant, order, cluster_up, cluster_down,
-              row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, has_down,
+              row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, has_down,
               has_residual):
     m, d = x.shape
     f = w_gate.shape[1]
     cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters,
-                 k_splits_up, k_splits_down)
+                 k_splits_up, k_splits_down, pdl)
     ws = workspace_bytes(cfg, m, d, f, jnp.dtype(x.dtype).itemsize, has_down)
     out_cols = d if has_down else f
     return ShapedArray((m, out_cols), x.dtype), ShapedArray((ws,), np.uint8)

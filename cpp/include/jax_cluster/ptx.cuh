@@ -47,6 +47,18 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return v;
 }
 
+// Programmatic dependent launch (a kernel launched with the programmatic stream
+// serialization attribute may start while the previous kernel of the stream still runs):
+// griddep_wait() blocks until that previous grid has completed and its memory is visible
+// (a no-op in a kernel launched without the attribute); griddep_launch_dependents() lets
+// the next such kernel launch once every block of this grid has called it or exited.
+__device__ __forceinline__ void griddep_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // 16-byte shared-memory load (one LDS.128; the address must be 16-byte aligned).
 __device__ __forceinline__ uint4 lds128(const void* p) {
   uint4 v;

@@ -32,18 +32,19 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   return policy;
 }
 
+// An L2 policy for data many blocks re-read (activations; attention's K and V tiles): kept
+// longest.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // The default policy, for data other blocks may read too (shared weights, a KV head read
 // by several clusters).
 __device__ __forceinline__ uint64_t l2_evict_normal() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// An L2 policy for data many blocks re-read (attention's K and V tiles): kept longest.
-__device__ __forceinline__ uint64_t l2_evict_last() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 

@@ -1,0 +1,428 @@
+// SwiGLU's weight-streaming variant (SwigluVariant::kTma, see kernels/swiglu.h): each GEMM
+// (up: x @ [w_gate | w_up] -> SiLU * mul -> A2; down: A2 @ w_down + residual -> y) is ONE
+// persistent stream-K kernel whose blocks stream their weights with the bulk tensor copy
+// engine.
+//
+// Work: the flat sequence of units (work tile, 64-row K block), work tiles in column
+// order (a weight tile's row groups side by side), K fastest; block b of G owns units
+// [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM).
+//  * up: a work tile is 128 columns of w_gate AND the same 128 columns of w_up (plus one
+//    row group of x); down: 256 columns of w_down. Every weight row segment a block reads
+//    is 256 (up) or 512 (down) contiguous bytes: 64-column tiles (128-byte segments, read
+//    by the neighbouring blocks at other K offsets) streamed at only ~2.3 TB/s on H100.
+//  * a unit = four 64 x 64 weight boxes (8 KB each, 128-byte rows, 128B-swizzled) plus the
+//    A box (x or A2: 16 MT rows x 64 K, rows past M zero-filled by the copy engine).
+//
+// Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
+// kStages stages (~200 KB):
+//  * the producer (one thread) waits for a free stage, announces its bytes and issues the
+//    five boxes (weights with an L2 evict-first hint when read once), running up to
+//    kStages units ahead, across tile boundaries and through the consumers' epilogues;
+//  * consumer warp w owns two 16-column groups P, Q of the stage: up: gate columns
+//    [16 w, 16 w + 16) and the same up columns (so SiLU * mul happens in registers);
+//    down: columns [32 w, 32 w + 32). Per 16-deep K step: two ldmatrix.x4.trans (the
+//    chunks of 8 consecutive rows land in 8 different 16-byte bank groups under the 128B
+//    swizzle: conflict-free), one ldmatrix.x4 of A per 16-row tile, four mma.m16n8k16
+//    (fp32 accumulators acc[MT][4][4]);
+//  * at the end of a work tile's K range (or of its own units) a block that owned the
+//    whole tile writes the output directly; otherwise it writes its fp32 partial to slot
+//    (b + tile) of the workspace, and the tile's last block to arrive (integer counter)
+//    sums the slots in block order (deterministic) and writes A2 / y.
+//
+// Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
+// launch at once; a down block issues its first kStages units' weight boxes (independent
+// of the up kernel) as soon as it is resident, then waits for the up grid
+// (griddepcontrol.wait) before it loads A2 or touches the counters and slots.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "jax_cluster/activation.cuh"
+#include "jax_cluster/mma.cuh"
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/thread_group.cuh"
+#include "jax_cluster/tma.cuh"
+#include "jax_cluster/vec.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/swiglu_launch.h"
+#include "kernels/tma_host.h"
+
+namespace jax_cluster {
+namespace {
+
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumers = 32 * kConsumerWarps;
+constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kKRows = 64;                 // K rows per unit
+constexpr int kBoxCols = 64;               // columns per weight box: 128-byte rows
+constexpr int kBoxes = 4;                  // weight boxes per unit
+constexpr uint32_t kBoxBytes = kKRows * kBoxCols * 2;
+constexpr uint32_t kConsumerBarrier = 1;   // named barrier of the consumer warps
+constexpr int kSlotCols = static_cast<int>(kSwigluTmaSlotCols);
+
+// Stages per block: as many as ~220 KB of shared memory hold, at most 6 (~200 KB of
+// weights in flight per SM; ~100 KB sustained ~3.05 TB/s in benchmarks/micro/gemv_locality).
+template <int MT>
+constexpr int kStages = MT == 4 ? 5 : 6;
+template <int MT>
+constexpr uint32_t kStageBytes = kBoxes * kBoxBytes + MT * 16 * 128;  // multiple of 1024
+template <int MT>
+constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(kStages<MT>) * kStageBytes<MT>;
+static_assert(kSmemBytes<2> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024, "shared memory");
+
+struct TmaGemmArgs {  // aligned as CUtensorMap
+  CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
+  CUtensorMap b0_map;    // w_gate (up) or w_down (down) [K, N], box {64, 64}: boxes 0, 1
+  CUtensorMap b1_map;    // w_up (up) or w_down (down): boxes 2, 3
+  const void* residual;  // down only; may be null
+  void* out;             // A2 [m, F] (up) or y [m, D] (down)
+  unsigned int* counters;  // [work tiles], zero before the up kernel
+  float* slots;            // fp32 partials [segments][slot_rows][256]
+  int64_t m, out_cols, k_blocks, col_tiles, row_groups, slot_rows;
+  int tile_cols;  // weight columns of a work tile: 128 (up: of each matrix) or 256 (down)
+  int b1_off;     // first column of boxes 2, 3 relative to box 0: 0 (up) or 128 (down)
+  bool up;
+  bool hint;        // each weight byte is read once: L2 evict-first
+  bool wait_prior;  // PDL: A (A2), counters and slots come from the previous grid
+  bool trigger;     // PDL: let the next kernel launch now
+};
+
+// The block (of `blocks`, block b owning units [b U / G, (b + 1) U / G)) owning unit u.
+__device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t blocks) {
+  return ((u + 1) * blocks - 1) / units;
+}
+
+// ------------------------------------------------------------------ producer
+template <int MT>
+__device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>& ring,
+                                        uint8_t* stages, int64_t u0, int n) {
+  constexpr int S = kStages<MT>, R = 16 * MT;
+  ptx::prefetch_tensor_map(&g.a_map);
+  ptx::prefetch_tensor_map(&g.b0_map);
+  ptx::prefetch_tensor_map(&g.b1_map);
+  const uint64_t w_policy = g.hint ? ptx::l2_evict_first() : ptx::l2_evict_normal();
+  const uint64_t a_policy = ptx::l2_evict_last();
+  const int64_t K = g.k_blocks;
+  // unit -> (K element, weight column of box 0, A row)
+  auto where = [&](int64_t u, int32_t& k, int32_t& col, int32_t& row) {
+    const int64_t w = u / K, tile = w / g.row_groups;
+    k = static_cast<int32_t>((u - w * K) * kKRows);
+    col = static_cast<int32_t>(tile * g.tile_cols);
+    row = static_cast<int32_t>((w - tile * g.row_groups) * R);
+  };
+  auto issue_b = [&](int64_t u, uint8_t* st, uint64_t* bar) {
+    int32_t k, col, row;
+    where(u, k, col, row);
+    ptx::tma_load_2d(st, &g.b0_map, col, k, bar, w_policy);
+    ptx::tma_load_2d(st + kBoxBytes, &g.b0_map, col + kBoxCols, k, bar, w_policy);
+    ptx::tma_load_2d(st + 2 * kBoxBytes, &g.b1_map, col + g.b1_off, k, bar, w_policy);
+    ptx::tma_load_2d(st + 3 * kBoxBytes, &g.b1_map, col + g.b1_off + kBoxCols, k, bar,
+                     w_policy);
+  };
+  auto issue_a = [&](int64_t u, uint8_t* st, uint64_t* bar) {
+    int32_t k, col, row;
+    where(u, k, col, row);
+    ptx::tma_load_2d(st + kBoxes * kBoxBytes, &g.a_map, k, row, bar, a_policy);
+  };
+  // PDL: the first S stages' weights go out before the wait for the previous grid; their
+  // A boxes (A2, written by it) after it. The stages' barriers already expect them.
+  const int pro = g.wait_prior ? min(n, S) : 0;
+  RingCursor cur;
+  for (int i = 0; i < n; ++i) {
+    if (i == pro && pro > 0) {
+      ptx::griddep_wait();
+      for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
+    }
+    uint64_t* bar = ring_acquire(ring, cur, kStageBytes<MT>);
+    uint8_t* st = stages + cur.stage * kStageBytes<MT>;
+    issue_b(u0 + i, st, bar);
+    if (i >= pro) issue_a(u0 + i, st, bar);
+    cur.advance<S>();
+  }
+  if (pro == n && pro > 0) {
+    ptx::griddep_wait();
+    for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
+  }
+}
+
+// ------------------------------------------------------------------ consumers
+// The two 16-column groups P, Q of consumer warp `warp`: (box, first 16-byte chunk).
+struct WarpCols {
+  uint32_t p_box, q_box;  // byte offsets of the boxes in a stage
+  int p_chunk, q_chunk;
+};
+
+__device__ __forceinline__ WarpCols warp_cols(bool up, int warp) {
+  WarpCols c;
+  if (up) {  // gate box warp / 4, up box 2 + warp / 4, same chunks
+    c.p_box = (warp >> 2) * kBoxBytes;
+    c.q_box = (2 + (warp >> 2)) * kBoxBytes;
+    c.p_chunk = c.q_chunk = (warp & 3) * 2;
+  } else {  // columns [32 warp, 32 warp + 32): box warp / 2
+    c.p_box = c.q_box = (warp >> 1) * kBoxBytes;
+    c.p_chunk = (warp & 1) * 4;
+    c.q_chunk = c.p_chunk + 2;
+  }
+  return c;
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void mma_unit(float (&acc)[MT][4][4], uint32_t st, const WarpCols& wc,
+                                         int lane) {
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // row this lane addresses
+  const int lchunk = lane >> 4;                          // +0 / +1 chunk (8 elements)
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t b0[4], b1[4];
+    ldsm_x4_trans(b0, st + wc.p_box + swz(kk * 16 + lrow, wc.p_chunk + lchunk, 128));
+    ldsm_x4_trans(b1, st + wc.q_box + swz(kk * 16 + lrow, wc.q_chunk + lchunk, 128));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      uint32_t a[4];
+      ldsm_x4(a, st + kBoxes * kBoxBytes + swz(mt * 16 + lrow, kk * 2 + lchunk, 128));
+      mma16816<T>(acc[mt][0], a, b0[0], b0[1]);
+      mma16816<T>(acc[mt][1], a, b0[2], b0[3]);
+      mma16816<T>(acc[mt][2], a, b1[0], b1[1]);
+      mma16816<T>(acc[mt][3], a, b1[2], b1[3]);
+    }
+  }
+}
+
+// Fragment (mt, nt, i) of warp `warp`: row 16 mt + lane / 4 (+8 for i >= 2); its column
+// (+ i % 2) within the work tile's slot row of 256: up: [gate 128 | up 128] (nt / 2 picks
+// the matrix), down: the tile's 256 output columns.
+__device__ __forceinline__ int frag_col(bool up, int nt, int warp, int lane) {
+  return up ? (nt >> 1) * 128 + warp * 16 + (nt & 1) * 8 + 2 * (lane & 3)
+            : warp * 32 + nt * 8 + 2 * (lane & 3);
+}
+
+// A2 = SiLU(gate) * up (up) or y = acc (+ residual) (down) of one work tile, rows [0, rows).
+template <typename T, int MT>
+__device__ __forceinline__ void emit(const TmaGemmArgs& g, const float (&acc)[MT][4][4],
+                                     int64_t tile, int64_t row0, int rows, int warp, int lane) {
+  T* out = static_cast<T*>(g.out);
+  const T* res = static_cast<const T*>(g.residual);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + (lane >> 2) + 8 * h;
+      if (row >= rows) continue;
+      const int64_t base = (row0 + row) * g.out_cols;
+      if (g.up) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int64_t col = tile * 128 + frag_col(true, nt, warp, lane);
+          if (col >= g.out_cols) continue;  // columns past F of a last tile
+          const float* ga = acc[mt][nt];
+          const float* ua = acc[mt][nt + 2];
+          *reinterpret_cast<uint32_t*>(out + base + col) =
+              pack2<T>(silu(ga[2 * h]) * ua[2 * h], silu(ga[2 * h + 1]) * ua[2 * h + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int64_t col = tile * 256 + frag_col(false, nt, warp, lane);
+          if (col >= g.out_cols) continue;  // columns past D of a last tile
+          float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+          if (res != nullptr) {
+            const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
+            const T* e = reinterpret_cast<const T*>(&r2);
+            v0 += to_float(e[0]);
+            v1 += to_float(e[1]);
+          }
+          *reinterpret_cast<uint32_t*>(out + base + col) = pack2<T>(v0, v1);
+        }
+      }
+    }
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void zero(float (&acc)[MT][4][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+}
+
+// Rows [0, rows) of the accumulators to / from (kAdd: added from) an fp32 slot [rows][128].
+template <int MT, bool kLoad>
+__device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int rows, bool up,
+                                        int warp, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + (lane >> 2) + 8 * h;
+      if (row >= rows) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        float2* p = reinterpret_cast<float2*>(slot + row * kSlotCols + frag_col(up, nt, warp, lane));
+        if (kLoad) {
+          const float2 v = __ldcg(p);
+          acc[mt][nt][2 * h] += v.x;
+          acc[mt][nt][2 * h + 1] += v.y;
+        } else {
+          *p = make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        }
+      }
+    }
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 1)
+    swiglu_tma_kernel(const __grid_constant__ TmaGemmArgs g) {
+  constexpr int S = kStages<MT>, R = 16 * MT;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ Ring<S> ring;
+  __shared__ int tile_done;  // this block arrived last at the tile it just ended
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // 128B-swizzled boxes need 1024-byte aligned destinations
+  uint8_t* stages = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const int64_t K = g.k_blocks, units = g.col_tiles * g.row_groups * K;
+  const int64_t blocks = gridDim.x, b = blockIdx.x;
+  const int64_t u0 = b * units / blocks;
+  const int n = static_cast<int>((b + 1) * units / blocks - u0);
+  if (g.trigger) ptx::griddep_launch_dependents();
+  if (tid == 0) {
+    ring.init(kConsumerWarps);
+    ptx::fence_mbarrier_init_cluster();  // visible to the copy engine (async proxy)
+  }
+  __syncthreads();
+  if (warp == kConsumerWarps) {
+    if (lane == 0) produce<MT>(g, ring, stages, u0, n);
+    return;
+  }
+
+  // ---- consumers
+  const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
+  if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
+  const uint32_t stages_addr = ptx::smem_addr(stages);
+  const WarpCols wc = warp_cols(g.up, warp);
+  float acc[MT][4][4];
+  zero(acc);
+  RingCursor cur;
+  for (int i = 0; i < n; ++i) {
+    ring_wait(ring, cur);
+    mma_unit<T, MT>(acc, stages_addr + cur.stage * kStageBytes<MT>, wc, lane);
+    ring_release(ring, cur);
+    cur.advance<S>();
+    const int64_t u = u0 + i, w = u / K;
+    if (u - w * K != K - 1 && i != n - 1) continue;
+    // ---- end of this block's segment of work tile w
+    const int64_t tile = w / g.row_groups, row0 = (w - tile * g.row_groups) * R;
+    const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
+    const int64_t first = owner(w * K, units, blocks), last = owner(w * K + K - 1, units, blocks);
+    if (first != last) {
+      const int64_t slot_floats = g.slot_rows * kSlotCols;
+      slot_io<MT, false>(g.slots + (b + w) * slot_floats, acc, rows, g.up, warp, lane);
+      __threadfence();
+      group_sync.sync();
+      if (tid == 0) {
+        tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
+      }
+      group_sync.sync();
+      zero(acc);
+      if (!tile_done) continue;
+      __threadfence();
+      for (int64_t blk = first; blk <= last; ++blk) {  // block order: deterministic
+        slot_io<MT, true>(g.slots + (blk + w) * slot_floats, acc, rows, g.up, warp, lane);
+      }
+    }
+    emit<T, MT>(g, acc, tile, row0, rows, warp, lane);
+    zero(acc);
+  }
+}
+
+// ------------------------------------------------------------------ launcher
+template <typename T, int MT>
+cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
+  constexpr int R = 16 * MT;
+  auto kernel = swiglu_tma_kernel<T, MT>;
+  if (p.row_tiles != MT || p.num_clusters < 1) return cudaErrorInvalidValue;
+  const SwigluTmaLayout l = swiglu_tma_layout(p);
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
+  const int64_t groups = swiglu_ceil_div(p.m, R);
+  constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
+  // other blocks at other times): fetch exactly those rows.
+  constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
+    TmaGemmArgs a;
+    a.up = up == 1;
+    a.m = p.m;
+    a.row_groups = groups;
+    a.slot_rows = l.slot_rows;
+    a.slots = reinterpret_cast<float*>(ws + l.slots);
+    a.counters = counters + (a.up ? 0 : l.tiles_up);
+    a.hint = groups == 1;
+    if (a.up) {
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, p.x, p.m, p.d, R,
+                                                         kBoxCols, kSwizzle));
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_gate, p.d, p.f,
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b1_map, p.dtype, p.w_up, p.d, p.f,
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
+      a.residual = nullptr;
+      a.out = p.has_down ? static_cast<void*>(ws) : p.out;
+      a.out_cols = p.f;
+      a.k_blocks = p.d / kKRows;
+      a.col_tiles = swiglu_ceil_div(p.f, kSwigluTmaUpCols);
+      a.tile_cols = static_cast<int>(kSwigluTmaUpCols);
+      a.b1_off = 0;
+      a.wait_prior = false;
+      a.trigger = p.has_down && p.pdl;
+    } else {
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, ws, p.m, p.f, R,
+                                                         kBoxCols, kSwizzle));
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_down, p.f, p.d,
+                                                         kKRows, kBoxCols, kSwizzle, kWeights));
+      a.b1_map = a.b0_map;
+      a.residual = p.has_residual ? p.residual : nullptr;
+      a.out = p.out;
+      a.out_cols = p.d;
+      a.k_blocks = p.f / kKRows;
+      a.col_tiles = swiglu_ceil_div(p.d, kSwigluTmaDownCols);
+      a.tile_cols = static_cast<int>(kSwigluTmaDownCols);
+      a.b1_off = 128;
+      a.wait_prior = p.pdl;
+      a.trigger = false;
+    }
+    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it).
+    const int64_t units = a.col_tiles * groups * a.k_blocks;
+    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
+        kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
+        a.wait_prior, stream, a));
+  }
+  return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
+  switch (p.row_tiles) {
+    case 1: return launch_rows<T, 1>(p, stream);
+    case 2: return launch_rows<T, 2>(p, stream);
+    case 4: return launch_rows<T, 4>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_swiglu_tma(const SwigluParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kF16: return launch_typed<__half>(p, stream);
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
+    case DType::kF32: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_cluster
