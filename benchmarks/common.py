@@ -74,13 +74,17 @@ def measure_bandwidth(gib: float = 1.0) -> float:
         from jax_cluster.ops.stream_read import stream_read
 
         chunks = 4 * 132  # several blocks per SM: no partial last wave matters
-        xs = (x[: n // (4 * chunks) * 4 * chunks], jnp.zeros((chunks,), jnp.uint32))
+        buf = x[: n // (4 * chunks) * 4 * chunks]
 
-        def probe(c):  # the barrier makes the buffer look new each step: no hoisting
-            buf, acc = jax.lax.optimization_barrier(c)
-            return buf, acc ^ stream_read(buf, chunks)
+        @jax.jit
+        def reads(buf):  # buf is not returned: returning it made every call copy it
+            def body(_, acc):  # the barrier ties buf to the step: no hoisting, no copy
+                b, acc = jax.lax.optimization_barrier((buf, acc))
+                return acc ^ stream_read(b, chunks)
 
-        best = max(best, xs[0].size * 4 * 10 / time_fn(loop(probe, 10), xs))
+            return jax.lax.fori_loop(0, 10, body, jnp.zeros((chunks,), jnp.uint32))
+
+        best = max(best, buf.size * 4 * 10 / time_fn(reads, buf))
     return best
 
 

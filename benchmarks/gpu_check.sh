@@ -59,19 +59,27 @@ if [ "$SANITIZE" = 1 ]; then
   # racecheck (session 5, H100, compute-sanitizer 2025.3.1) fails with "Internal Sanitizer
   # Error: failed to handle a hardware exception" on swiglu's whole spec list in one process,
   # yet each variant alone is clean: it runs per variant. On attention_decode it fails from
-  # the first configuration (cluster 1), for both kernels: open (memcheck is clean).
-  sanitize memcheck jax_cluster collectives,swiglu,flash_attention
-  sanitize memcheck attention_decode_kernel attention_decode
-  sanitize memcheck split_head attention_decode
+  # the first configuration (cluster 1), for every kernel (session 7: the TMA one too): open
+  # (memcheck is clean).
+  sanitize memcheck jax_cluster collectives,swiglu
+  sanitize memcheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
+  sanitize memcheck attention_decode_kernel attention_decode --pipelines=registers
+  sanitize memcheck attention_decode_tma_kernel attention_decode --pipelines=tma
+  sanitize memcheck split_head attention_decode --pipelines=registers
+  # the wgmma flash_attention kernel by name (session 7: clean alone; memcheck over every
+  # jax_cluster kernel in one process crashed the tool in the helper's run)
+  sanitize memcheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
+  sanitize racecheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
   sanitize racecheck jax_cluster collectives --quick
-  sanitize racecheck jax_cluster flash_attention --quick
+  sanitize racecheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
   for v in split stream gemv fused fused_row; do
     step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
       compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only=swiglu --quick --variants=$v
   done
-  sanitize racecheck attention_decode_kernel attention_decode --quick --head-dims=128
-  sanitize racecheck split_head attention_decode --quick --head-dims=128
+  sanitize racecheck attention_decode_kernel attention_decode --quick --head-dims=128 --pipelines=registers
+  sanitize racecheck attention_decode_tma_kernel attention_decode --quick --head-dims=128 --pipelines=tma
+  sanitize racecheck split_head attention_decode --quick --head-dims=128 --pipelines=registers
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\| ok$" "$OUT"/sanitize_*.log
 fi
 echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
