@@ -2,7 +2,7 @@
 // kernel here uses to move weights, KV caches and tiles into shared memory.
 //
 //  * bulk_load: one contiguous range global -> shared (cp.async.bulk, no tensor map);
-//  * tma_load_{2,3,4}d: one box of a tensor described by a CUtensorMap (passed to the
+//  * tma_load_{2,4}d: one box of a tensor described by a CUtensorMap (passed to the
 //    kernel by value as a __grid_constant__ parameter; encoded on the host by
 //    kernels/tma_host.h);
 //  * both complete as transaction bytes on an mbarrier (the stage's `full` barrier);
@@ -70,16 +70,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int32_t c0,
-                                            int32_t c1, int32_t c2, uint64_t* bar,
-                                            uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int32_t c0,
                                             int32_t c1, int32_t c2, int32_t c3, uint64_t* bar,
                                             uint64_t policy) {
@@ -98,12 +88,6 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // A plain local arrival (release, cta scope).
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Orders this thread's ordinary shared-memory writes before later async-proxy accesses
-// (bulk copies, tensor cores reading shared memory) of the same bytes.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 }  // namespace ptx
