@@ -40,26 +40,35 @@ inline cudaError_t configure_kernel_once(const void* kernel) {
   return cudaSuccess;
 }
 
-// grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
+// One launch through cudaLaunchKernelEx with the given launch attributes (after the
+// kernel's one-time configuration); its return code and the last error checked.
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
-                           int cluster_size, cudaStream_t stream, Args&&... args) {
+cudaError_t launch_ex(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t stream, cudaLaunchAttribute* attrs, unsigned num_attrs,
+                      Args&&... args) {
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_size;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
+  config.attrs = attrs;
+  config.numAttrs = num_attrs;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return cudaGetLastError();
+}
+
+// grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           int cluster_size, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster_size;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return launch_ex(kernel, grid, block, smem, stream, &attr, 1, std::forward<Args>(args)...);
 }
 
 // A plain (cluster-less) launch through cudaLaunchKernelEx. programmatic: programmatic
@@ -70,20 +79,11 @@ cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
                                 bool programmatic, cudaStream_t stream, Args&&... args) {
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = programmatic ? 1 : 0;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-  return cudaGetLastError();
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return launch_ex(kernel, grid, block, smem, stream, &attr, programmatic ? 1u : 0u,
+                   std::forward<Args>(args)...);
 }
 
 }  // namespace jax_cluster
