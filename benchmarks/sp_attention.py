@@ -38,7 +38,8 @@ def _args(argv=None):
     ap.add_argument("--lengths", default="8192,16384,32768,65536",
                     help="8K is there to make overlap visible: at 32K+ two GPUs are compute-bound")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--kernel", default="auto", choices=["auto", "jnp", "cudnn"])
+    ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "cudnn", "jnp"],
+                    help="local attention kernel: jax_cluster.flash_attention (default), jax's cuDNN, or jnp")
     ap.add_argument("--no-overlap-lengths", default="8192,32768", help="lengths of the no-overlap runs ('': none)")
     ap.add_argument("--machines", default="2,4,8", help="machines for the predictions (x --gpus)")
     ap.add_argument("--gpus", type=int, default=8)
@@ -191,6 +192,27 @@ def no_overlap_child(args, lengths, schedules):
         return {r["case"]: r.get("ours_us") for r in json.loads(out.read_text())}
 
 
+def local_kernel(name):
+    """(name, hook kernel) of --kernel; cuDNN only where it passes its check on this device."""
+    if name == "cudnn":
+        return gpu_kernels.select_kernel("cudnn")
+    return name, sp.get_kernel(name)
+
+
+def measure_one_gpu(device, lengths, kernel, dtype, iters_for):
+    """The whole sequence on ONE GPU with the same local kernel: what 2 GPUs should halve."""
+    times = {}
+    for length in lengths:
+        key = jax.random.split(jax.random.key(length), 3)
+        q, k, v = (jax.device_put(common.random_normal(kk, (1, length, HEADS, HEAD_DIM), dtype), device)
+                   for kk in key)
+        iters = iters_for(length)
+        run = _layer_loop(lambda x, k, v: sp.attention(x, k, v, kernel=kernel), iters)
+        times[length] = _time(run, q, k, v) / iters * 1e6
+        print(f"  one GPU l{length}: {times[length]:.1f} us", flush=True)
+    return times
+
+
 def _iters_for(length):
     return max(2, min(20, int(20 * (16384 / length) ** 2)))
 
@@ -223,7 +245,7 @@ def main(args):
     dtype = jnp.bfloat16
     if args.child_out:  # no-overlap child: measure and hand the rows back
         devices = jax.devices()[:2]
-        name, kernel = gpu_kernels.select_kernel("cudnn" if args.kernel != "jnp" else "jnp")
+        name, kernel = local_kernel(args.kernel)
         rows = measure_schedules(devices, lengths, schedules, kernel, dtype, _iters_for)
         Path(args.child_out).write_text(json.dumps(rows))
         return
@@ -255,12 +277,13 @@ def main(args):
     if len(gpus) < 2:
         sys.exit("needs 2 GPUs (use --simulate-only or --fake-devices)")
     devices = gpus[:2]
-    kname, kernel = gpu_kernels.select_kernel("cudnn" if args.kernel != "jnp" else "jnp")
+    kname, kernel = local_kernel(args.kernel)
     print(f"kernel: {kname}", flush=True)
     km, ktable = calibrate_kernel(kernel, dtype, lengths, devices[0])
     print(f"kernel model: {km.tflops:.0f} TFLOP/s + {km.launch_s * 1e6:.1f} us/launch", flush=True)
     p2p_bw, _ = measure_p2p_bandwidth(devices)
     print(f"p2p: {p2p_bw / 1e9:.0f} GB/s per direction", flush=True)
+    one_gpu = measure_one_gpu(devices[0], lengths, kernel, dtype, _iters_for)
     rows = measure_schedules(devices, lengths, schedules, kernel, dtype, _iters_for)
     nov = {}
     if args.no_overlap_lengths:
@@ -275,6 +298,8 @@ def main(args):
         row["predicted_us"] = pred.latency_s * 1e6
         row["prediction_ratio"] = row["predicted_us"] / row["ours_us"]
         row["bytes"] = pred.inter_bytes
+        row["one_gpu_us"] = one_gpu[row["seq_len"]]
+        row["speedup_vs_one_gpu"] = row["one_gpu_us"] / row["ours_us"]
         if row["case"] in nov and nov[row["case"]]:
             row["no_overlap_us"] = nov[row["case"]]
             row["overlap_speedup"] = nov[row["case"]] / row["ours_us"]
@@ -289,7 +314,9 @@ def main(args):
     notes = (f"Measured on 2 GPUs as 2 machines x 1 GPU (Torus T=2; the 'inter-machine' link is the GPUs' "
              f"NVLink, {p2p_bw / 1e9:.0f} GB/s per direction measured by ppermute). Local kernel: {kname}; "
              f"kernel model fitted to single-GPU runs: {km.tflops:.0f} TFLOP/s + {km.launch_s * 1e6:.1f} us per "
-             f"launch. On 2 GPUs ulysses, usp and tas are the same program (P_u = 2, P_r = 1). Rows 'predicted': "
+             f"launch. one_gpu_us: the whole sequence on one GPU with the same kernel (ideal "
+             f"speedup_vs_one_gpu: 2). On 2 GPUs ulysses, usp and tas are the same program (P_u = 2, P_r = 1). "
+             f"Rows 'predicted': "
              f"simulator only, N machines x {args.gpus} GPUs, {args.inter_gbps:.0f} Gb/s per machine between "
              f"machines, {args.intra_gbs:.0f} GB/s per GPU within; not measured.")
     common.write_results("sp_attention", rows, columns=MEAS_COLUMNS + EXTRA_COLUMNS, notes=notes, extra={
@@ -298,10 +325,10 @@ def main(args):
         "xla_flags": os.environ.get("XLA_FLAGS", "")})
 
 
-MEAS_COLUMNS = ["case", "ours_us", "no_overlap_us", "overlap_speedup", "speedup_vs_usp", "predicted_us",
-                "prediction_ratio"]
+MEAS_COLUMNS = ["case", "ours_us", "no_overlap_us", "overlap_speedup", "speedup_vs_usp", "one_gpu_us",
+                "speedup_vs_one_gpu", "predicted_us", "prediction_ratio"]
 PRED_COLUMNS = ["case", "predicted_us", "compute_us", "exposed_comm_us", "speedup_vs_usp", "bytes", "error"]
-EXTRA_COLUMNS = ["predicted_no_overlap_us", "compute_us", "exposed_comm_us", "bytes", "error"]
+EXTRA_COLUMNS = ["predicted_no_overlap_us", "compute_us", "exposed_comm_us", "bytes", "check_rel_err", "error"]
 
 
 def _print(rows):

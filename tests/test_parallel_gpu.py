@@ -1,5 +1,6 @@
 """The schedules on real GPUs (2 of them, as 2 machines x 1 GPU) against single-device attention,
-with the jnp kernel and, where it passes its self-check, the cuDNN kernel."""
+with the fused flash_attention op (the default local kernel), the jnp kernel and, where it passes
+its self-check, the cuDNN kernel."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,15 +16,18 @@ def _gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
 
-@pytest.mark.parametrize("kernel", ["jnp", "cudnn"])
+@pytest.mark.parametrize("kernel", ["flash_attention", "jnp", "cudnn"])
 @pytest.mark.parametrize("name", sp.SCHEDULES)
 def test_schedules_on_two_gpus(name, kernel, rng):
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip("needs 2 GPUs")
-    kname, kern = gpu_kernels.select_kernel(kernel)
-    if kname != kernel:
-        pytest.skip(f"{kernel} kernel unavailable here")
+    if kernel == "cudnn":
+        kname, kern = gpu_kernels.select_kernel(kernel)
+        if kname != kernel:
+            pytest.skip(f"{kernel} kernel unavailable here")
+    else:
+        kern = sp.get_kernel(kernel)
     b, l, h, d = 2, 4096, 24, 128
     q, k, v = (jnp.asarray(rng.standard_normal((b, l, h, d)), jnp.bfloat16) for _ in range(3))
     plan = sp.plan(name, heads=h, devices=gpus[:2], num_machines=2)

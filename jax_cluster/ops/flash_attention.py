@@ -22,7 +22,7 @@ parameters (no concatenation up to 32 query and 32 KV chunks per launch). Other 
 computes the same for any head dim and fp32 too.
 
 Registered as the ``"flash_attention"`` kernel of :mod:`jax_cluster.parallel` (the hook
-``kernel(q, kv_chunks, state, *, scale) -> State``).
+``kernel(q, kv_chunks, state, *, scale) -> State``), its default local kernel.
 """
 
 from __future__ import annotations
@@ -250,8 +250,11 @@ def flash_attention(
 
 
 def _hook(q, kv_chunks, state=None, *, scale=None):
-    """The jax_cluster.parallel kernel hook: ``kernel(q, kv_chunks, state, *, scale) -> State``."""
+    """The jax_cluster.parallel kernel hook: ``kernel(q, kv_chunks, state, *, scale) -> State``
+    (or lists of query chunks and states -> a list of states)."""
     return flash_attention(q, kv_chunks, state, scale=scale)
 
+
+_hook.takes_query_chunks = True  # Torus' several query chunks go in one launch, unconcatenated
 
 la.register_kernel("flash_attention", _hook)

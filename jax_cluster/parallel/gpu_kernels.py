@@ -1,5 +1,5 @@
-"""Optional GPU local-attention kernels for the ``kernel=`` hook, until the fused CUDA op
-``jax_cluster.flash_attention`` exists.
+"""Optional GPU local-attention kernels for the ``kernel=`` hook beside the default fused op
+``jax_cluster.flash_attention``: peers for the benchmarks.
 
 ``cudnn``: jax's cuDNN flash attention (``return_residual=True`` gives the log-sum-exp), one
 call over the concatenated KV chunks, then the stable merge of :mod:`.local_attention`. It uses

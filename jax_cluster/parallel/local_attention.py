@@ -35,7 +35,10 @@ A kernel is any callable with the signature of :func:`attend`::
     scale      float, the softmax scale (1/sqrt(Dh) by default in callers)
     returns    the merged State (fp32)
 
-Non-causal, no masking. Register alternatives with :func:`register_kernel`.
+Non-causal, no masking. Register alternatives with :func:`register_kernel`. A kernel whose
+attribute ``takes_query_chunks`` is true also accepts a list of query chunks and a list of
+states (one per chunk) and returns a list of states: the schedules then hand it several query
+chunks in one call instead of concatenating them.
 """
 from __future__ import annotations
 
@@ -214,9 +217,11 @@ def register_kernel(name: str, fn: Kernel) -> None:
 
 
 def get_kernel(kernel: str | Kernel | None) -> Kernel:
-    """Resolve a kernel given by name, callable, or None (the jnp path)."""
+    """Resolve a kernel given by name, callable, or None: the fused op
+    ``jax_cluster.flash_attention`` where it is registered (it registers itself on import),
+    else the jnp path."""
     if kernel is None:
-        return attend
+        return _KERNELS.get("flash_attention", attend)
     if callable(kernel):
         return kernel
     try:

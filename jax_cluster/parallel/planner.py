@@ -125,5 +125,8 @@ def plan(
 
 
 def sp_attention(q, k, v, plan: Plan, *, kernel=None, scale=None):
-    """Sequence-parallel attention of global ``[B, L, H, Dh]`` arrays under ``plan``."""
+    """Sequence-parallel attention of global ``[B, L, H, Dh]`` arrays under ``plan``.
+
+    ``kernel``: the local attention kernel (a name, a callable with the hook signature, or
+    None = ``jax_cluster.flash_attention``); see :mod:`.local_attention`."""
     return plan(q, k, v, kernel=kernel, scale=scale)

@@ -61,6 +61,10 @@ def _attend(kernel, scale, env, states, op: Attend):
     if len(qs) == 1:
         states[op.q[0]] = kernel(qs[0], kvs, sts[0], scale=scale)
         return
+    if getattr(kernel, "takes_query_chunks", False):  # one launch over the chunks as they are
+        for name, st in zip(op.q, kernel(qs, kvs, sts, scale=scale)):
+            states[name] = st
+        return
     # several query chunks share the KV: one launch over their concatenation
     b, _, h, d = qs[0].shape
     sts = [s if s is not None else la.empty_state(b, x.shape[1], h, d) for s, x in zip(sts, qs)]
