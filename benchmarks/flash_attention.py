@@ -116,8 +116,9 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     def attempt(name, fn):
         try:
             t[name] = fn()
+            print(f"    {name:12s} {t[name] * 1e6:10.0f} us", flush=True)  # progress of long cases
         except Exception as exc:  # noqa: BLE001 - a peer may not run here
-            print(f"    {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"    {name} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             t[name] = None
 
     attempt("ours", lambda: time_per_call(lambda x: ours(x, k, v), q, calls))
