@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <unordered_set>
+#include <set>
 #include <utility>
 
 namespace jax_cluster {
@@ -18,15 +18,18 @@ namespace jax_cluster {
     if (_err != cudaSuccess) return _err;       \
   } while (0)
 
-// Sets a kernel's attributes once per process (not per call: the decode
-// path must do no host work beyond the launch).
+// Sets a kernel's attributes once per device (not per call: the decode path must do no
+// host work beyond the launch). Function attributes belong to a device's context: one
+// process driving several GPUs (a jax mesh) must set them on each, or the second GPU's
+// launch fails for lack of its large shared-memory opt-in (seen on 2x H200: the other
+// GPU then waited forever in the next collective).
 inline cudaError_t configure_kernel_once(const void* kernel) {
   static std::mutex mu;
-  static std::unordered_set<const void*> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(kernel)) return cudaSuccess;
+  static std::set<std::pair<int, const void*>> done;  // (device, kernel)
   int device = 0, optin = 0;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({device, kernel})) return cudaSuccess;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attrs;
@@ -36,7 +39,7 @@ inline cudaError_t configure_kernel_once(const void* kernel) {
       optin - static_cast<int>(attrs.sharedSizeBytes)));
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  done.insert(kernel);
+  done.insert({device, kernel});
   return cudaSuccess;
 }
 
