@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build there, run the GPU tests, the sanitizers
-# and the named benchmarks; logs under $OUT (default ./gpu_out). Short table last.
+# and the named benchmarks; logs packed into $OUT/logs.tgz (default ./gpu_out), a short
+# table last and in $OUT/summary.txt.
 #   bash benchmarks/gpu_check.sh [--tests PATTERN] [--no-sanitize] [bench ...]
 #   e.g. bash benchmarks/gpu_check.sh cluster_collectives
 set -uo pipefail
@@ -79,7 +80,7 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize racecheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
   sanitize racecheck jax_cluster collectives --quick
   sanitize racecheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
-  for v in split stream gemv fused fused_row; do
+  for v in split stream gemv fused fused_row tma; do
     step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
       compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only=swiglu --quick --variants=$v
@@ -89,6 +90,11 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize racecheck split_head attention_decode --quick --head-dims=128 --pipelines=registers
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\| ok$" "$OUT"/sanitize_*.log
 fi
-echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
-printf '%s\n' "${summary[@]}"
-for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done
+{
+  echo "== summary ($(head -2 "$OUT/device.txt" | tail -1))"
+  printf '%s\n' "${summary[@]}"
+  for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done
+} | tee "$OUT/summary.txt"
+# The device tool returns at most 8 files from $OUT: everything else goes into one archive.
+tar -czf /tmp/gpu_check_logs.tgz -C "$OUT" --exclude=summary.txt . &&
+  find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv /tmp/gpu_check_logs.tgz "$OUT/logs.tgz"
