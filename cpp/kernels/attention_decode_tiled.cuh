@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kBlockThreads, kTiledMinBlocks<DH, MH, R>)
 template <typename T, int DH, int MH, int R>
 cudaError_t launch_tiled(const AttentionDecodeParams& p, cudaStream_t stream) {
   const TiledLayout L(p.hidden, R, static_cast<int>(p.heads_per_cluster()), DH, p.cluster_size);
-  if (L.bytes > kMaxSharedBytesPerBlock - 1024) return cudaErrorInvalidConfiguration;
+  if (L.bytes > kMaxSharedBytesPerBlock - 2048) return cudaErrorInvalidConfiguration;  // static: <= 1.4 KB
   const int64_t clusters = p.row_tiles() * p.num_kv_heads * p.head_chunks();
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
       attention_decode_tiled_kernel<T, DH, MH, R>,
