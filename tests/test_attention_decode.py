@@ -444,6 +444,7 @@ def test_gpu_batch_tiled_vs_reference(rng, dtype, shape, rows):
     tile for every R but 2 at 16), lengths 0, odd, different per row; cluster sizes 1, 4, 16
     (a block's share of the tile's tokens then spans several rows, or a row several blocks);
     caches: only index lengths[b] changes."""
+    from jax_cluster.ops import attention_decode as ad
     hidden, hq, hkv, dh = shape
     cases = ((1, 3, 300, [0, 7, 299]), (4, 16, 77, None), (16, 5, 300, [1, 0, 130, 299, 64]))
     for n, batch, max_seq, lengths in cases:
@@ -452,6 +453,12 @@ def test_gpu_batch_tiled_vs_reference(rng, dtype, shape, rows):
                                bias=batch == 3, norm="layer" if batch == 3 else "rms",
                                rotary_dim=dh // 2 if batch == 16 else None)
         kw["residual"] = batch != 3
+        hpc = ad._heads_per_cluster(hq // hkv)
+        if ad._tiled_shared_bytes(hidden, rows, hpc, dh, n) > ad.SHARED_BYTES_PER_BLOCK:
+            # (16 rows, 8 heads of 96 at cluster size 1: one block would hold the whole q|k|v)
+            with pytest.raises(ValueError, match="bytes of shared memory"):
+                run(args, kw, _gpu(), cluster_size=n, rows_per_cluster=rows, impl="kernel")
+            continue
         check(args, kw, _gpu(), cluster_size=n, rows_per_cluster=rows, impl="kernel")
 
 

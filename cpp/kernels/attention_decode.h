@@ -74,8 +74,8 @@ struct AttentionDecodeParams {
 // Shared memory of the batch-tiled kernel (mirrored by jax_cluster/ops/attention_decode.py,
 // _tiled_shared_bytes, which rejects a configuration that does not fit before tracing).
 // Regions, each 128-byte aligned:
-//   A: the normalised rows h [D][R] (fp32; the activation dtype at R = 16, where fp32 would
-//      not fit next to the rest for D = 4096), then, once h is dead, the blocks' per-row
+//   A: the normalised rows h [D][R] (fp32, or the activation dtype: h_bytes_per_value),
+//      then, once h is dead, the blocks' per-row
 //      attention states (read by the peers), the warps' states and the normalised
 //      attention output [hpc Dh][R];
 //   B: the block's own Q|K|V columns for the R rows (read by the peers);
@@ -90,7 +90,12 @@ struct TiledLayout {
   static constexpr int kRedRows = 2;  // rows per pass of the GEMV's row-group reduction
   static constexpr int kWarps = 8, kThreads = 256;
 
-  JAX_CLUSTER_HOST_DEVICE static int h_bytes_per_value(int rows) { return rows >= 16 ? 2 : 4; }
+  // h in fp32, or in the activation dtype at R = 16 and where the kernel is built for two
+  // blocks per SM (R = 8 with <= 2 heads per cluster and Dh % 64 == 0: fp32 would not fit
+  // twice; kTiledMinBlocks in attention_decode_tiled.cuh).
+  JAX_CLUSTER_HOST_DEVICE static int h_bytes_per_value(int rows, int hpc, int dh) {
+    return rows >= 16 || (rows == 8 && hpc <= 2 && dh % 64 == 0) ? 2 : 4;
+  }
 
   JAX_CLUSTER_HOST_DEVICE TiledLayout(int64_t hidden, int rows_, int hpc_, int dh_, int n_)
       : rows(rows_), hpc(hpc_), dh(dh_), n(n_) {
@@ -108,7 +113,7 @@ struct TiledLayout {
     warp_off = take(4LL * kWarps * kAttnMaxHeadsPerCluster * (dh + 2));
     attn_off = take(4LL * hpc * dh * rows);
     coef_off = take(4LL * rows * hpc * (kMaxClusterBlocks + 1));
-    const int64_t h_bytes = (hidden * rows * h_bytes_per_value(rows) + 127) / 128 * 128;
+    const int64_t h_bytes = (hidden * rows * h_bytes_per_value(rows, hpc, dh) + 127) / 128 * 128;
     off = off > h_bytes ? off : h_bytes;
     slice_off = take(4LL * rows * vecs_per_blk * 8);
     const int64_t qkv_bytes = 4LL * rows * (hpc + 2) * dh;

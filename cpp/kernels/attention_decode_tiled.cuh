@@ -27,19 +27,51 @@
 
 static_assert(TiledLayout::kThreads == kBlockThreads && TiledLayout::kWarps == kBlockWarps);
 
-// Built for one block per SM: the R-row accumulators take the registers two blocks would need.
+// Blocks per SM the kernel is built for: 2 (128 registers: 4 weight columns per thread in
+// the GEMVs, R <= 8) where ptxas fits that without spills, so that clusters of 4 and 8 find
+// SMs for one wave (measured, session 8: at one block per SM, 32 clusters of 4 or 16 of 8
+// ran as two waves on an H100); else 1. With 4 heads per cluster the softmax state alone
+// (72 registers) plus the tile's bookkeeping spilled at 128.
 template <int DH, int MH, int R>
-constexpr int kTiledMinBlocks = 1;
-// Token steps per warp in flight in attention (attend_cached's U) at one block per SM.
-template <int DH, int MH>
-constexpr int kTiledTokenSteps = MH <= 2 ? 8 : MH == 4 ? 4 : 2;
-// 16-byte weight loads in flight per thread in the GEMVs: fewer as the accumulators grow.
-template <int R>
-constexpr int kTiledLoads = R <= 4 ? 16 : R == 8 ? 8 : 4;
+constexpr int kTiledMinBlocks = R <= 8 && MH <= 2 && DH % 64 == 0 ? 2 : 1;
+// Token steps per warp in flight in attention (attend_cached's U): as many as fit.
+template <int DH, int MH, int R>
+constexpr int kTiledTokenSteps = kTiledMinBlocks<DH, MH, R> == 2 ? (MH == 1 ? 8 : 4)
+                                                                 : MH <= 2 ? 8 : MH == 4 ? 4 : 2;
+// Weight columns per load in the GEMVs: 8 (16-byte loads), or 4 (8-byte loads: half the
+// accumulators) at two blocks per SM.
+template <int DH, int MH, int R>
+constexpr int kTiledCols = kTiledMinBlocks<DH, MH, R> == 2 ? 4 : 8;
+// Weight loads in flight per thread in the GEMVs: fewer as the accumulators grow.
+template <int DH, int MH, int R>
+constexpr int kTiledLoads = kTiledMinBlocks<DH, MH, R> == 2 ? (R <= 4 ? 16 : 8) : R <= 4 ? 16 : R == 8 ? 8 : 4;
 
-// How the normalised rows are stored: fp32, or the activation dtype at R = 16.
-template <typename T, int R>
-using TiledH = std::conditional_t<(R >= 16), T, float>;
+// How the normalised rows are stored (TiledLayout::h_bytes_per_value): fp32, or the
+// activation dtype at R = 16 and at R = 8 with two blocks per SM.
+template <typename T, int DH, int MH, int R>
+using TiledH = std::conditional_t<(R >= 16 || (R == 8 && kTiledMinBlocks<DH, MH, R> == 2)), T, float>;
+
+// A load of CW weights (16 or 8 bytes) and its values as floats.
+template <int CW>
+using WeightVec = std::conditional_t<CW == 8, uint4, uint2>;
+template <typename T, int CW>
+__device__ __forceinline__ WeightVec<CW> load_weights(const T* p) {
+  if constexpr (CW == 8) {
+    return ptx::ldg_stream(p);
+  } else {
+    return ptx::ldg_stream8(p);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void unpack_weights(const uint4& v, float (&f)[8]) {
+  unpack<T>(v, f);
+}
+template <typename T>
+__device__ __forceinline__ void unpack_weights(const uint2& v, float (&f)[4]) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = to_float(e[i]);
+}
 
 // The R values vec[r * R .. r * R + R) as floats; rows are 16-byte aligned (R >= 4 for
 // fp32, R = 16 for 16-bit values), 8-byte aligned at R = 2.
@@ -74,50 +106,53 @@ __device__ __forceinline__ void load_row_values(const V* vec, int r, float (&s)[
 }
 
 // out[i][j*8 + c] = sum_r vec[r][i] * W[r * ld + col_of(j) + c] for the R rows i and this
-// block's `ncv` column vectors: block_gemv with R accumulator rows, so each weight load is
-// used R times. vec is [rows][R]. Row groups meet in `red` (TiledLayout::kRedRows rows at a
+// block's `ncv` 8-column vectors: block_gemv with R accumulator rows, so each weight load is
+// used R times. A thread loads CW columns of a row at a time (a "unit": 8 / CW units per
+// vector). vec is [rows][R]. Row groups meet in `red` (TiledLayout::kRedRows rows at a
 // time) and are summed in a fixed order; emit(i, j, c, value).
-template <typename T, int R, typename V, typename ColOf, typename Emit>
+template <typename T, int R, int CW, int U, typename V, typename ColOf, typename Emit>
 __device__ void block_gemv_rows(const V* vec, int rows, const T* W, int64_t ld, int ncv,
                                 ColOf col_of, float* red, Emit emit) {
-  constexpr int U = kTiledLoads<R>;
   constexpr int RP = TiledLayout::kRedRows;
-  static_assert(R % RP == 0);
-  for (int j0 = 0; j0 < ncv; j0 += kBlockThreads) {
-    const int cv = min(kBlockThreads, ncv - j0);
-    const int groups = kBlockThreads / cv;
-    const int jl = threadIdx.x % cv, rg = threadIdx.x / cv;
-    float acc[R][8];
+  constexpr int kPer = 8 / CW;  // units per 8-column vector
+  static_assert(R % RP == 0 && (CW == 8 || CW == 4));
+  const int units = ncv * kPer;
+  for (int j0 = 0; j0 < units; j0 += kBlockThreads) {
+    const int cu = min(kBlockThreads, units - j0);
+    const int groups = kBlockThreads / cu;
+    const int jl = threadIdx.x % cu, rg = threadIdx.x / cu;
+    float acc[R][CW];
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[i][c] = 0.f;
+      for (int c = 0; c < CW; ++c) acc[i][c] = 0.f;
     if (rg < groups) {
-      const T* wcol = W + col_of(j0 + jl);
+      const int unit = j0 + jl;
+      const T* wcol = W + col_of(unit / kPer) + (unit % kPer) * CW;
       int r = rg;
       for (; r + (U - 1) * groups < rows; r += U * groups) {
-        uint4 w[U];
+        WeightVec<CW> w[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) w[u] = ptx::ldg_stream(wcol + static_cast<int64_t>(r + u * groups) * ld);
+        for (int u = 0; u < U; ++u) w[u] = load_weights<T, CW>(wcol + static_cast<int64_t>(r + u * groups) * ld);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          float f[8], s[R];
-          unpack<T>(w[u], f);
+          float f[CW], s[R];
+          unpack_weights<T>(w[u], f);
           load_row_values<R>(vec, r + u * groups, s);
 #pragma unroll
           for (int i = 0; i < R; ++i)
 #pragma unroll
-            for (int c = 0; c < 8; ++c) acc[i][c] = fmaf(s[i], f[c], acc[i][c]);
+            for (int c = 0; c < CW; ++c) acc[i][c] = fmaf(s[i], f[c], acc[i][c]);
         }
       }
       for (; r < rows; r += groups) {
-        float f[8], s[R];
-        unpack<T>(ptx::ldg_stream(wcol + static_cast<int64_t>(r) * ld), f);
+        float f[CW], s[R];
+        unpack_weights<T>(load_weights<T, CW>(wcol + static_cast<int64_t>(r) * ld), f);
         load_row_values<R>(vec, r, s);
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
-          for (int c = 0; c < 8; ++c) acc[i][c] = fmaf(s[i], f[c], acc[i][c]);
+          for (int c = 0; c < CW; ++c) acc[i][c] = fmaf(s[i], f[c], acc[i][c]);
       }
     }
 #pragma unroll
@@ -127,14 +162,15 @@ __device__ void block_gemv_rows(const V* vec, int rows, const T* W, int64_t ld, 
 #pragma unroll
         for (int ii = 0; ii < RP; ++ii)
 #pragma unroll
-          for (int c = 0; c < 8; ++c) red[((ii * groups + rg) * cv + jl) * 8 + c] = acc[i0 + ii][c];
+          for (int c = 0; c < CW; ++c) red[((ii * groups + rg) * cu + jl) * CW + c] = acc[i0 + ii][c];
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < RP * cv * 8; e += kBlockThreads) {
-        const int ii = e / (cv * 8), rest = e % (cv * 8);
+      for (int e = threadIdx.x; e < RP * cu * CW; e += kBlockThreads) {
+        const int ii = e / (cu * CW), rest = e % (cu * CW);
         float s = 0.f;
-        for (int q = 0; q < groups; ++q) s += red[(ii * groups + q) * cv * 8 + rest];
-        emit(i0 + ii, j0 + rest / 8, rest % 8, s);
+        for (int q = 0; q < groups; ++q) s += red[(ii * groups + q) * cu * CW + rest];
+        const int unit = j0 + rest / CW;
+        emit(i0 + ii, unit / kPer, (unit % kPer) * CW + rest % CW, s);
       }
     }
   }
@@ -273,7 +309,8 @@ __device__ void block_row_state(const AttentionDecodeParams& p, int hpc, const f
 template <typename T, int DH, int MH, int R>
 __global__ void __launch_bounds__(kBlockThreads, kTiledMinBlocks<DH, MH, R>)
     attention_decode_tiled_kernel(const AttentionDecodeParams p) {
-  using HT = TiledH<T, R>;
+  using HT = TiledH<T, DH, MH, R>;
+  constexpr int CW = kTiledCols<DH, MH, R>, UW = kTiledLoads<DH, MH, R>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ TileRows<R> rows;
   const int hpc = static_cast<int>(p.heads_per_cluster());
@@ -331,7 +368,7 @@ __global__ void __launch_bounds__(kBlockThreads, kTiledMinBlocks<DH, MH, R>)
   // 2. QKV projection of this block's columns for the R rows, then every block pulls the
   // whole q|k|v of the tile.
   const T* qkv_bias = static_cast<const T*>(p.qkv_bias);
-  block_gemv_rows<T, R>(
+  block_gemv_rows<T, R, CW, UW>(
       h, static_cast<int>(p.hidden), wqkv, qkv_ld, my_vecs,
       [&](int j) { return qkv_column(p, c, hpc, static_cast<int64_t>(first_vec + j) * 8); }, red,
       [&](int i, int j, int col, float v) {
@@ -397,7 +434,7 @@ __global__ void __launch_bounds__(kBlockThreads, kTiledMinBlocks<DH, MH, R>)
     Ctx rc = c;
     rc.b = b0 + i;
     rc.len = len;
-    attend_cached<T, DH, MH, kTiledTokenSteps<DH, MH>>(p, rc, hpc, qkv + i * qs, t0, min(t1, len),
+    attend_cached<T, DH, MH, kTiledTokenSteps<DH, MH, R>>(p, rc, hpc, qkv + i * qs, t0, min(t1, len),
                                                        warp_states);
     block_row_state<DH>(p, hpc, qkv + i * qs, t0 <= len && len < t1, warp_states,
                         states + i * hpc * L.state_stride, L.state_stride);
@@ -460,7 +497,7 @@ __global__ void __launch_bounds__(kBlockThreads, kTiledMinBlocks<DH, MH, R>)
   __syncthreads();
 
   // 5. Output projection: this block's W_o column tiles for the R rows.
-  block_gemv_rows<T, R>(
+  block_gemv_rows<T, R, CW, UW>(
       attn, hpc * DH, wo, p.hidden, out.count,
       [&](int j) { return static_cast<int64_t>(out.first + j) * 8; }, red,
       [&](int i, int j, int col, float v) {

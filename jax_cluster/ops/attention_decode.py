@@ -63,7 +63,8 @@ def _tiled_shared_bytes(hidden: int, rows: int, heads_per_cluster: int, head_dim
     vecs_per_block = -(-((hpc + 2) * dh // 8) // cluster_size)
     after_h = (up(4 * rows * hpc * (dh + 4)) + up(4 * 8 * MAX_HEADS_PER_CLUSTER * (dh + 2))
                + up(4 * hpc * dh * rows) + up(4 * rows * hpc * 17))
-    h = up(hidden * rows * (2 if rows >= 16 else 4))
+    h_value_bytes = 2 if rows >= 16 or (rows == 8 and hpc <= 2 and dh % 64 == 0) else 4
+    h = up(hidden * rows * h_value_bytes)
     return (max(after_h, h) + up(4 * rows * vecs_per_block * 8)
             + up(max(4 * rows * (hpc + 2) * dh, 4 * 2 * 256 * 8)))
 

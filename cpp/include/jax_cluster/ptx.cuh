@@ -47,6 +47,13 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return v;
 }
 
+// 8-byte form of ldg_stream (4 16-bit values).
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 // Programmatic dependent launch (a kernel launched with the programmatic stream
 // serialization attribute may start while the previous kernel of the stream still runs):
 // griddep_wait() blocks until that previous grid has completed and its memory is visible
