@@ -75,11 +75,13 @@ def pallas_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
 
 
 def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster_size=None,
-              heads_per_cluster=None, impl="kernel", dataflow="split_token", pipeline=None):
+              heads_per_cluster=None, impl="kernel", dataflow="split_token", pipeline=None,
+              rows_per_cluster=None):
     return jc.attention_decode(x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq,
                                num_kv_heads=hkv, norm="rms", norm_weight=nw, residual=True,
                                cluster_size=cluster_size, heads_per_cluster=heads_per_cluster,
-                               impl=impl, dataflow=dataflow, pipeline=pipeline)
+                               impl=impl, dataflow=dataflow, pipeline=pipeline,
+                               rows_per_cluster=rows_per_cluster)
 
 
 def time_steps(step, state, consts):
@@ -108,6 +110,11 @@ def main(argv=None):
     parser.add_argument("--merge", default=None, help="no run: join these parts into results/attention_decode")
     parser.add_argument("--skip-split-head", action="store_true",
                         help="leave out the SplitHead rows (measured in earlier sessions; saves device time)")
+    parser.add_argument("--configs", default=None,
+                        help="comma list of kernel configurations to sweep (tuner choices, e.g. "
+                             "'1,2,n4:r4,n8:r8'); default: every one the tuner weighs for the shape")
+    parser.add_argument("--skip-auto", action="store_true",
+                        help="leave out the auto row (its tuning measures every candidate)")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
     args = parser.parse_args(argv)
@@ -157,18 +164,26 @@ def main(argv=None):
                     # every kernel configuration the tuner weighs: cluster sizes, and for GQA
                     # "n8:h2" = cluster 8, at most 2 query heads per cluster
                     # (and "tma:..." = the same with the TMA pipeline)
+                    # (and "n4:r8" = cluster 4, the batch-tiled kernel with tiles of 8 rows)
                     sweep = {}
-                    for choice in ad_op._tuner_candidates(hq // hkv):
+                    sms = getattr(jax.devices()[0], "core_count", 132)
+                    choices = (ad_op._tuner_candidates(hq // hkv, batch, hkv, d, dh, sms)
+                               if args.configs is None else
+                               [int(c) if c.isdigit() else c for c in args.configs.split(",")])
+                    for choice in choices:
                         if choice == "xla":
                             continue
-                        n, h, pipe = ad_op.parse_choice(choice)
-                        f = lambda *a, n=n, h=h, pipe=pipe: ours_step(  # noqa: E731
-                            *a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe)
+                        n, h, pipe, r = ad_op.parse_choice(choice)
+                        f = lambda *a, n=n, h=h, pipe=pipe, r=r: ours_step(  # noqa: E731
+                            *a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe,
+                            rows_per_cluster=r)
                         sweep[choice] = time_steps(f, fresh(), consts)
-                    registers = {c: v for c, v in sweep.items() if not str(c).startswith("tma:")}
+                    tiled = {c: v for c, v in sweep.items() if ad_op.parse_choice(c)[3] > 1}
                     tma = {c: v for c, v in sweep.items() if str(c).startswith("tma:")}
-                    best_n = min(registers, key=registers.get)
-                    best_tma = min(tma, key=tma.get)
+                    registers = {c: v for c, v in sweep.items() if c not in tiled and c not in tma}
+                    best_n = min(registers, key=registers.get) if registers else None
+                    best_tma = min(tma, key=tma.get) if tma else None
+                    best_tiled = min(tiled, key=tiled.get) if tiled else None
                     # ClusterFusion's SplitHead alternative (their Fig. 20: slower than SplitToken)
                     split_head = {}
                     for n in () if args.skip_split_head else (2, 4, 8):
@@ -178,13 +193,17 @@ def main(argv=None):
                             split_head[f"split_head:n{n}"] = time_steps(f, fresh(), consts)
                     best_sh = min(split_head, key=split_head.get) if split_head else None
                     # what a user gets: the tuner's pick among the cluster sizes and XLA's ops
-                    t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
-                    pick = ad_op.autotune(batch, d, hq, hkv, ctx, dh, dtype)
+                    if not args.skip_auto:
+                        t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
+                        pick = ad_op.autotune(batch, d, hq, hkv, ctx, dh, dtype)
                     case = f"{model} b{batch} ctx{ctx} {dtype_tag(dtype)}"
-                    variants = [("kernel", sweep[best_n]), ("tma", sweep[best_tma])]
+                    variants = [(name, sweep[best]) for name, best in
+                                (("kernel", best_n), ("tma", best_tma), ("tiled", best_tiled)) if best]
                     if best_sh:
                         variants.append(("split_head", split_head[best_sh]))
-                    for variant, ours in variants + [("auto", t["auto"])]:
+                    if not args.skip_auto:
+                        variants.append(("auto", t["auto"]))
+                    for variant, ours in variants:
                         row = {"case": f"{case} {variant}", "ours_us": ours, "jnp_us": t["jnp"],
                                "pallas_us": t["pallas"], "bytes": nbytes,
                                "roofline_fraction": floor_us / ours,
@@ -194,6 +213,8 @@ def main(argv=None):
                             row["best_config"] = best_sh
                         elif variant == "tma":
                             row["best_config"] = best_tma
+                        elif variant == "tiled":
+                            row.update(best_config=best_tiled, **{f"{c}_us": v for c, v in tiled.items()})
                         elif variant == "kernel":
                             row.update(best_config=best_n, **{f"n{n}_us": v for n, v in sweep.items()
                                                               if isinstance(n, int)})
@@ -203,7 +224,7 @@ def main(argv=None):
                         print(f"  {row['case']:36s} {ours:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
                               f"  jnp {t['jnp'] or float('nan'):7.1f}  pallas {t['pallas'] or float('nan'):7.1f}"
                               + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}"
-                                 if variant in ("kernel", "tma")
+                                 if variant in ("kernel", "tma", "tiled")
                                  else f"  {', '.join(f'{n}={v:.0f}' for n, v in split_head.items())}"
                                  if variant == "split_head" else f"  pick {pick}"))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
@@ -247,13 +268,16 @@ def cluster_sweep(heads=(32, 64, 128), contexts=(4096, 16384), sizes=(1, 2, 4, 8
 RESULT_NAME = "attention_decode"
 COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas", "roofline_fraction",
            "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"]
+# the batch-tiled configurations' own columns ("n4:r8_us", ...) stay in the JSON rows
 EXPLAIN = ("kernel = the fused kernel (register pipeline) at its best configuration among those the tuner "
            "weighs (best_config: a cluster size, or 'nK:hH' = cluster size K with at most H query heads per "
            "cluster; nK_us = cluster size K with the default heads per cluster); tma = the same kernel with "
            "pipeline='tma' (a producer warp streams every byte through a TMA/mbarrier ring) at its best "
-           "configuration ('tma:...'); "
+           "configuration ('tma:...'); tiled = the batch-tiled register kernel "
+           "(rows_per_cluster R > 1: one cluster per KV head and tile of R batch rows, weights read once "
+           "per tile) at its best configuration ('nK:rR' = cluster size K, tiles of R rows); "
            "split_head = dataflow='split_head' (blocks split the head dimension) at its best cluster size; "
-           "auto = what impl='auto' runs: the tuner's pick among the cluster sizes and XLA's ops (pick).")
+           "auto = what impl='auto' runs: the tuner's pick among all of these and XLA's ops (pick).")
 
 
 def save(rows, bw):

@@ -149,10 +149,78 @@ def test_tuner_candidates_and_choices():
     assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "tma:2", "tma:4", "tma:8")
     gqa = ad._tuner_candidates(4)
     assert {"n8:h2", "n4:h1", "tma:n8:h2", "tma:4"} <= set(gqa) and "n8:h4" not in gqa
-    assert ad.parse_choice("n8:h2") == (8, 2, "registers") and ad.parse_choice(4) == (4, None, "registers")
-    assert ad.parse_choice("tma:n4:h1") == (4, 1, "tma") and ad.parse_choice("tma:8") == (8, None, "tma")
+    assert ad.parse_choice("n8:h2") == (8, 2, "registers", 1) and ad.parse_choice(4) == (4, None, "registers", 1)
+    assert ad.parse_choice("tma:n4:h1") == (4, 1, "tma", 1) and ad.parse_choice("tma:8") == (8, None, "tma", 1)
+    assert ad.parse_choice("n4:r8") == (4, None, "registers", 8)
+    assert ad.parse_choice("n8:h2:r4") == (8, 2, "registers", 4)
     assert ad.parse_choice("xla") == "xla"
     assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
+
+
+def test_tuner_batch_tiled_candidates():
+    """batch > 1 adds the batch-tiled kernel: per tile size, the cluster sizes whose grid
+    holds 0.5-2 blocks per SM (shared memory permitting); batch 1 adds nothing."""
+    from jax_cluster.ops import attention_decode as ad
+    assert ad._tuner_candidates(4, 1, 8, 4096, 128) == ad._tuner_candidates(4)
+    llama3 = ad._tuner_candidates(4, 16, 8, 4096, 128)  # 8 KV heads: 16 / R tiles each
+    tiled = [c for c in llama3 if ":r" in str(c)]
+    assert {"n4:r4", "n8:r8", "n16:r16", "n2:r2"} <= set(tiled) and "n1:r2" not in tiled
+    for c in tiled:
+        n, _, pipeline, rows = ad.parse_choice(c)
+        blocks = 16 // rows * 8 * n
+        assert pipeline == "registers" and 66 <= blocks <= 264, c
+    llama2 = ad._tuner_candidates(1, 16, 32, 4096, 128)
+    assert {"n1:r4", "n4:r16", "n2:r8"} <= set(llama2)
+    # a batch of 3 needs tiles up to 4 rows, not 8 or 16
+    small = [c for c in ad._tuner_candidates(2, 3, 2, 512, 64) if ":r" in str(c)]
+    assert small and all(ad.parse_choice(c)[3] in (2, 4) for c in small)
+    # shared memory: 16 rows of a hidden 8192 do not fit a block; 4 do
+    assert not [c for c in ad._tuner_candidates(1, 16, 64, 8192, 128) if str(c).endswith(":r16")]
+    assert [c for c in ad._tuner_candidates(1, 16, 64, 8192, 128) if str(c).endswith(":r4")]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(rows_per_cluster=3), "rows_per_cluster must be one of"),
+        (dict(rows_per_cluster=0), "rows_per_cluster must be one of"),
+        (dict(rows_per_cluster=32), "rows_per_cluster must be one of"),
+        (dict(rows_per_cluster=2, dataflow="split_head", cluster_size=2), "needs dataflow='split_token'"),
+        (dict(rows_per_cluster=4, pipeline="tma"), "needs pipeline='registers'"),
+    ],
+)
+def test_bad_rows_per_cluster(rng, change, message):
+    args, kw = make_inputs(rng, batch=3, hidden=64, hq=4, hkv=2, dh=16, max_seq=9, dtype="float32")
+    with pytest.raises(ValueError, match=message):
+        jc.attention_decode(**args, **kw, **change)
+
+
+def test_rows_per_cluster_shared_memory_limit(rng, monkeypatch):
+    """A tile whose rows do not fit a block's shared memory is rejected before tracing (the
+    Python mirror of TiledLayout), and by the FFI layer itself (the C++ layout) when the
+    Python check is bypassed: both agree on the boundary."""
+    from jax_cluster.ops import attention_decode as ad
+    args, kw = make_inputs(rng, batch=2, hidden=8192, hq=2, hkv=2, dh=16, max_seq=5, dtype="float32")
+    with pytest.raises(ValueError, match="rows_per_cluster=8 needs .* bytes of shared memory"):
+        jc.attention_decode(**args, **kw, rows_per_cluster=8, cluster_size=2)
+    check(args, kw, jax.devices("cpu")[0], rows_per_cluster=4, cluster_size=2)  # fits
+    monkeypatch.setattr(ad, "_check_tiled_fits", lambda *a: None)
+    for rows in (4, 8, 16):  # 8192 x R x 4 bytes (2 at R = 16) against 230,400
+        fits = ad._tiled_shared_bytes(8192, rows, 1, 16, 2) <= ad.SHARED_BYTES_PER_BLOCK
+        assert fits == (rows == 4)
+        if fits:
+            run(args, kw, jax.devices("cpu")[0], rows_per_cluster=rows, cluster_size=2)
+        else:
+            with pytest.raises(Exception, match="bytes of shared memory per block"):
+                run(args, kw, jax.devices("cpu")[0], rows_per_cluster=rows, cluster_size=2)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 16])
+def test_cpu_rows_per_cluster_same_step(rng, rows):
+    """rows_per_cluster changes only the GPU launch; the CPU handler computes the same step
+    (a batch that is not a multiple of the tile)."""
+    args, kw = make_inputs(rng, batch=5, hidden=64, hq=4, hkv=2, dh=16, max_seq=9, dtype="float32")
+    check(args, kw, jax.devices("cpu")[0], rows_per_cluster=rows, cluster_size=2)
 
 
 @pytest.mark.parametrize("heads", [1, 2, 3])
@@ -356,3 +424,111 @@ def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh, pipeline):
     assert rel_l2(y[0], ry[0]) <= TOLERANCE["float16"]
     np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(args["k_cache"][1]))
     np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))
+
+
+# ---------------------------------------------------------------- GPU: batch-tiled kernel
+TILED_SHAPES = [  # hidden, hq, hkv, dh: MHA, GQA 4, GQA 8 (head dim 96), MQA 8 (head dim 80)
+    (512, 4, 4, 128),
+    (512, 8, 2, 64),
+    (768, 16, 2, 96),
+    (640, 8, 1, 80),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", TILED_SHAPES)
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
+def test_gpu_batch_tiled_vs_reference(rng, dtype, shape, rows):
+    """The batch-tiled kernel (rows_per_cluster > 1): batches of 3, 16 and 5 (a last partial
+    tile for every R but 2 at 16), lengths 0, odd, different per row; cluster sizes 1, 4, 16
+    (a block's share of the tile's tokens then spans several rows, or a row several blocks);
+    caches: only index lengths[b] changes."""
+    from jax_cluster.ops import attention_decode as ad
+    hidden, hq, hkv, dh = shape
+    cases = ((1, 3, 300, [0, 7, 299]), (4, 16, 77, None), (16, 5, 300, [1, 0, 130, 299, 64]))
+    for n, batch, max_seq, lengths in cases:
+        args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh,
+                               max_seq=max_seq, dtype=dtype, lengths=lengths,
+                               bias=batch == 3, norm="layer" if batch == 3 else "rms",
+                               rotary_dim=dh // 2 if batch == 16 else None)
+        kw["residual"] = batch != 3
+        hpc = ad._heads_per_cluster(hq // hkv)
+        if ad._tiled_shared_bytes(hidden, rows, hpc, dh, n) > ad.SHARED_BYTES_PER_BLOCK:
+            # (16 rows, 8 heads of 96 at cluster size 1: one block would hold the whole q|k|v)
+            with pytest.raises(ValueError, match="bytes of shared memory"):
+                run(args, kw, _gpu(), cluster_size=n, rows_per_cluster=rows, impl="kernel")
+            continue
+        check(args, kw, _gpu(), cluster_size=n, rows_per_cluster=rows, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("config", [(4, 4, None), (8, 8, None), (16, 16, None), (2, 8, 2), (8, 2, 1)])
+def test_gpu_batch_tiled_model_sized(rng, dtype, config):
+    """Llama-3-8B's attention shape (hidden 4096, 32/8 heads) at batch 16 and 11 with long,
+    different lengths; heads_per_cluster < group: several head chunks per KV head (only
+    chunk 0 writes the cache)."""
+    n, rows, heads = config
+    for batch in (16, 11):
+        lengths = rng.integers(0, 1100, size=batch)
+        lengths[0], lengths[-1] = 1099, 0
+        args, kw = make_inputs(rng, batch=batch, hidden=4096, hq=32, hkv=8, dh=128, max_seq=1100,
+                               dtype=dtype, lengths=lengths)
+        kw["residual"] = True
+        check(args, kw, _gpu(), cluster_size=n, rows_per_cluster=rows, heads_per_cluster=heads,
+              impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 16])
+def test_gpu_batch_tiled_mha_model_sized(rng, rows):
+    """Llama-2-7B's attention shape (MHA, 32 heads) at batch 16."""
+    args, kw = make_inputs(rng, batch=16, hidden=4096, hq=32, hkv=32, dh=128, max_seq=700,
+                           dtype="float16")
+    kw["residual"] = True
+    check(args, kw, _gpu(), cluster_size=4, rows_per_cluster=rows, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_gpu_batch_tiled_deterministic_and_agrees(rng, rows):
+    """Bitwise the same over repeated runs (fixed-order combines, no atomics), and close to
+    the one-row-per-cluster kernel."""
+    args, kw = make_inputs(rng, batch=13, hidden=1024, hq=16, hkv=4, dh=128, max_seq=2048,
+                           dtype="float16")
+    args = jax.device_put(args, _gpu())
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, rows_per_cluster=rows)[0])
+    first = np.asarray(f(args))
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(f(args)), first)
+    one = np.asarray(jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4,
+                                                           rows_per_cluster=1)[0])(args))
+    assert rel_l2(first, one) <= TOLERANCE["float16"]
+
+
+@pytest.mark.gpu
+def test_gpu_batch_tiled_length_out_of_range_gives_nan_row(rng):
+    """A traced length >= S_max in a tile: that row's output is NaN and its caches untouched;
+    the tile's other rows are exact."""
+    args, kw = make_inputs(rng, batch=3, hidden=512, hq=8, hkv=2, dh=128, max_seq=64,
+                           dtype="float16", lengths=[5, 64, 63])
+    y, k, v = run(args, kw, _gpu(), cluster_size=2, rows_per_cluster=4, impl="kernel")
+    ry, _, _ = reference.attention_decode(**{**args, "lengths": jnp.asarray([5, 0, 63], jnp.int32)}, **kw)
+    assert np.isnan(np.asarray(y[1].astype(jnp.float32))).all()
+    for b in (0, 2):
+        assert rel_l2(y[b], ry[b]) <= TOLERANCE["float16"]
+    np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(args["k_cache"][1]))
+    np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_with_batch_tiled_candidates(rng, tmp_path, monkeypatch):
+    """impl="auto" at batch 16 weighs the tiled choices too; whichever wins computes the step."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    args, kw = make_inputs(rng, batch=16, hidden=512, hq=8, hkv=2, dh=128, max_seq=300,
+                           dtype="float16")
+    check(args, kw, _gpu(), impl="auto")
+    import json
+    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
+    assert any(":r" in c for c in entry["times_us"])

@@ -24,7 +24,7 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     AttentionDecodeBuffers& a, int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim,
     int64_t rope_layout, int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias,
     bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow,
-    int64_t pipeline) {
+    int64_t pipeline, int64_t rows_per_cluster) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("attention_decode: " + m));
   };
@@ -60,6 +60,13 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     return fail("pipeline tma is a SplitToken pipeline (dataflow split_token)");
   }
   p.pipeline = static_cast<AttnPipeline>(pipeline);
+  if (!is_valid_cluster_size(rows_per_cluster)) {
+    return fail("rows_per_cluster must be 1, 2, 4, 8 or 16");
+  }
+  p.rows_per_cluster = static_cast<int>(rows_per_cluster);
+  if (rows_per_cluster > 1 && (p.dataflow != AttnDataflow::kSplitToken || p.pipeline != AttnPipeline::kRegisters)) {
+    return fail("rows_per_cluster > 1 (the batch-tiled kernel) needs dataflow split_token and pipeline registers");
+  }
   if (p.dataflow == AttnDataflow::kSplitHead && p.head_dim % (8 * cluster_size) != 0) {
     return fail("dataflow split_head needs head_dim divisible by 8 * cluster_size");
   }
@@ -78,6 +85,14 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
   if (a.lengths.element_type() != ffi::DataType::S32 || a.lengths.element_count() != static_cast<size_t>(p.batch)) return fail("lengths must be int32 [B]");
   for (const ffi::AnyBuffer* buf : {&a.w_qkv, &a.w_o, &a.k_cache, &a.v_cache}) {
     if (buf->element_type() != a.x.element_type()) return fail("weights and caches must have x's dtype");
+  }
+  if (rows_per_cluster > 1) {
+    const TiledLayout tiled(p.hidden, p.rows_per_cluster, static_cast<int>(p.heads_per_cluster()),
+                            static_cast<int>(p.head_dim), p.cluster_size);
+    if (tiled.bytes > kMaxSharedBytesPerBlock - 2048) {  // less the static part (<= 1.4 KB)
+      return fail("rows_per_cluster " + std::to_string(rows_per_cluster) + " needs " +
+                  std::to_string(tiled.bytes) + " bytes of shared memory per block, more than a block has");
+    }
   }
   if (a.workspace->size_bytes() < static_cast<size_t>(attention_decode_workspace_bytes(p))) return fail("workspace too small");
   p.x = a.x.untyped_data();
@@ -127,7 +142,8 @@ auto bind_attention_decode(Binding&& b) {
       .template Attr<int64_t>("cluster_size")
       .template Attr<int64_t>("max_heads_per_cluster")
       .template Attr<int64_t>("dataflow")
-      .template Attr<int64_t>("pipeline");
+      .template Attr<int64_t>("pipeline")
+      .template Attr<int64_t>("rows_per_cluster");
 }
 
 }  // namespace jax_cluster
@@ -141,7 +157,8 @@ auto bind_attention_decode(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace,                  \
       int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim, int64_t rope_layout,        \
       int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias, bool has_o_bias,   \
-      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow, int64_t pipeline
+      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow, int64_t pipeline,  \
+      int64_t rows_per_cluster
 #define JAX_CLUSTER_ATTENTION_DECODE_DECODE                                                      \
   [&] {                                                                                          \
     AttentionDecodeBuffers buffers{x,       norm_w,  norm_b, w_qkv, qkv_bias, w_o, o_bias,       \
@@ -149,5 +166,6 @@ auto bind_attention_decode(Binding&& b) {
                                    workspace};                                                   \
     return decode_attention_decode(buffers,                                                      \
       num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, eps, scale, residual,            \
-      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow, pipeline);                  \
+      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow, pipeline,         \
+      rows_per_cluster);                                                                         \
   }()

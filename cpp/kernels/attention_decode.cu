@@ -672,6 +672,14 @@ cudaError_t launch_dh(const AttentionDecodeParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_attention_decode(const AttentionDecodeParams& p, cudaStream_t stream) {
+  if (p.rows_per_cluster > 1) {  // the batch-tiled register kernel
+    if (p.dataflow != AttnDataflow::kSplitToken || p.pipeline != AttnPipeline::kRegisters) {
+      return cudaErrorInvalidValue;  // the FFI layer rejects these with a message first
+    }
+    if (p.dtype == DType::kF16) return launch_attention_decode_tiled_f16(p, stream);
+    if (p.dtype == DType::kBF16) return launch_attention_decode_tiled_bf16(p, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.dtype == DType::kF16) return launch_dh<__half>(p, stream);
   if (p.dtype == DType::kBF16) return launch_dh<__nv_bfloat16>(p, stream);
   return cudaErrorInvalidValue;

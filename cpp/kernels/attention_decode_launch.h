@@ -13,5 +13,9 @@ inline bool attention_decode_cuda_supports(const AttentionDecodeParams& p) {
 }
 
 cudaError_t launch_attention_decode(const AttentionDecodeParams& p, cudaStream_t stream);
+// The batch-tiled register kernel (p.rows_per_cluster > 1; attention_decode_tiled.cuh) and
+// the combine kernel, per dtype; launch_attention_decode calls them for such params.
+cudaError_t launch_attention_decode_tiled_f16(const AttentionDecodeParams& p, cudaStream_t stream);
+cudaError_t launch_attention_decode_tiled_bf16(const AttentionDecodeParams& p, cudaStream_t stream);
 
 }  // namespace jax_cluster

@@ -75,14 +75,14 @@ constexpr int kRegistersMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
 template <int DH, int MH>
 constexpr int kRegistersTokenSteps = MH <= 2 ? 8 : MH == 4 && kRegistersMinBlocks<DH, MH> == 2 ? 2 : 4;
 
-// Attention of the block's queries over cached tokens [t0, t1).
-template <typename T, int DH, int MH>
+// Attention of the block's queries over cached tokens [t0, t1); U token steps per warp in
+// flight (the batch-tiled kernel, built for one block per SM, passes its own).
+template <typename T, int DH, int MH, int U = kRegistersTokenSteps<DH, MH>>
 __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int hpc,
                               const float* qkv, int t0, int t1, float* warp_states) {
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
   constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
   constexpr int TPW = 32 / LPT;                // tokens per warp step
-  constexpr int U = kRegistersTokenSteps<DH, MH>;       // token steps in flight
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;
   const bool active = dv < NV;

@@ -39,6 +39,10 @@ DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/a
 PIPELINES = {"registers": 0, "tma": 1}
 CUDA_HEAD_DIMS = (64, 80, 96, 128)
 MAX_HEADS_PER_CLUSTER = 8
+# Batch rows per cluster: R > 1 runs the batch-tiled register kernel (one cluster per KV
+# head, head chunk and tile of R rows: the weights are read once per tile, not per row).
+ROWS_PER_CLUSTER = (1, 2, 4, 8, 16)
+SHARED_BYTES_PER_BLOCK = 232448 - 2048  # a Hopper block's opt-in shared memory, less static (<= 1.4 KB)
 
 
 def _heads_per_cluster(group: int, max_heads: int = MAX_HEADS_PER_CLUSTER) -> int:
@@ -48,6 +52,31 @@ def _heads_per_cluster(group: int, max_heads: int = MAX_HEADS_PER_CLUSTER) -> in
     while group % chunks:
         chunks += 1
     return group // chunks
+
+
+def _tiled_shared_bytes(hidden: int, rows: int, heads_per_cluster: int, head_dim: int,
+                        cluster_size: int) -> int:
+    """Dynamic shared memory of the batch-tiled kernel per block (mirrors TiledLayout in
+    cpp/kernels/attention_decode.h)."""
+    up = lambda b: (b + 127) // 128 * 128  # noqa: E731
+    hpc, dh = heads_per_cluster, head_dim
+    vecs_per_block = -(-((hpc + 2) * dh // 8) // cluster_size)
+    after_h = (up(4 * rows * hpc * (dh + 4)) + up(4 * 8 * MAX_HEADS_PER_CLUSTER * (dh + 2))
+               + up(4 * hpc * dh * rows) + up(4 * rows * hpc * 17))
+    h_value_bytes = 2 if rows >= 16 or (rows == 8 and hpc <= 2 and dh % 64 == 0) else 4
+    h = up(hidden * rows * h_value_bytes)
+    return (max(after_h, h) + up(4 * rows * vecs_per_block * 8)
+            + up(max(4 * rows * (hpc + 2) * dh, 4 * 2 * 256 * 8)))
+
+
+def _check_tiled_fits(hidden, rows, heads_per_cluster, head_dim, cluster_size):
+    need = _tiled_shared_bytes(hidden, rows, heads_per_cluster, head_dim, cluster_size)
+    if need > SHARED_BYTES_PER_BLOCK:
+        raise ValueError(
+            f"attention_decode: rows_per_cluster={rows} needs {need} bytes of shared memory per block "
+            f"(hidden={hidden}, {heads_per_cluster} query heads per cluster, head_dim={head_dim}, "
+            f"cluster_size={cluster_size}), more than the {SHARED_BYTES_PER_BLOCK} a block has; use "
+            "fewer rows per cluster (or fewer heads per cluster)")
 
 
 def _workspace_bytes(batch, hidden, num_q_heads, num_kv_heads, max_heads=MAX_HEADS_PER_CLUSTER):
@@ -121,29 +150,57 @@ def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int
     return 16
 
 
-def _tuner_candidates(group: int) -> tuple:
+def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden: int | None = None,
+                      head_dim: int | None = None, num_sms: int = 132) -> tuple:
     """Cluster sizes (default heads per cluster), "xla", and for GQA fewer heads per
     cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head; each
     cluster configuration with the register pipeline, and the TMA pipeline ("tma:" prefix)
-    at the sizes that fill an H100 at small batch (2, 4, 8)."""
+    at the sizes that fill an H100 at small batch (2, 4, 8). For batch > 1 also the
+    batch-tiled kernel (_tiled_candidates)."""
     default = _heads_per_cluster(group)
     fewer = sorted({_heads_per_cluster(group, h) for h in (1, 2, 4) if h < default}, reverse=True)
     spread = tuple(f"n{n}:h{h}" for h in fewer[:2] for n in (2, 4, 8))
     tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(c for c in spread if not c.startswith("n2")))
-    return CLUSTER_SIZES + ("xla",) + spread + tma
+    tiled = _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms)
+    return CLUSTER_SIZES + ("xla",) + spread + tma + tiled
 
 
-def parse_choice(choice) -> tuple[int, int | None, str] | str:
-    """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline) or "xla"."""
+def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132) -> tuple:
+    """Batch-tiled choices "n<size>:r<rows>" for batch > 1: per tile size R (up to the
+    first that covers the batch), the cluster sizes whose grid holds 0.5 to 2 blocks per SM
+    (the kernels run one or two blocks per SM, kTiledMinBlocks: fewer blocks leave SMs idle,
+    more run in waves), or else the one closest to one per SM; only those whose shared
+    memory fits. Measured (session 8, H100, b16 ctx4096): Llama-2-7B n2:r4, Llama-3-8B n2:r2."""
+    if batch <= 1:
+        return ()
+    hpc = _heads_per_cluster(group)
+    out = []
+    for rows in ROWS_PER_CLUSTER[1:]:
+        if rows // 2 >= batch:
+            break
+        fits = [n for n in CLUSTER_SIZES if hidden is None or _tiled_shared_bytes(
+            hidden, rows, hpc, head_dim, n) <= SHARED_BYTES_PER_BLOCK]
+        blocks = {n: -(-batch // rows) * num_kv_heads * (group // hpc) * n for n in fits}
+        chosen = [n for n in fits if num_sms / 2 <= blocks[n] <= 2 * num_sms]
+        if not chosen and fits:
+            chosen = [min(fits, key=lambda n: abs(math.log(blocks[n] / num_sms)))]
+        out += [f"n{n}:r{rows}" for n in chosen]
+    return tuple(out)
+
+
+def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
+    """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline, rows per
+    cluster) or "xla". Choices: a cluster size (4), "n8:h2" (cluster 8, <= 2 query heads per
+    cluster), "n4:r8" (cluster 4, tiles of 8 batch rows), a "tma:" prefix (the TMA pipeline)."""
     if choice == "xla":
         return "xla"
     pipeline = "registers"
     if isinstance(choice, str) and choice.startswith("tma:"):
         pipeline, choice = "tma", choice[4:]
     if isinstance(choice, str) and choice.startswith("n"):
-        n, h = choice.split(":")
-        return int(n[1:]), int(h[1:]), pipeline
-    return int(choice), None, pipeline
+        fields = {f[0]: int(f[1:]) for f in choice.split(":")}
+        return fields["n"], fields.get("h"), pipeline, fields.get("r", 1)
+    return int(choice), None, pipeline, 1
 
 
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
@@ -157,14 +214,15 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v5 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v6 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(choice):
         parsed = parse_choice(choice)
-        n, heads, pipeline = (None, None, None) if parsed == "xla" else parsed
-        rng = np.random.default_rng(0)
-        f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+        n, heads, pipeline, rows = (None, None, None, 1) if parsed == "xla" else parsed
+        # drawn on the device: numpy took seconds per candidate for a batch-16 cache
+        keys = iter(jax.random.split(jax.random.key(0), 8))
+        f = lambda *s, sc=1.0: (jax.random.normal(next(keys), s, jnp.float32) * sc).astype(dtype)  # noqa: E731
         kc, vc = f(batch, hkv, ctx, head_dim), f(batch, hkv, ctx, head_dim)
         consts = (f(hidden, (hq + 2 * hkv) * head_dim, sc=hidden ** -0.5),
                   f(hq * head_dim, hidden, sc=0.02), jnp.full((batch,), ctx - 1, jnp.int32),
@@ -180,15 +238,15 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                 return attention_decode(s[0], w_qkv, w_o, s[1], s[2], lengths, inv_freq,
                                         num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
                                         residual=True, cluster_size=n, heads_per_cluster=heads,
-                                        pipeline=pipeline,
+                                        pipeline=pipeline, rows_per_cluster=rows,
                                         impl="xla" if parsed == "xla" else "kernel")
 
             return jax.lax.fori_loop(0, 10, body, state)
 
         return tuning.time_carried(loop, (f(batch, hidden), kc, vc)) / 10
 
-    return tuning.pick("attention_decode", key, _tuner_candidates(hq // hkv), measure,
-                       heuristic=heuristic)
+    candidates = _tuner_candidates(hq // hkv, batch, hkv, hidden, head_dim, sms)
+    return tuning.pick("attention_decode", key, candidates, measure, heuristic=heuristic)
 
 
 def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_seq: int,
@@ -196,7 +254,7 @@ def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_s
     """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
     impl="auto" will run for it: a cluster size of the kernel, "n<size>:h<heads>" (cluster
     size and at most that many query heads per cluster), either with a "tma:" prefix (the
-    TMA pipeline), or "xla"."""
+    TMA pipeline), "n<size>:r<rows>" (the batch-tiled kernel), or "xla"."""
     return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
                                 num_kv_heads, max_seq, head_dim, dtype)
 
@@ -208,7 +266,7 @@ def attention_decode(
     qkv_bias=None, o_bias=None, residual: bool = False,
     rotary_dim: int | None = None, rope_layout: str = "half", scale: float | None = None,
     cluster_size: int | None = None, heads_per_cluster: int | None = None, impl: str = "auto",
-    dataflow: str = "split_token", pipeline: str | None = None,
+    dataflow: str = "split_token", pipeline: str | None = None, rows_per_cluster: int | None = None,
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
 
@@ -223,7 +281,11 @@ def attention_decode(
     the largest such size <= 4, untuned). pipeline (SplitToken): "registers" (weights and
     KV loaded straight into registers by every thread) or "tma" (a producer warp streams
     every byte through a TMA/mbarrier ring of shared-memory stages); None: the tuner's pick
-    when it picks the cluster size, else "registers".
+    when it picks the cluster size, else "registers". rows_per_cluster (1, 2, 4, 8, 16): batch
+    rows per cluster; R > 1 runs the batch-tiled register kernel (one cluster per KV head, head
+    chunk and tile of R rows: each weight byte is read once per tile and used for R rows;
+    split_token with pipeline "registers" only); None: the tuner's pick when it picks the
+    cluster size, else 1.
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
@@ -292,6 +354,15 @@ def attention_decode(
     if pipeline == "tma" and dataflow != "split_token":
         raise ValueError("attention_decode: pipeline='tma' is a SplitToken pipeline "
                          "(dataflow='split_token')")
+    if rows_per_cluster is not None and rows_per_cluster not in ROWS_PER_CLUSTER:
+        raise ValueError(f"attention_decode: rows_per_cluster must be one of {ROWS_PER_CLUSTER}, "
+                         f"got {rows_per_cluster!r}")
+    if (rows_per_cluster or 1) > 1 and dataflow != "split_token":
+        raise ValueError("attention_decode: rows_per_cluster > 1 (the batch-tiled kernel) needs "
+                         "dataflow='split_token'")
+    if (rows_per_cluster or 1) > 1 and pipeline == "tma":
+        raise ValueError("attention_decode: rows_per_cluster > 1 (the batch-tiled kernel) needs "
+                         "pipeline='registers'")
     if impl not in IMPLS:
         raise ValueError(f"attention_decode: impl must be one of {IMPLS}, got {impl!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -322,11 +393,18 @@ def attention_decode(
             if impl != "kernel":
                 return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
             choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None,
-                      "registers")
-        cluster_size, tuned_heads, tuned_pipeline = choice
+                      "registers", 1)
+        cluster_size, tuned_heads, tuned_pipeline, tuned_rows = choice
         heads_per_cluster = heads_per_cluster or tuned_heads
         if dataflow == "split_token":
-            pipeline = pipeline or tuned_pipeline
+            rows_per_cluster = rows_per_cluster or tuned_rows
+            pipeline = pipeline or (tuned_pipeline if rows_per_cluster == 1 else "registers")
+    rows_per_cluster = rows_per_cluster or 1
+    if rows_per_cluster > 1:
+        group = num_q_heads // num_kv_heads
+        _check_tiled_fits(hidden, rows_per_cluster,
+                          _heads_per_cluster(group, heads_per_cluster or MAX_HEADS_PER_CLUSTER),
+                          head_dim, cluster_size)
     empty = jnp.zeros((0,), dt)
     y, k, v, _ = _PRIM.bind(
         x, norm_weight if norm_weight is not None else empty,
@@ -338,5 +416,6 @@ def attention_decode(
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
         has_o_bias=o_bias is not None, cluster_size=int(cluster_size),
         max_heads_per_cluster=int(heads_per_cluster or MAX_HEADS_PER_CLUSTER),
-        dataflow=DATAFLOWS[dataflow], pipeline=PIPELINES[pipeline or "registers"])
+        dataflow=DATAFLOWS[dataflow], pipeline=PIPELINES[pipeline or "registers"],
+        rows_per_cluster=int(rows_per_cluster))
     return y, k, v
