@@ -212,7 +212,7 @@ def test_parallel_kernel_hook(rng):
 @pytest.mark.parametrize("name,machines,pu", [("torus", 2, 4), ("ring", 1, None), ("usp", 2, 2)])
 def test_schedules_on_fake_devices_with_the_op(name, machines, pu):
     """The schedules of jax_cluster.parallel on 8 fake CPU devices with this op as the local
-    kernel (Torus passes several concatenated query chunks per call)."""
+    kernel (Torus hands it several query chunks per call, as a list: one launch)."""
     ks = jax.random.split(jax.random.key(3), 3)
     q, k, v = (jax.random.normal(x, (1, 64, 8, 16), jnp.float32) for x in ks)
     p = sp.plan(name, heads=8, num_machines=machines, ulysses_degree=pu)
