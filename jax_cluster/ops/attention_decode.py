@@ -229,9 +229,11 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                   jnp.ones((head_dim // 2,), jnp.float32), f(hidden))
 
         # caches carried and donated: in place, as in a decode loop (a fresh copy of them per
-        # call would add the same time to every candidate and blur their differences)
+        # call would add the same time to every candidate and blur their differences); the
+        # weights are arguments, not constants captured by the trace (baked into every
+        # candidate's program, 100+ MB of them made each compile take seconds)
         @functools.partial(jax.jit, donate_argnums=0)
-        def loop(state):
+        def loop(state, consts):
             w_qkv, w_o, lengths, inv_freq, nw = consts
 
             def body(i, s):
@@ -243,7 +245,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
 
             return jax.lax.fori_loop(0, 10, body, state)
 
-        return tuning.time_carried(loop, (f(batch, hidden), kc, vc)) / 10
+        return tuning.time_carried(lambda state: loop(state, consts), (f(batch, hidden), kc, vc)) / 10
 
     candidates = _tuner_candidates(hq // hkv, batch, hkv, hidden, head_dim, sms)
     return tuning.pick("attention_decode", key, candidates, measure, heuristic=heuristic)
