@@ -98,16 +98,22 @@ def _time(fn, *args, warmup=1, trials=3):
     return common.time_fn(fn, *args, warmup=warmup, trials=trials)
 
 
+def random_qkv(seed, lq, lk, heads, dtype, where):
+    """q [1, lq, heads, HEAD_DIM] and k, v [1, lk, ...] of the given seed, placed on `where`
+    (a device or a sharding)."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = common.random_normal(kq, (1, lq, heads, HEAD_DIM), dtype)
+    k, v = (common.random_normal(x, (1, lk, heads, HEAD_DIM), dtype) for x in (kk, kv))
+    return tuple(jax.device_put(x, where) for x in (q, k, v))
+
+
 def calibrate_kernel(kernel, dtype, lengths, device):
     """Single-GPU times of the local kernel at the shapes the schedules launch -> KernelModel."""
     samples, table = [], []
     shapes = sorted({(l // 2, l // 2, HEADS // 2) for l in lengths} | {(l, l, HEADS // 2) for l in lengths[:1]}
                     | {(l // 2, l // 2, HEADS) for l in lengths[:1]} | {(1024, 1024, 12), (2048, 2048, 12)})
     for lq, lk, h in shapes:
-        key = jax.random.split(jax.random.key(lq + lk + h), 3)
-        q = jax.device_put(common.random_normal(key[0], (1, lq, h, HEAD_DIM), dtype), device)
-        k = jax.device_put(common.random_normal(key[1], (1, lk, h, HEAD_DIM), dtype), device)
-        v = jax.device_put(common.random_normal(key[2], (1, lk, h, HEAD_DIM), dtype), device)
+        q, k, v = random_qkv(lq + lk + h, lq, lk, h, dtype, device)
         iters = max(2, min(1000, int(4e13 / (4 * lq * lk * h * HEAD_DIM))))
         step = lambda x, k, v: sp.finalize(kernel(x, [(k, v)], None, scale=HEAD_DIM ** -0.5), dtype)  # noqa: E731
         t = _time(_layer_loop(step, iters), q, k, v) / iters
@@ -141,7 +147,6 @@ def _same_program(a, b):
 def measure_schedules(devices, lengths, schedules, kernel, dtype, iters_for, machines=2):
     rows = []
     for length in lengths:
-        key = jax.random.split(jax.random.key(length), 3)
         built = {}
         for name in schedules:
             plan = sp.plan(name, heads=HEADS, devices=devices, num_machines=machines)
@@ -155,9 +160,7 @@ def measure_schedules(devices, lengths, schedules, kernel, dtype, iters_for, mac
                 row.update({k: v for k, v in built[twin][1].items() if k in ("ours_us",)})
                 row["same_program_as"] = twin
             else:
-                sharding = plan.sharding()
-                q, k, v = (jax.device_put(common.random_normal(kk, (1, length, HEADS, HEAD_DIM), dtype), sharding)
-                           for kk in key)
+                q, k, v = random_qkv(length, length, length, HEADS, dtype, plan.sharding())
                 iters = iters_for(length)
                 run = _layer_loop(lambda x, k, v, p=plan: sp.sp_attention(x, k, v, p, kernel=kernel), iters)
                 t0 = time.perf_counter()
@@ -203,9 +206,7 @@ def measure_one_gpu(device, lengths, kernel, dtype, iters_for):
     """The whole sequence on ONE GPU with the same local kernel: what 2 GPUs should halve."""
     times = {}
     for length in lengths:
-        key = jax.random.split(jax.random.key(length), 3)
-        q, k, v = (jax.device_put(common.random_normal(kk, (1, length, HEADS, HEAD_DIM), dtype), device)
-                   for kk in key)
+        q, k, v = random_qkv(length, length, length, HEADS, dtype, device)
         iters = iters_for(length)
         run = _layer_loop(lambda x, k, v: sp.attention(x, k, v, kernel=kernel), iters)
         times[length] = _time(run, q, k, v) / iters * 1e6
