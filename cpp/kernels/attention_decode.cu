@@ -402,51 +402,6 @@ __device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const f
   consumers().sync();
 }
 
-// Phase 3, end: the warps' states and the new token (if it is in this block's slice) ->
-// per head the block's max (mx) and its sum-scaled (o, l) in `sums` [hpc*DH o | hpc l].
-template <int DH, int MH>
-__device__ void combine_block_state(const AttentionDecodeParams& p, const Ctx& c, int hpc,
-                                    const BlockWork& w, const float* qkv,
-                                    const float* warp_states, float* mx, float* sums,
-                                    int sum_floats) {
-  const float qscale = p.scale * kLog2e;
-  const bool has_new = w.t0 <= c.len && c.len < w.t1;
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kConsumerThreads) {
-    const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float m = -INFINITY;
-    for (int wp = 0; wp < kConsumerWarps; ++wp) m = fmaxf(m, warp_states[(wp * MH + head) * (DH + 2) + DH]);
-    float s_new = -INFINITY;
-    if (has_new) {
-      float d = 0.f;
-      for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
-      s_new = d;
-    }
-    const float mm = fmaxf(m, s_new);
-    float acc = 0.f;
-    for (int wp = 0; wp < kConsumerWarps; ++wp) {
-      const float* ws = warp_states + (wp * MH + head) * (DH + 2);
-      const float wm = ws[DH];
-      if (wm == -INFINITY) continue;
-      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
-    }
-    if (s_new != -INFINITY) {
-      const float pr = exp2f(s_new - mm);
-      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
-    }
-    if (i < DH) {
-      sums[head * DH + i] = acc;
-    } else {
-      sums[hpc * DH + head] = acc;
-      mx[head] = mm;
-    }
-  }
-  for (int e = threadIdx.x; e < kMaxH; e += kConsumerThreads) {
-    if (e >= hpc) mx[e] = -INFINITY;
-  }
-  for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kConsumerThreads) sums[e] = 0.f;
-  consumers().sync();
-}
-
 // Phase 4 (consumers): attn [hpc*DH] times the block's W_o tiles -> the fp32 partial row.
 // Thread = (row group, 8-column vector of the 64-column tile): 4 row groups per warp; loads
 // first, branch-free, as in phase 2.
@@ -581,7 +536,9 @@ __global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
 
   // 3. Attention over this block's cached tokens; then the new token; cluster combine.
   attend_streamed<T, DH, MH>(p, hpc, qkv, w, warp_states, ring, cur, smem, a.stages);
-  combine_block_state<DH, MH>(p, c, hpc, w, qkv, warp_states, mx, sums, L.sum_vecs * 4);
+  merge_warp_states<DH, kConsumerThreads, kConsumerWarps, MH>(
+      hpc, w.t0 <= c.len && c.len < w.t1, p.scale * kLog2e, qkv, warp_states, mx, sums,
+      L.sum_vecs * 4, [] { consumers().sync(); });
   if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
   reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a consumer barrier
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kConsumerThreads) {

@@ -193,6 +193,53 @@ struct SoftmaxState {
   }
 };
 
+// A block's attention state per head after its warps attended over their tokens: the warp
+// states [warp][head (kWarpStride)][DH + 2] = (o..., m, l) merged in a fixed warp order with
+// the new token (score q . k_new, exp2 domain) where the block owns position len
+// (has_new), all rescaled to the block's max: sums[head * DH + i] = o, sums[hpc * DH +
+// head] = l, mx[head] = that max (-inf for heads >= hpc); sums zero up to sum_floats.
+// Threads [0, kThreads) take part; sync() (their barrier) ends it.
+template <int DH, int kThreads, int kWarps, int kWarpStride, typename Sync>
+__device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float qscale,
+                                                  const float* qkv, const float* warp_states,
+                                                  float* mx, float* sums, int sum_floats,
+                                                  Sync sync) {
+  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
+    const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_states[(w * kWarpStride + head) * (DH + 2) + DH]);
+    float s_new = -INFINITY;
+    if (has_new) {
+      float d = 0.f;
+      for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
+      s_new = d;
+    }
+    const float mm = fmaxf(m, s_new);
+    float acc = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* ws = warp_states + (w * kWarpStride + head) * (DH + 2);
+      const float wm = ws[DH];
+      if (wm == -INFINITY) continue;
+      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
+    }
+    if (s_new != -INFINITY) {
+      const float pr = exp2f(s_new - mm);
+      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
+    }
+    if (i < DH) {
+      sums[head * DH + i] = acc;
+    } else {
+      sums[hpc * DH + head] = acc;
+      mx[head] = mm;
+    }
+  }
+  for (int e = threadIdx.x; e < kMaxH; e += kThreads) {
+    if (e >= hpc) mx[e] = -INFINITY;
+  }
+  for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kThreads) sums[e] = 0.f;
+  sync();
+}
+
 // out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
 // block's `ncv` column vectors. Threads split rows into groups; partial sums
 // meet in shared memory in a fixed order.

@@ -265,41 +265,9 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   prefetch_rows(wo + o_first * 8, p.hidden, hpc * DH, static_cast<int64_t>(o_count) * 16);
 
   // Combine the warps (fixed order), then the new token, per head.
-  const float qscale = p.scale * kLog2e;
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
-    const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float m = -INFINITY;
-    for (int w = 0; w < kBlockWarps; ++w) m = fmaxf(m, warp_states[(w * kMaxH + head) * (DH + 2) + DH]);
-    float s_new = -INFINITY;
-    if (t0 <= c.len && c.len < t1) {
-      float d = 0.f;
-      for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
-      s_new = d;
-    }
-    const float mm = fmaxf(m, s_new);
-    float acc = 0.f;
-    for (int w = 0; w < kBlockWarps; ++w) {
-      const float* ws = warp_states + (w * kMaxH + head) * (DH + 2);
-      const float wm = ws[DH];
-      if (wm == -INFINITY) continue;
-      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
-    }
-    if (s_new != -INFINITY) {
-      const float pr = exp2f(s_new - mm);
-      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
-    }
-    if (i < DH) {
-      sums[head * DH + i] = acc;
-    } else {
-      sums[hpc * DH + head] = acc;
-      mx[head] = mm;
-    }
-  }
-  for (int e = threadIdx.x; e < kMaxH; e += kBlockThreads) {
-    if (e >= hpc) mx[e] = -INFINITY;
-  }
-  for (int e = hpc * DH + hpc + threadIdx.x; e < L.sum_vecs * 4; e += kBlockThreads) sums[e] = 0.f;
-  __syncthreads();
+  merge_warp_states<DH, kBlockThreads, kBlockWarps, kMaxH>(
+      hpc, t0 <= c.len && c.len < t1, p.scale * kLog2e, qkv, warp_states, mx, sums,
+      L.sum_vecs * 4, [] { __syncthreads(); });
   __shared__ float local_max[kMaxH];
   if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
   reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a block barrier
