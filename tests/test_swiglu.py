@@ -139,6 +139,7 @@ def test_configs_valid_for_many_shapes():
                             for k, splits in checks:
                                 assert 1 <= splits <= k // 16
                                 assert sw.gemv_chunk(k, splits) * rows * 4 <= 32 * 1024
+                            assert cfg.pdl == 1
                         elif cfg.variant == 4:
                             assert cfg.num_clusters == 132 and cfg.pdl == 1
                             assert cfg.row_tiles == (1 if spec == "tma:rt=1" else sw._default_row_tiles(min(m, 64)))
@@ -346,7 +347,7 @@ def test_gpu_up_only(rng, dtype):
              "fused:n=16", "fused:n=16:g=1", "fused:g=3", "fused:g=4:rt=4", "fused:c=1",
              "fused:c=2", "fused:n=8:c=5:g=2", "fused_row:n=16", "stream:c=1", "stream:c=7",
              "stream:c=1000", "stream:rt=1", "stream:rt=2:c=33", "gemv:ku=1:kd=1", "gemv:ku=7:kd=3",
-             "gemv:ku=64:kd=64", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
+             "gemv:ku=64:kd=64", "gemv:p=0", "gemv:ku=7:kd=37", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
              "tma:rt=2:c=33", "tma:rt=4", "tma:p=0", "tma:p=0:c=5"])
 def test_gpu_knobs(rng, spec):
     for d, f in ((1024, 1344), (320, 704)):
@@ -365,7 +366,7 @@ def test_gpu_llama_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "split"])
+@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "split", "gemv", "gemv:p=0"])
 def test_gpu_chained_calls(rng, spec):
     """Calls feeding each other inside one jit, as in a decoder stack (command buffers,
     the programmatic launch of each call's down kernel right after its up kernel, one

@@ -91,7 +91,7 @@ struct SwigluParams {
   int num_clusters;  // fused: clusters in the persistent grid; stream: blocks (clusters of 1)
   int k_splits_up;    // gemv: K chunks of the up GEMM (blocks per column tile)
   int k_splits_down;  // gemv: K chunks of the down GEMM
-  bool pdl;           // tma: the down kernel launches programmatically (PDL)
+  bool pdl;           // tma, gemv: the down kernel launches programmatically (PDL)
   const void* x;
   const void* w_gate;
   const void* w_up;

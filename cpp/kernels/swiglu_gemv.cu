@@ -8,6 +8,12 @@
 // registers and FMA-ing them with x, which sits in shared memory as fp32 [row][MR]. Row groups are
 // summed in a fixed order (a shuffle, then shared memory), K chunks through fp32 slots in
 // the workspace, summed in chunk order by whichever block of the tile arrives last.
+// Why tile-aligned K chunks, not equal flat chunks that would balance the SMs exactly: the
+// blocks of one K chunk start together and read the same weight rows of neighbouring
+// tiles at about the same time (DRAM pages shared); equal chunks starting at arbitrary rows
+// measured 20-30% slower on H100 (benchmarks/results/logs/session9).
+// The down kernel is launched programmatically (PDL, SwigluParams::pdl): its blocks start
+// as up blocks retire and issue their first w_down loads before waiting for A2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -41,6 +47,8 @@ struct GemvArgs {
   int64_t chunk;  // K rows per split (multiple of 16)
   int splits, tiles;
   bool up;
+  bool wait_prior;  // PDL: wait for the previous kernel (A2) after the first weight loads
+  bool trigger;     // PDL: let the next kernel's blocks launch
 };
 
 // Columns a block produces per row: gate | up (up) or y (down).
@@ -66,6 +74,7 @@ template <typename T, int MR>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(const GemvArgs a) {
   extern __shared__ __align__(16) float smem[];  // x chunk [rows][MR], later the reduction
   __shared__ int is_last;
+  if (a.trigger) ptx::griddep_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // kc-major order: blocks running together read the same rows of neighbouring tiles
   const int64_t tile = blockIdx.x % a.tiles, kc = blockIdx.x / a.tiles;
@@ -83,10 +92,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<MR>) swiglu_gemv_kernel(c
     return active && r < rows ? ptx::ldg_stream(w + static_cast<int64_t>(r) * a.n)
                               : make_uint4(0, 0, 0, 0);
   };
-  // The first weight loads fly while x is staged.
+  // The first weight loads fly while x is staged (and, for down, while A2 is finished).
   uint4 v[kUnroll<MR>];
 #pragma unroll
   for (int u = 0; u < kUnroll<MR>; ++u) v[u] = load(rg + u * step);
+  if (a.wait_prior) ptx::griddep_wait();
 
   // x chunk -> shared memory, fp32, [row][MR] (rows of x past m are zero)
   const T* x = static_cast<const T*>(a.x);
@@ -185,7 +195,7 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   const SwigluGemvLayout l = swiglu_gemv_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
-  if (p.k_splits_up > 1 || (p.has_down && p.k_splits_down > 1)) {
+  if (p.k_splits_up > 1 || (p.has_down && p.k_splits_down > 1)) {  // before the up kernel
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
   }
@@ -205,12 +215,15 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     a.tiles = static_cast<int>(a.up ? l.tiles_up : l.tiles_down);
     a.counters = counters + (a.up ? 0 : l.tiles_up);
     a.slots = reinterpret_cast<float*>(ws + l.slots);
+    a.wait_prior = !a.up && p.pdl;
+    a.trigger = a.up && p.has_down && p.pdl;
     const size_t x_bytes = static_cast<size_t>(a.chunk) * MR * 4;
     const size_t red_bytes = static_cast<size_t>(8) * MR * kCols * 4;
     const size_t smem = x_bytes > red_bytes ? x_bytes : red_bytes;
     const unsigned blocks = static_cast<unsigned>(a.tiles) * static_cast<unsigned>(a.splits);
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(swiglu_gemv_kernel<T, MR>, dim3(blocks),
-                                                    dim3(kThreads), smem, 1, stream, a));
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(swiglu_gemv_kernel<T, MR>, dim3(blocks),
+                                                         dim3(kThreads), smem, a.wait_prior,
+                                                         stream, a));
   }
   return cudaSuccess;
 }

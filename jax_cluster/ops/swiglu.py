@@ -28,7 +28,9 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                streamed from HBM straight into registers (no shared-memory staging, 8
                16-byte loads in flight per thread), x in shared memory; each block owns
                128 columns (gate and up) and one K chunk; chunks are summed in order by
-               the tile's last block (deterministic).
+               the tile's last block (deterministic); the down kernel starts
+               programmatically (PDL) and loads its first weights while the up kernel
+               drains.
   "tma"        the split form's two GEMMs as persistent stream-K kernels fed by the bulk
                tensor copy engine: one block per SM, one producer warp streaming 64 x 64
                weight boxes (and the x / A2 box) into a ring of shared-memory stages, four
@@ -50,8 +52,9 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
 down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid),
-"gemv:ku=8:kd=21" (K chunks of the up and down GEMMs), "tma:rt=1:c=132:p=0" (16-row
-tiles per block, blocks, programmatic launch of the down kernel off).
+"gemv:ku=8:kd=21:p=0" (K chunks of the up and down GEMMs, programmatic launch of the down
+kernel off), "tma:rt=1:c=132:p=0" (16-row tiles per block, blocks, programmatic launch of
+the down kernel off).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
 columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
@@ -103,7 +106,7 @@ class Config:
     num_clusters: int  # fused: clusters; stream, tma: blocks (clusters of one)
     k_splits_up: int = 1  # gemv: K chunks of each GEMM
     k_splits_down: int = 1
-    pdl: int = 0  # tma: the down kernel starts programmatically (PDL)
+    pdl: int = 0  # tma, gemv: the down kernel starts programmatically (PDL)
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,7 +115,7 @@ class Config:
         if self.variant == 4:
             return f"tma rt{self.row_tiles} c{self.num_clusters} pdl{self.pdl}"
         if self.variant == 3:
-            return f"gemv ku{self.k_splits_up} kd{self.k_splits_down}"
+            return f"gemv ku{self.k_splits_up} kd{self.k_splits_down} pdl{self.pdl}"
         if self.variant == 2:
             return f"stream rt{self.row_tiles} c{self.num_clusters}"
         if self.variant == 1:
@@ -258,7 +261,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
             raise ValueError(f"swiglu: bad knob {knob!r} in variant {spec!r}; knobs are "
                              f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
                              "exchange), c= (clusters; for 'stream' and 'tma' blocks), ku=, kd= (gemv K "
-                             "chunks), p= (tma: programmatic launch of the down kernel, 0 or 1), "
+                             "chunks), p= (tma, gemv: programmatic launch of the down kernel, 0 or 1), "
                              "each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
@@ -316,7 +319,7 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         rows = gemv_rows(min(m, GEMV_MAX_ROWS))
         ku = _gemv_splits(d, _ceil_div(f, _GEMV_COLS), rows, num_sms, kn.get("ku"))
         kd = _gemv_splits(f, _ceil_div(d, _GEMV_COLS), rows, num_sms, kn.get("kd")) if has_down else 1
-        return Config(3, 0, 1, 1, 1, 1, 1, ku, kd)
+        return Config(3, 0, 1, 1, 1, 1, 1, ku, kd, pdl=kn.get("p", 1))
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
     if name == "tma":  # one block per SM
         return Config(4, 0, 1, 1, rt, 1, kn.get("c", num_sms), pdl=kn.get("p", 1))
@@ -359,7 +362,7 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 5  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 6  # bump when the kernels change: cached choices are then re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:

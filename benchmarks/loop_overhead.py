@@ -1,0 +1,126 @@
+"""Does the timing loop itself cost time? Per-call seconds of swiglu variants measured two
+ways inside one jit: the benchmarks' fori_loop (jax_cluster.ops.swiglu.timing_loop) and the
+same chain of calls unrolled in Python (no XLA while loop: no per-iteration predicate
+round trip). Also the streaming-read probe both ways. Prints one line per case.
+
+    python3 benchmarks/loop_overhead.py llama3-8b:1:gemv llama3-8b:1:xla
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jax_cluster as jc
+from jax_cluster import tuning
+from jax_cluster.ops import swiglu as sw
+from swiglu import SHAPES
+
+CALLS = 24
+
+
+def unrolled(fn, inputs):
+    x0, weights, _ = inputs
+    dtype = x0.dtype
+
+    @jax.jit
+    def run(x, weights, res):
+        for i in range(CALLS):
+            wg, wu, wd = weights[i % len(weights)]
+            y = fn(x, wg, wu, wd, res)
+            x = (x.astype(jnp.float32) + 1e-3 * y.astype(jnp.float32)).astype(dtype)
+        return x
+
+    return run
+
+
+def swiglu_case(spec: str) -> None:
+    model, m, variant = spec.split(":", 2)
+    d, f = SHAPES[model]
+    inputs = sw.timing_inputs(int(m), d, f, "float16")
+    fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
+    loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
+    t_loop = tuning.time_call(loop, *inputs) / calls
+    t_flat = tuning.time_call(unrolled(fn, inputs), *inputs) / CALLS
+    wbytes = 3 * d * f * 2
+    print(f"{spec:28s} fori {t_loop * 1e6:7.1f} us  unrolled {t_flat * 1e6:7.1f} us  "
+          f"({wbytes / t_flat / 1e12:.2f} TB/s unrolled)", flush=True)
+
+
+def stream_read_case() -> None:
+    from jax_cluster.ops.stream_read import stream_read
+
+    n = 2**28  # 1 GiB of fp32
+    chunks = 4 * 132
+    buf = jnp.arange(n // (4 * chunks) * 4 * chunks, dtype=jnp.float32)  # 16 * chunks bytes | size
+
+    @jax.jit
+    def fori(buf):
+        def body(_, acc):
+            b, acc = jax.lax.optimization_barrier((buf, acc))
+            return acc ^ stream_read(b, chunks)
+        return jax.lax.fori_loop(0, 10, body, jnp.zeros((chunks,), jnp.uint32))
+
+    @jax.jit
+    def flat(buf):
+        acc = jnp.zeros((chunks,), jnp.uint32)
+        for _ in range(10):
+            b, acc = jax.lax.optimization_barrier((buf, acc))
+            acc = acc ^ stream_read(b, chunks)
+        return acc
+
+    for name, fn in (("fori", fori), ("unrolled", flat)):
+        t = tuning.time_call(fn, buf) / 10
+        print(f"stream_read {name:9s} {buf.size * 4 / t / 1e12:.3f} TB/s ({t * 1e6:.0f} us per GiB)",
+              flush=True)
+
+
+def trace_case(spec: str) -> None:
+    """Kernel timeline of the fori timing loop (CUPTI through jax.profiler): per-kernel
+    durations and the idle gaps between kernels on the busiest GPU stream."""
+    import glob
+    import tempfile
+    from collections import defaultdict
+
+    from jax.profiler import ProfileData
+
+    model, m, variant = spec.split(":", 2)
+    d, f = SHAPES[model]
+    inputs = sw.timing_inputs(int(m), d, f, "float16")
+    fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
+    loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
+    jax.block_until_ready(loop(*inputs))
+    out = tempfile.mkdtemp()
+    with jax.profiler.trace(out):
+        jax.block_until_ready(loop(*inputs))
+    data = ProfileData.from_file(glob.glob(out + "/**/*.xplane.pb", recursive=True)[0])
+    lines = [ln for pl in data.planes if pl.name.startswith("/device:GPU")
+             for ln in pl.lines if "Stream" in ln.name]
+    line = max(lines, key=lambda ln: len(list(ln.events)))
+    evs = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events), key=lambda t: t[0])
+    per = defaultdict(float)
+    gaps = 0.0
+    for (s0, d0, _), (s1, _, _) in zip(evs, evs[1:]):
+        gaps += max(0.0, s1 - (s0 + d0))
+    for _, dur, name in evs:
+        per[name[:70]] += dur
+    span = evs[-1][0] + evs[-1][1] - evs[0][0]
+    print(f"trace {spec}: {len(evs)} kernels on {line.name}, span {span / calls / 1e3:.1f} us "
+          f"per call, gaps {gaps / calls / 1e3:.1f} us per call", flush=True)
+    for name, dur in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {dur / calls / 1e3:8.1f} us/call  {name}", flush=True)
+    for s0, dur, name in evs[:12]:
+        print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args and args[0] == "--trace":
+        for spec in args[1:]:
+            trace_case(spec)
+    else:
+        stream_read_case()
+        for spec in args:
+            swiglu_case(spec)
