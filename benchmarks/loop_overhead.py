@@ -2,6 +2,8 @@
 ways inside one jit: the benchmarks' fori_loop (jax_cluster.ops.swiglu.timing_loop) and the
 same chain of calls unrolled in Python (no XLA while loop: no per-iteration predicate
 round trip). Also the streaming-read probe both ways. Prints one line per case.
+--trace: the kernel timeline of the timing loop instead; --sweep: only the benchmarks'
+timing loop, one line per spec (for choosing knobs, e.g. llama3-8b:1:gemv:ku=7:kd=41).
 
     python3 benchmarks/loop_overhead.py llama3-8b:1:gemv llama3-8b:1:xla
 """
@@ -36,10 +38,23 @@ def unrolled(fn, inputs):
     return run
 
 
-def swiglu_case(spec: str) -> None:
+def parse_spec(spec: str) -> tuple[str, int, int, int]:
+    """'model:M:variant[:knobs]' -> (variant, M, D, F)."""
     model, m, variant = spec.split(":", 2)
-    d, f = SHAPES[model]
-    inputs = sw.timing_inputs(int(m), d, f, "float16")
+    return (variant, int(m), *SHAPES[model])
+
+
+def sweep_case(spec: str) -> None:
+    variant, m, d, f = parse_spec(spec)
+    t = sw.measure(variant, m=m, d=d, f=f, dtype="float16")
+    cfg = sw.make_config(variant, m, d, f, True, 132) if variant != "xla" else None
+    print(f"{spec:36s} {t * 1e6:7.1f} us  {3 * d * f * 2 / t / 1e12:.2f} TB/s  "
+          f"{cfg.describe() if cfg else ''}", flush=True)
+
+
+def swiglu_case(spec: str) -> None:
+    variant, m, d, f = parse_spec(spec)
+    inputs = sw.timing_inputs(m, d, f, "float16")
     fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
     loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
     t_loop = tuning.time_call(loop, *inputs) / calls
@@ -54,7 +69,7 @@ def stream_read_case() -> None:
 
     n = 2**28  # 1 GiB of fp32
     chunks = 4 * 132
-    buf = jnp.arange(n // (4 * chunks) * 4 * chunks, dtype=jnp.float32)  # 16 * chunks bytes | size
+    buf = jnp.arange(n // (4 * chunks) * 4 * chunks, dtype=jnp.float32)  # 16 * chunks | bytes
 
     @jax.jit
     def fori(buf):
@@ -86,9 +101,8 @@ def trace_case(spec: str) -> None:
 
     from jax.profiler import ProfileData
 
-    model, m, variant = spec.split(":", 2)
-    d, f = SHAPES[model]
-    inputs = sw.timing_inputs(int(m), d, f, "float16")
+    variant, m, d, f = parse_spec(spec)
+    inputs = sw.timing_inputs(m, d, f, "float16")
     fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
     loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
     jax.block_until_ready(loop(*inputs))
@@ -117,9 +131,9 @@ def trace_case(spec: str) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--trace":
+    if args and args[0] in ("--trace", "--sweep"):
         for spec in args[1:]:
-            trace_case(spec)
+            (trace_case if args[0] == "--trace" else sweep_case)(spec)
     else:
         stream_read_case()
         for spec in args:
