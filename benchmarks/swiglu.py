@@ -131,8 +131,9 @@ def main(argv=None):
                 t_jnp = time_us(plain_jnp, inputs)
                 measured, times = {}, {}
                 for v in variants:  # variants whose configuration coincides are timed once
-                    if v == "gemv" and m > sw.GEMV_MAX_ROWS:
-                        continue  # it would run in 8-row chunks, re-reading the weights
+                    if v.startswith("gemv") and m > sw.gemv_max_rows(
+                            sw.make_config(v, 1, d, f, True, sms).gemv_mma):
+                        continue  # it would run in row chunks, re-reading the weights
                     cfg = sw.make_config(v, m, d, f, True, sms).effective(m)
                     if cfg in measured:
                         times[v] = times[measured[cfg]]

@@ -20,7 +20,7 @@ from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 
 DTYPES = ["float16", "bfloat16"]
 MS = [1, 3, 8, 16, 33, 64, 128]
-VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "xla"]
+VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "gemv", "gemv:mma=0", "tma", "xla"]
 # non-square, F = 21 * 64 (not a multiple of 128), D = 320 (down tile of 64 valid columns)
 SHAPES = [(256, 512), (320, 1344), (512, 192)]
 
@@ -126,7 +126,7 @@ def test_configs_valid_for_many_shapes():
         for f in (64, 192, 1344, 7168, 11008, 14336, 28672):
             for m in (1, 2, 5, 16, 17, 33, 64, 65, 300):
                 for spec in ("split", "split_row", "fused", "fused_row", "fused:n=16", "fused:n=4",
-                             "stream", "gemv", "tma", "tma:rt=1"):
+                             "stream", "gemv", "gemv:mma=0", "tma", "tma:rt=1"):
                     for down in (True, False):
                         cfg = sw.make_config(spec, m, d, f, down, 132)
                         if cfg is None:
@@ -134,11 +134,12 @@ def test_configs_valid_for_many_shapes():
                         assert cfg.cluster_up in sw.CLUSTER_SIZES and cfg.cluster_up <= d // 64
                         assert cfg.row_tiles in (1, 2, 4)
                         if cfg.variant == 3:
-                            rows = sw.gemv_rows(min(m, sw.GEMV_MAX_ROWS))
+                            mma = cfg.gemv_mma
+                            row_bytes = sw.gemv_x_row_bytes(min(m, sw.gemv_max_rows(mma)), mma)
                             checks = ((d, cfg.k_splits_up), (f, cfg.k_splits_down)) if down else ((d, cfg.k_splits_up),)
                             for k, splits in checks:
                                 assert 1 <= splits <= k // 16
-                                assert sw.gemv_chunk(k, splits) * rows * 4 <= 32 * 1024
+                                assert sw.gemv_chunk(k, splits) * row_bytes <= sw._GEMV_X_BYTES
                             assert cfg.pdl == 1
                         elif cfg.variant == 4:
                             assert cfg.num_clusters == 132 and cfg.pdl == 1
@@ -221,7 +222,7 @@ def test_bad_dtypes_and_variants():
     for bad, message in [("fast", "variant must be one of"), ("fused:n=3", "cluster sizes are"),
                          ("fused:q=1", "bad knob"), ("split:rt=8", "row tiles are 1, 2 or 4"),
                          ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), ("stream:c=0", "c= in 1..65535"),
-                         ("gemv:ku=0", "K chunks must be >= 1"), ("tma:p=2", "p= is 0 or 1"),
+                         ("gemv:ku=0", "K chunks must be >= 1"), ("tma:p=2", "p= is 0 or 1"), ("gemv:mma=2", "mma= is 0 or 1"),
                          (3, "must be a string")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             jc.swiglu(x, w, w, w, variant=bad)
@@ -247,7 +248,7 @@ def test_cpu_auto_uses_heuristic_without_measuring(rng, tmp_path):
     inputs = _inputs(rng, 4, 128, 192, "float16")
     jc.swiglu(*inputs)
     assert not (tmp_path / "tuning.json").exists()
-    assert sw.resolve_variant("auto", 4, 128, 192, jnp.float16, True) == "split"
+    assert sw.resolve_variant("auto", 4, 128, 192, jnp.float16, True) == "gemv"
     assert sw.resolve_variant("auto", 64, 128, 192, jnp.float16, True) == "split"
     assert sw.resolve_variant("auto", 1, 128, 192, jnp.float16, True) == "gemv"
 
@@ -257,8 +258,8 @@ def test_ffi_validation_errors():
     x, w = jnp.ones((2, 128), jnp.float16), jnp.ones((128, 128), jnp.float16)
     empty = jnp.zeros((0,), jnp.float16)
     good = dict(variant=1, order=0, cluster_up=2, cluster_down=1, row_tiles=1, f_group=1,
-                num_clusters=1, k_splits_up=1, k_splits_down=1, pdl=0, has_down=True,
-                has_residual=False)
+                num_clusters=1, k_splits_up=1, k_splits_down=1, pdl=0, gemv_mma=0,
+                has_down=True, has_residual=False)
     bad_attrs = [({"row_tiles": 3}, "row_tiles must be 1, 2 or 4"),
                  ({"cluster_up": 4}, "cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64"),
                  ({"num_clusters": 3}, "num_clusters must be in 1..F/64"),
@@ -267,6 +268,7 @@ def test_ffi_validation_errors():
                  ({"variant": 4, "pdl": 2}, "pdl must be 0 or 1"),
                  ({"variant": 3, "k_splits_up": 0}, "k_splits_up must be in 1..K/16"),
                  ({"variant": 3, "k_splits_down": 9}, "k_splits_down must be in 1..K/16"),
+                 ({"variant": 3, "gemv_mma": 2}, "gemv_mma must be 0 or 1"),
                  ({"variant": 2, "num_clusters": 0}, "num_clusters (the stream kernels' blocks) must be in 1..65535")]
     for change, message in bad_attrs:
         with pytest.raises(Exception, match=re.escape(message)):
@@ -335,7 +337,7 @@ def test_gpu_variants(rng, variant, dtype):
 def test_gpu_up_only(rng, dtype):
     for d, f in SHAPES:
         for m in MS:
-            for variant in ("split", "split_row", "stream", "gemv", "tma"):
+            for variant in ("split", "split_row", "stream", "gemv", "gemv:mma=0", "tma"):
                 inputs = _inputs(rng, m, d, f, dtype, down=False)
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
@@ -347,7 +349,8 @@ def test_gpu_up_only(rng, dtype):
              "fused:n=16", "fused:n=16:g=1", "fused:g=3", "fused:g=4:rt=4", "fused:c=1",
              "fused:c=2", "fused:n=8:c=5:g=2", "fused_row:n=16", "stream:c=1", "stream:c=7",
              "stream:c=1000", "stream:rt=1", "stream:rt=2:c=33", "gemv:ku=1:kd=1", "gemv:ku=7:kd=3",
-             "gemv:ku=64:kd=64", "gemv:p=0", "gemv:ku=7:kd=37", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
+             "gemv:ku=64:kd=64", "gemv:p=0", "gemv:ku=7:kd=37",
+             "gemv:mma=0:ku=7:kd=3", "gemv:mma=0:ku=64:kd=64", "gemv:mma=0:p=0", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
              "tma:rt=2:c=33", "tma:rt=4", "tma:p=0", "tma:p=0:c=5"])
 def test_gpu_knobs(rng, spec):
     for d, f in ((1024, 1344), (320, 704)):
@@ -360,13 +363,13 @@ def test_gpu_knobs(rng, spec):
 def test_gpu_llama_shapes(rng):
     for d, f in ((4096, 11008), (8192, 7168)):
         for m in (1, 16, 64):
-            for variant in ("split", "fused", "stream", "gemv", "tma"):
+            for variant in ("split", "fused", "stream", "gemv", "gemv:mma=0", "tma"):
                 inputs = _inputs(rng, m, d, f, "float16")
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "split", "gemv", "gemv:p=0"])
+@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "split", "gemv", "gemv:p=0", "gemv:mma=0"])
 def test_gpu_chained_calls(rng, spec):
     """Calls feeding each other inside one jit, as in a decoder stack (command buffers,
     the programmatic launch of each call's down kernel right after its up kernel, one
@@ -423,7 +426,8 @@ def test_gpu_auto_tunes_once_and_caches(rng, tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_tuning_disabled_uses_heuristic(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_CLUSTER_TUNING", "0")
-    assert sw.resolve_variant("auto", 4, 512, 1024, jnp.float16, True) == "split"
+    assert sw.resolve_variant("auto", 4, 512, 1024, jnp.float16, True) == "gemv"
+    assert sw.resolve_variant("auto", 17, 512, 1024, jnp.float16, True) == "split"
     assert not (tmp_path / "tuning.json").exists()
 
 

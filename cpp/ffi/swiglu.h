@@ -19,7 +19,8 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
     ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order, int64_t cluster_up,
     int64_t cluster_down, int64_t row_tiles, int64_t f_group, int64_t num_clusters,
-    int64_t k_splits_up, int64_t k_splits_down, int64_t pdl, bool has_down, bool has_residual) {
+    int64_t k_splits_up, int64_t k_splits_down, int64_t pdl, int64_t gemv_mma, bool has_down,
+    bool has_residual) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("swiglu: " + m));
   };
@@ -46,6 +47,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   p.k_splits_up = static_cast<int>(k_splits_up);
   p.k_splits_down = static_cast<int>(k_splits_down);
   p.pdl = pdl != 0;
+  p.gemv_mma = gemv_mma != 0;
   if (p.m < 1) return fail("x must have at least one row");
   if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
   if (p.d % kSwigluAlign || p.f % kSwigluAlign) {
@@ -78,14 +80,19 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
     return fail("variant must be 0 (split), 1 (fused), 2 (stream), 3 (gemv) or 4 (tma)");
   }
   if (pdl != 0 && pdl != 1) return fail("pdl must be 0 or 1");
+  if (gemv_mma != 0 && gemv_mma != 1) return fail("gemv_mma must be 0 or 1");
   if (p.variant == SwigluVariant::kGemv) {
-    if (p.m > kSwigluGemvMaxRows) return fail("the gemv variant takes at most 8 rows of x");
-    const int64_t xrow = swiglu_gemv_rows(p.m) * 4;  // bytes of one K row of x, fp32
+    const int64_t max_rows = swiglu_gemv_max_rows(p.gemv_mma);
+    if (p.m > max_rows) {
+      return fail("the gemv variant takes at most " + std::to_string(max_rows) + " rows of x" +
+                  (p.gemv_mma ? "" : " on CUDA cores"));
+    }
+    const int64_t xrow = swiglu_gemv_x_row_bytes(p.m, p.gemv_mma);  // bytes of one K row of x
     for (auto [splits, k, name] : {std::tuple{k_splits_up, p.d, "k_splits_up"},
                                    std::tuple{k_splits_down, has_down ? p.f : 64, "k_splits_down"}}) {
       if (splits < 1 || splits > k / 16 || swiglu_gemv_chunk(k, splits) * xrow > kSwigluGemvXBytes) {
         return fail(std::string(name) + " must be in 1..K/16 with K/" + name +
-                    " rows of x fitting 32 KB of shared memory (fp32), got " +
+                    " rows of x fitting 64 KB of shared memory, got " +
                     std::to_string(splits));
       }
     }
@@ -149,6 +156,7 @@ auto bind_swiglu(Binding&& b) {
       .template Attr<int64_t>("k_splits_up")
       .template Attr<int64_t>("k_splits_down")
       .template Attr<int64_t>("pdl")
+      .template Attr<int64_t>("gemv_mma")
       .template Attr<bool>("has_down")
       .template Attr<bool>("has_residual");
 }
@@ -161,8 +169,8 @@ auto bind_swiglu(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order,                  \
       int64_t cluster_up, int64_t cluster_down, int64_t row_tiles, int64_t f_group,           \
       int64_t num_clusters, int64_t k_splits_up, int64_t k_splits_down, int64_t pdl,        \
-      bool has_down, bool has_residual
+      int64_t gemv_mma, bool has_down, bool has_residual
 #define JAX_CLUSTER_SWIGLU_DECODE                                                             \
   decode_swiglu(x, w_gate, w_up, w_down, residual, out, workspace, variant, order, cluster_up, \
                 cluster_down, row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, \
-                has_down, has_residual)
+                gemv_mma, has_down, has_residual)

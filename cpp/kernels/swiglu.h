@@ -26,9 +26,11 @@
 //    (integer counter) sums the partials in block order (deterministic) and applies the
 //    epilogue (SiLU*mul / residual). Wave quantisation and per-block pipeline ramps are
 //    what cost the split kernels ~15-20% against XLA at M <= 16.
-//  * kGemv (M <= kSwigluGemvMaxRows): the two GEMMs on CUDA cores, no shared-memory
+//  * kGemv (M <= 8 on CUDA cores, M <= 16 on tensor cores: gemv_mma): no shared-memory
 //    staging of weights: each thread streams 16-byte weight vectors straight into
-//    registers (8 loads in flight) and FMAs them with x held in shared memory. A block
+//    registers (8 loads in flight) and FMAs them with x held in shared memory (CUDA
+//    cores), or permutes them into mma.sync A fragments of the transposed weights with x
+//    as the B operand (tensor cores; kernels/swiglu_gemv.cu). A block
 //    owns a 128-column tile (gate AND up for the up GEMM) and one of `k_splits` K chunks;
 //    the chunks' fp32 partials meet in the workspace and the tile's last block sums them in
 //    chunk order (deterministic). The access pattern of benchmarks/micro/gemv_locality.cu,
@@ -57,6 +59,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "jax_cluster/types.h"
@@ -71,9 +74,10 @@ inline constexpr int64_t kSwigluFTile = 64;      // F columns of w_gate/w_up per
 inline constexpr int64_t kSwigluDownTile = 128;  // output columns per cluster (split down)
 inline constexpr int64_t kSwigluStageB = 64 * 128 * 2;  // bytes of one B stage [64][128]
 inline constexpr int kSwigluMaxStages = 8;
-inline constexpr int64_t kSwigluGemvMaxRows = 8;    // M of the gemv variant
-inline constexpr int64_t kSwigluGemvCols = 128;     // columns per gemv block (per matrix)
-inline constexpr int64_t kSwigluGemvXBytes = 32 * 1024;  // x chunk in shared memory, fp32
+inline constexpr int64_t kSwigluGemvMaxRows = 8;     // M of the gemv variant (CUDA cores)
+inline constexpr int64_t kSwigluGemvMmaMaxRows = 16; // M of the gemv variant (tensor cores)
+inline constexpr int64_t kSwigluGemvCols = 128;      // columns per gemv block (per matrix)
+inline constexpr int64_t kSwigluGemvXBytes = 64 * 1024;  // x chunk in shared memory (unpadded)
 // Shared-memory budgets: two blocks per SM, or one.
 inline constexpr int64_t kSwigluSmemBudget2 = 112 * 1024;
 inline constexpr int64_t kSwigluSmemBudget1 = 220 * 1024;
@@ -92,6 +96,7 @@ struct SwigluParams {
   int k_splits_up;    // gemv: K chunks of the up GEMM (blocks per column tile)
   int k_splits_down;  // gemv: K chunks of the down GEMM
   bool pdl;           // tma, gemv: the down kernel launches programmatically (PDL)
+  bool gemv_mma;      // gemv: tensor cores (mma.sync) instead of CUDA-core FMAs
   const void* x;
   const void* w_gate;
   const void* w_up;
@@ -205,8 +210,31 @@ inline SwigluTmaLayout swiglu_tma_layout(const SwigluParams& p) {
   return l;
 }
 
-// Gemv: rows of x padded to a power of two (the kernel's template rows).
-inline int64_t swiglu_gemv_rows(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
+// Gemv: rows of x padded to the kernel's template rows: a power of two (CUDA cores), 8 or
+// 16 (tensor cores: n8 tiles).
+inline int64_t swiglu_gemv_max_rows(bool mma) { return mma ? kSwigluGemvMmaMaxRows : kSwigluGemvMaxRows; }
+inline int64_t swiglu_gemv_rows(int64_t m, bool mma) {
+  if (mma) return m <= 8 ? 8 : 16;
+  return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8;
+}
+// Bytes of one K row of x in shared memory: fp32 per row (CUDA cores), 16-bit (tensor cores).
+inline int64_t swiglu_gemv_x_row_bytes(int64_t m, bool mma) {
+  return swiglu_gemv_rows(m, mma) * (mma ? 2 : 4);
+}
+// Tensor cores: x row stride (16-bit elements) in shared memory for a chunk of `rows` K rows
+// (a multiple of 16): padded to an odd multiple of 32 bytes, so the 8 rows a warp reads per
+// step hit distinct banks.
+constexpr int swiglu_gemv_mma_x_stride(int rows) {
+  return rows + ((rows / 16) % 2 ? 0 : 16);
+}
+// Dynamic shared memory of a gemv block: the x chunk, later overlaid by the row groups'
+// fp32 partials [groups of both matrices][rows][128].
+inline size_t swiglu_gemv_smem_bytes(int64_t chunk, int rows, bool mma) {
+  const size_t x = mma ? static_cast<size_t>(rows) * swiglu_gemv_mma_x_stride(static_cast<int>(chunk)) * 2
+                       : static_cast<size_t>(chunk) * rows * 4;
+  const size_t red = static_cast<size_t>(mma ? 4 : 8) * rows * kSwigluGemvCols * 4;
+  return std::max(x, red);
+}
 
 // Gemv workspace: [A2 [M, F] (with w_down) | counters (one per column tile of either
 // GEMM) | fp32 partials [tile][k chunk][M][cols] (256 cols up: gate | up, 128 down)].

@@ -24,13 +24,15 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                flat (tile, K block) sequence without draining its copy pipeline between
                tiles; partial tiles meet in a workspace and the last block to arrive sums
                them in block order (deterministic) and applies SiLU*mul / the residual.
-  "gemv"       M <= 8 (larger M runs in 8-row chunks): both GEMMs on CUDA cores, weights
-               streamed from HBM straight into registers (no shared-memory staging, 8
-               16-byte loads in flight per thread), x in shared memory; each block owns
-               128 columns (gate and up) and one K chunk; chunks are summed in order by
-               the tile's last block (deterministic); the down kernel starts
+  "gemv"       M <= 16 (larger M runs in 16-row chunks): both GEMMs streaming the weights
+               from HBM straight into registers (no shared-memory staging, 12 16-byte loads
+               in flight per thread), byte-permuted into mma.sync fragments of the
+               transposed weights with x as the other operand (tensor cores: the same cost
+               at any M <= 16); each block owns 128 columns (gate and up) and one K chunk,
+               as many chunks as keep every block resident (one wave); chunks are summed in
+               order by the tile's last block (deterministic); the down kernel starts
                programmatically (PDL) and loads its first weights while the up kernel
-               drains.
+               drains. "gemv:mma=0" = the CUDA-core form (M <= 8: M FMAs per weight).
   "tma"        the split form's two GEMMs as persistent stream-K kernels fed by the bulk
                tensor copy engine: one block per SM, one producer warp streaming 64 x 64
                weight boxes (and the x / A2 box) into a ring of shared-memory stages, four
@@ -46,14 +48,14 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                at M = 1 and 15-30% for split at M >= 4; benchmarks/results/swiglu.md).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
-               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 2, else "split": our
+               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 16, else "split": our
                fastest kernels on H100). On CPU the CPU handler computes the same math whatever
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
 down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid),
-"gemv:ku=8:kd=21:p=0" (K chunks of the up and down GEMMs, programmatic launch of the down
-kernel off), "tma:rt=1:c=132:p=0" (16-row tiles per block, blocks, programmatic launch of
+"gemv:ku=8:kd=21:p=0:mma=0" (K chunks of the up and down GEMMs, programmatic launch of the
+down kernel off, CUDA cores), "tma:rt=1:c=132:p=0" (16-row tiles per block, blocks, programmatic launch of
 the down kernel off).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
@@ -80,10 +82,12 @@ VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv"
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
-_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd", "p"}
-GEMV_MAX_ROWS = 8  # the gemv kernels' M; larger M runs in chunks of this many rows
+_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd", "p", "mma"}
+# the gemv kernels' M on CUDA cores / tensor cores; larger M runs in chunks of this many rows
+GEMV_MAX_ROWS = 8
+GEMV_MMA_MAX_ROWS = 16
 _GEMV_COLS = 128
-_GEMV_X_BYTES = 32 * 1024
+_GEMV_X_BYTES = 64 * 1024
 
 # Mirrors cpp/kernels/swiglu.h (shared-memory plan and workspace).
 _STAGE_B = 64 * 128 * 2
@@ -107,6 +111,7 @@ class Config:
     k_splits_up: int = 1  # gemv: K chunks of each GEMM
     k_splits_down: int = 1
     pdl: int = 0  # tma, gemv: the down kernel starts programmatically (PDL)
+    gemv_mma: int = 0  # gemv: tensor cores (mma.sync) instead of CUDA-core FMAs
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,7 +120,8 @@ class Config:
         if self.variant == 4:
             return f"tma rt{self.row_tiles} c{self.num_clusters} pdl{self.pdl}"
         if self.variant == 3:
-            return f"gemv ku{self.k_splits_up} kd{self.k_splits_down} pdl{self.pdl}"
+            return (f"gemv ku{self.k_splits_up} kd{self.k_splits_down} pdl{self.pdl}"
+                    f"{' mma' if self.gemv_mma else ''}")
         if self.variant == 2:
             return f"stream rt{self.row_tiles} c{self.num_clusters}"
         if self.variant == 1:
@@ -198,8 +204,16 @@ def tma_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
     return a2 + counters + segments * min(m, rows) * 256 * 4
 
 
-def gemv_rows(m: int) -> int:
-    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+def gemv_max_rows(mma: bool) -> int:
+    return GEMV_MMA_MAX_ROWS if mma else GEMV_MAX_ROWS
+
+
+def gemv_x_row_bytes(m: int, mma: bool) -> int:
+    """Shared-memory bytes of one K row of x (swiglu_gemv_x_row_bytes): rows padded to a
+    power of two in fp32 (CUDA cores) or to 8 / 16 in 16 bits (tensor cores)."""
+    if mma:
+        return (8 if m <= 8 else 16) * 2
+    return (1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8) * 4
 
 
 def gemv_chunk(k: int, splits: int) -> int:
@@ -219,12 +233,18 @@ def gemv_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
     return a2 + counters + max(up, down) * m * _GEMV_COLS * 4
 
 
-def _gemv_splits(k: int, tiles: int, rows: int, num_sms: int, want: int | None = None) -> int:
-    """K chunks: `want`, or about 2.5 blocks per SM in all (one wave, all resident: H100
-    measured ku=4:kd=10 5-8% faster than twice as many chunks at M = 1); raised until a
-    chunk's x fits shared memory, at most K / 16."""
-    s = want if want is not None else max(1, round(2.5 * num_sms / tiles))
-    while gemv_chunk(k, s) * rows * 4 > _GEMV_X_BYTES:
+def gemv_blocks_per_sm(m: int, mma: bool) -> int:
+    """Resident gemv blocks per SM (the kernels' __launch_bounds__): 3 on CUDA cores at
+    M <= 2, else 2 (registers)."""
+    return 3 if not mma and m <= 2 else 2
+
+
+def _gemv_splits(k: int, tiles: int, row_bytes: int, slots: int, want: int | None = None) -> int:
+    """K chunks: `want`, or as many as keep all blocks resident at once (`slots` = resident
+    blocks on the GPU: one wave, no tail; a second partial wave measured ~15% slower on
+    H100); raised until a chunk's x fits shared memory, at most K / 16."""
+    s = want if want is not None else max(1, slots // tiles)
+    while gemv_chunk(k, s) * row_bytes > _GEMV_X_BYTES:
         s += 1
     return max(1, min(s, k // 16))
 
@@ -262,6 +282,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
                              f"n=, nu=, nd= (cluster sizes), rt= (16-row tiles), g= (F tiles per "
                              "exchange), c= (clusters; for 'stream' and 'tma' blocks), ku=, kd= (gemv K "
                              "chunks), p= (tma, gemv: programmatic launch of the down kernel, 0 or 1), "
+                             "mma= (gemv: tensor cores, 0 or 1), "
                              "each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
@@ -270,8 +291,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     for key in ("ku", "kd"):
         if key in out and out[key] < 1:
             raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: K chunks must be >= 1")
-    if "p" in out and out["p"] not in (0, 1):
-        raise ValueError(f"swiglu: p={out['p']} in {spec!r}: p= is 0 or 1")
+    for key in ("p", "mma"):
+        if key in out and out[key] not in (0, 1):
+            raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: {key}= is 0 or 1")
     if "rt" in out and out["rt"] not in (1, 2, 4):
         raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
     if out.get("g", 1) < 1 or not 1 <= out.get("c", 1) <= 65535:
@@ -316,10 +338,14 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
         c = min(kn["c"], fblk) if "c" in kn else _pick_clusters(fblk, max_c)
         return Config(1, 1 if row else 0, n, 1, rt, g, c)
     if name == "gemv":
-        rows = gemv_rows(min(m, GEMV_MAX_ROWS))
-        ku = _gemv_splits(d, _ceil_div(f, _GEMV_COLS), rows, num_sms, kn.get("ku"))
-        kd = _gemv_splits(f, _ceil_div(d, _GEMV_COLS), rows, num_sms, kn.get("kd")) if has_down else 1
-        return Config(3, 0, 1, 1, 1, 1, 1, ku, kd, pdl=kn.get("p", 1))
+        mma = kn.get("mma", 1)
+        rows = min(m, gemv_max_rows(mma))
+        row_bytes = gemv_x_row_bytes(rows, mma)
+        slots = gemv_blocks_per_sm(rows, mma) * num_sms
+        ku = _gemv_splits(d, _ceil_div(f, _GEMV_COLS), row_bytes, slots, kn.get("ku"))
+        kd = (_gemv_splits(f, _ceil_div(d, _GEMV_COLS), row_bytes, slots, kn.get("kd"))
+              if has_down else 1)
+        return Config(3, 0, 1, 1, 1, 1, 1, ku, kd, pdl=kn.get("p", 1), gemv_mma=mma)
     rt = 1 if row else kn.get("rt", _default_row_tiles(min(m, 64)))
     if name == "tma":  # one block per SM
         return Config(4, 0, 1, 1, rt, 1, kn.get("c", num_sms), pdl=kn.get("p", 1))
@@ -337,11 +363,12 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
 
 def heuristic_variant(m: int, has_down: bool) -> str:
     """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: our fastest
-    kernel per M measured on H100 (benchmarks/results/swiglu.md): "gemv" at M <= 2,
-    "split" above (stream: 5-15% slower, fused: 2.5-10x). XLA's dots beat both there
-    (gemv at M = 1 comes within 2-7%), so with tuning on the scheduler mostly picks "xla"."""
+    kernel per M measured on H100 (benchmarks/results/swiglu.md, logs/session10): "gemv"
+    (tensor cores) at M <= 16, 0.85-1.02x XLA's dots; "split" above (stream: 5-15% slower,
+    fused: 2.5-10x). XLA's dots beat them at most shapes, so with tuning on the scheduler
+    mostly picks "xla"."""
     del has_down
-    return "gemv" if m <= 2 else "split"
+    return "gemv" if m <= GEMV_MMA_MAX_ROWS else "split"
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
@@ -349,7 +376,7 @@ def candidates(m: int, has_down: bool) -> list[str]:
     Measured on H100 (benchmarks/results/swiglu.md): "stream" was 5-15% slower than
     "split" and "fused" 2.5-10x at every shape, and neither ever beat XLA, so they are not
     measured (each candidate costs a compilation and a timing at the first trace)."""
-    gemv = ["gemv"] if m <= GEMV_MAX_ROWS else []
+    gemv = (["gemv"] if m <= GEMV_MMA_MAX_ROWS else []) + (["gemv:mma=0"] if m <= GEMV_MAX_ROWS else [])
     if not has_down:
         return ["tma"] + gemv + ["split", "xla"]
     out = ["tma"] + gemv + ["split"]
@@ -362,7 +389,7 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 6  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 7  # bump when the kernels change: cached choices are then re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
@@ -372,12 +399,12 @@ def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
 
 # ----------------------------------------------------------------------------- primitive
 def _abstract(x, w_gate, w_up, w_down, residual, *, variant, order, cluster_up, cluster_down,
-              row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, has_down,
-              has_residual):
+              row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, gemv_mma,
+              has_down, has_residual):
     m, d = x.shape
     f = w_gate.shape[1]
     cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters,
-                 k_splits_up, k_splits_down, pdl)
+                 k_splits_up, k_splits_down, pdl, gemv_mma)
     ws = workspace_bytes(cfg, m, d, f, jnp.dtype(x.dtype).itemsize, has_down)
     out_cols = d if has_down else f
     return ShapedArray((m, out_cols), x.dtype), ShapedArray((ws,), np.uint8)
@@ -460,7 +487,7 @@ def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
         _warn_once(("smem", spec, d, f), f"swiglu: variant {spec!r} does not fit D={d} in shared "
                    "memory; using 'split'")
         cfg = make_config("split", m, d, f, has_down, sms)
-    chunk_rows = {1: FUSED_MAX_ROWS, 3: GEMV_MAX_ROWS}.get(cfg.variant)
+    chunk_rows = {1: FUSED_MAX_ROWS, 3: gemv_max_rows(cfg.gemv_mma)}.get(cfg.variant)
     if chunk_rows and m > chunk_rows:  # fused: bounded workspace; gemv: its row limit
         outs = []
         for r0 in range(0, m, chunk_rows):
