@@ -48,16 +48,16 @@ def test_cache_path(monkeypatch, tmp_path):
 def test_measures_once_then_reads_cache(cache):
     m = Counter({"a": 3.0, "b": 1.0, "c": 2.0})
     assert tuning.pick("op", "k1", ["a", "b", "c"], m, heuristic="a") == "b"
-    assert sorted(m.calls) == ["a", "b", "c"]
+    assert sorted(m.calls) == ["a", "b", "b", "c"]  # the fastest confirmed once
     data = json.loads(cache.read_text())
     assert data["version"] == tuning.CACHE_VERSION
     entry = data["entries"]["op|k1"]
     assert entry["winner"] == "b" and entry["times_us"]["b"] == 1e6
     assert tuning.pick("op", "k1", ["a", "b", "c"], m, heuristic="a") == "b"
-    assert len(m.calls) == 3  # memory cache
+    assert len(m.calls) == 4  # memory cache
     tuning.clear_memory_cache()  # a new process: the file answers
     assert tuning.pick("op", "k1", ["c", "b"], m, heuristic="a") == "b"
-    assert len(m.calls) == 3
+    assert len(m.calls) == 4
     assert tuning.pick("other", "k1", ["a", "b"], Counter({"a": 1.0, "b": 2.0}), heuristic="b") == "a"
     assert set(json.loads(cache.read_text())["entries"]) == {"op|k1", "other|k1"}
 
@@ -74,6 +74,27 @@ def test_measuring_is_logged_and_cache_hits_are_silent(cache, caplog):
     with caplog.at_level("INFO", logger="jax_cluster.tuning"):
         tuning.pick("op", "k", ["a", "b"], m, heuristic="a")
     assert not caplog.records
+
+
+class Sequence_:
+    """measure(c) -> the next of c's times."""
+
+    def __init__(self, times):
+        self.times, self.calls = {c: list(t) for c, t in times.items()}, []
+
+    def __call__(self, c):
+        self.calls.append(c)
+        return self.times[c].pop(0)
+
+
+def test_close_candidates_are_timed_again_and_keep_their_best(cache):
+    """One disturbed timing (seen 10-16% slow on H100) must not decide the pick: candidates
+    within CONFIRM_WITHIN of the fastest are measured again, far ones are not."""
+    m = Sequence_({"a": [1.25, 1.0], "b": [1.1, 1.1], "c": [2.0]})
+    assert tuning.pick("op", "k", ["a", "b", "c"], m, heuristic="c") == "a"
+    assert sorted(m.calls) == ["a", "a", "b", "b", "c"]
+    times = json.loads(cache.read_text())["entries"]["op|k"]["times_us"]
+    assert times["a"] == pytest.approx(1e6) and times["c"] == pytest.approx(2e6)
 
 
 def test_disabled_uses_heuristic(cache, monkeypatch):
@@ -99,7 +120,7 @@ def test_corrupt_or_foreign_file_is_ignored_with_a_warning(cache, content):
     m = Counter({"a": 2.0, "b": 1.0})
     with pytest.warns(UserWarning, match="ignoring"):
         assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
-    assert len(m.calls) == 2
+    assert len(m.calls) == 3
     data = json.loads(cache.read_text())  # rewritten as a valid cache
     assert data["entries"]["op|k"]["winner"] == "b"
 
@@ -134,7 +155,7 @@ def test_unwritable_cache_only_warns(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="could not write"):
         assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"
     assert tuning.pick("op", "k", ["a", "b"], m, heuristic="a") == "b"  # kept in memory
-    assert len(m.calls) == 2
+    assert len(m.calls) == 3
     tuning.clear_memory_cache()
 
 
@@ -167,7 +188,7 @@ def test_measuring_inside_a_jit_trace(cache):
 
     out = traced(jnp.ones(3))
     np.testing.assert_array_equal(np.asarray(out), [2.0, 2.0, 2.0])
-    assert len(seen) == 2
+    assert len(seen) == 3  # the fastest timed twice
     # also under vmap and nested jit
     out = jax.vmap(lambda x: traced(x))(jnp.ones((2, 3)))
     assert out.shape == (2, 3)
