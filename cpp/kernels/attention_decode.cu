@@ -345,60 +345,15 @@ __device__ void attend_streamed(const AttentionDecodeParams& p, int hpc, const f
           for (int h = 0; h < MH; ++h) s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], off);
       }
 #pragma unroll
-      for (int h = 0; h < MH; ++h) {
-        if (h >= hpc) break;
-        float mx = st.m[h];
+      for (int u = 0; u < UB; ++u)
 #pragma unroll
-        for (int u = 0; u < UB; ++u) {
-          s[u][h] = ok[u] ? s[u][h] : -INFINITY;
-          mx = fmaxf(mx, s[u][h]);
-        }
-        const float ref = mx == -INFINITY ? 0.f : mx;  // no (-inf) - (-inf)
-        const float a = exp2f(st.m[h] - ref);
-        st.m[h] = mx;
-        st.l[h] *= a;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
-#pragma unroll
-        for (int u = 0; u < UB; ++u) {
-          const float pr = exp2f(s[u][h] - ref);  // 0 for masked tokens
-          st.l[h] += pr;
-          float vf[8];
-          unpack<T>(vr[u], vf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
-        }
-      }
+        for (int h = 0; h < MH; ++h) s[u][h] = ok[u] ? s[u][h] : -INFINITY;
+      st.template add_tokens<T>(s, vr, hpc);
     }
   }
-  // Merge the token slots of the warp (lanes LPT apart hold the same dims).
-#pragma unroll
-  for (int off = LPT; off < 32; off <<= 1) {
-    float m2[MH], l2[MH], o2[MH][8];
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      m2[h] = __shfl_xor_sync(0xffffffffu, st.m[h], off);
-      l2[h] = __shfl_xor_sync(0xffffffffu, st.l[h], off);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o2[h][i] = __shfl_xor_sync(0xffffffffu, st.o[h][i], off);
-    }
-    st.merge(m2, l2, o2);
-  }
-  if (slot == 0) {
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      if (h >= hpc) break;
-      float* ws = warp_states + (warp * MH + h) * (DH + 2);
-      if (active) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ws[dv * 8 + i] = st.o[h][i];
-      }
-      if (lane == 0) {
-        ws[DH] = st.m[h];
-        ws[DH + 1] = st.l[h];
-      }
-    }
-  }
+  // Warp state -> shared: [warp][head][DH + 2] = (o..., m, l).
+  st.template merge_lanes<LPT>();
+  if (slot == 0) st.template store<DH>(warp_states + warp * MH * (DH + 2), hpc, dv, active, lane);
   consumers().sync();
 }
 

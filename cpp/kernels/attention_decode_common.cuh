@@ -191,6 +191,71 @@ struct SoftmaxState {
       for (int i = 0; i < 8; ++i) o[h][i] = o[h][i] * a + o2[h][i] * b;
     }
   }
+  // Adds U tokens of heads < hpc: scores s (exp2 domain; -inf = masked) and values v
+  // (this thread's 8 dims), rescaling the state to the new running max.
+  template <typename T, int U>
+  __device__ __forceinline__ void add_tokens(const float (&s)[U][MH], const uint4 (&v)[U],
+                                             int hpc) {
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      if (h >= hpc) break;
+      float mx = m[h];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][h]);
+      if (mx == -INFINITY) continue;  // nothing yet (and no (-inf) - (-inf))
+      const float a = exp2f(m[h] - mx);
+      m[h] = mx;
+      l[h] *= a;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[h][i] *= a;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float pr = exp2f(s[u][h] - mx);  // 0 for masked tokens
+        l[h] += pr;
+        float vf[8];
+        unpack<T>(v[u], vf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[h][i] = fmaf(pr, vf[i], o[h][i]);
+      }
+    }
+  }
+  // Merges the states of the lanes LPT, 2 LPT, ... apart (same dims, other tokens): every
+  // lane of a dims group ends with the warp's state of its dims.
+  template <int LPT>
+  __device__ __forceinline__ void merge_lanes() {
+#pragma unroll
+    for (int off = LPT; off < 32; off <<= 1) {
+      float m2[MH], l2[MH], o2[MH][8];
+#pragma unroll
+      for (int h = 0; h < MH; ++h) {
+        m2[h] = __shfl_xor_sync(0xffffffffu, m[h], off);
+        l2[h] = __shfl_xor_sync(0xffffffffu, l[h], off);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o2[h][i] = __shfl_xor_sync(0xffffffffu, o[h][i], off);
+      }
+      merge(m2, l2, o2);
+    }
+  }
+  // The warp's state of heads < hpc -> states[head][DH + 2] = (o..., m, l): o from the
+  // lanes whose dims are in the head (`active`, dims dv * 8..+8), m and l from lane 0.
+  // Called by the lanes of one token slot.
+  template <int DH>
+  __device__ __forceinline__ void store(float* states, int hpc, int dv, bool active,
+                                        int lane) const {
+#pragma unroll
+    for (int h = 0; h < MH; ++h) {
+      if (h >= hpc) break;
+      float* ws = states + h * (DH + 2);
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ws[dv * 8 + i] = o[h][i];
+      }
+      if (lane == 0) {
+        ws[DH] = m[h];
+        ws[DH + 1] = l[h];
+      }
+    }
+  }
 };
 
 // A block's attention state per head after its warps attended over their tokens: the warp

@@ -131,58 +131,11 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
         s[u][h] = ok[u] ? d : -INFINITY;
       }
     }
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      if (h >= hpc) break;
-      float mx = st.m[h];
-#pragma unroll
-      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][h]);
-      if (mx == -INFINITY) continue;
-      const float a = exp2f(st.m[h] - mx);
-      st.m[h] = mx;
-      st.l[h] *= a;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) st.o[h][i] *= a;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float pr = exp2f(s[u][h] - mx);
-        st.l[h] += pr;
-        float vf[8];
-        unpack<T>(vr[u], vf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) st.o[h][i] = fmaf(pr, vf[i], st.o[h][i]);
-      }
-    }
+    st.template add_tokens<T>(s, vr, hpc);
   }
-  // Merge the token slots of the warp (lanes LPT apart hold the same dims).
-#pragma unroll
-  for (int off = LPT; off < 32; off <<= 1) {
-    float m2[MH], l2[MH], o2[MH][8];
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      m2[h] = __shfl_xor_sync(0xffffffffu, st.m[h], off);
-      l2[h] = __shfl_xor_sync(0xffffffffu, st.l[h], off);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o2[h][i] = __shfl_xor_sync(0xffffffffu, st.o[h][i], off);
-    }
-    st.merge(m2, l2, o2);
-  }
+  st.template merge_lanes<LPT>();
   // Warp state -> shared: [warp][head][DH + 2] = (o..., m, l).
-  if (slot == 0) {
-#pragma unroll
-    for (int h = 0; h < MH; ++h) {
-      if (h >= hpc) break;
-      float* ws = warp_states + (warp * kMaxH + h) * (DH + 2);
-      if (active) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ws[dv * 8 + i] = st.o[h][i];
-      }
-      if (lane == 0) {
-        ws[DH] = st.m[h];
-        ws[DH + 1] = st.l[h];
-      }
-    }
-  }
+  if (slot == 0) st.template store<DH>(warp_states + warp * kMaxH * (DH + 2), hpc, dv, active, lane);
   __syncthreads();
 }
 
