@@ -129,16 +129,6 @@ __device__ __forceinline__ void mma_stage(float (&acc)[MT][2][4], uint32_t a_bas
   }
 }
 
-template <int MT>
-__device__ __forceinline__ void zero_acc(float (&acc)[MT][2][4]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-}
-
 // Accumulator element (mt, nt, i) sits at row 16 mt + lane/4 (+8 for i >= 2), column
 // 16 warp + 8 nt + 2 (lane % 4) + (i & 1) of the warp's stage columns. Writes (kAdd: adds)
 // the warp's 16 columns at dst[row * ld + col0 + ...] (fp32).

@@ -205,12 +205,7 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, bool 
 
   const T* xs = reinterpret_cast<const T*>(smem);
   float acc[kTiles][4][4];
-#pragma unroll
-  for (int t = 0; t < kTiles; ++t)
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][q][e] = 0.f;
+  zero_acc(acc);
   for (int s = rg; s < steps; s += groups * kMmaUnroll) {
 #pragma unroll
     for (int u = 0; u < kMmaUnroll; ++u) {

@@ -238,16 +238,6 @@ __device__ __forceinline__ void emit(const TmaGemmArgs& g, const float (&acc)[MT
   }
 }
 
-template <int MT>
-__device__ __forceinline__ void zero(float (&acc)[MT][4][4]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-}
-
 // Rows [0, rows) of the accumulators to / from (kAdd: added from) an fp32 slot [rows][128].
 template <int MT, bool kLoad>
 __device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int rows, bool up,
@@ -303,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stages_addr = ptx::smem_addr(stages);
   const WarpCols wc = warp_cols(g.up, warp);
   float acc[MT][4][4];
-  zero(acc);
+  zero_acc(acc);
   RingCursor cur;
   for (int i = 0; i < n; ++i) {
     ring_wait(ring, cur);
@@ -325,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
       }
       group_sync.sync();
-      zero(acc);
+      zero_acc(acc);
       if (!tile_done) continue;
       __threadfence();
       for (int64_t blk = first; blk <= last; ++blk) {  // block order: deterministic
@@ -333,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     emit<T, MT>(g, acc, tile, row0, rows, warp, lane);
-    zero(acc);
+    zero_acc(acc);
   }
 }
 
