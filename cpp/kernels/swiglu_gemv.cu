@@ -117,17 +117,18 @@ __device__ __forceinline__ void stage_x(const GemvArgs& a, int64_t r0, int rows,
 // points at the chunk's first row and the tile's first column. `stage` fills shared
 // memory with x while the first weight loads fly.
 template <typename T, int MR, typename Stage>
-__device__ __forceinline__ void cuda_core_partial(const GemvArgs& a, const T* w, bool active,
+__device__ __forceinline__ void cuda_core_partial(const GemvArgs& a, const T* w, int cols,
                                                   int rows, float* smem, float* red,
                                                   Stage&& stage) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int step = a.up ? 8 : 16;
   const int rg = a.up ? (warp & 3) * 2 + (lane >> 4) : warp * 2 + (lane >> 4);
   const int c8 = (lane & 15) * 8;
+  const int load_rows = c8 < cols ? rows : 0;  // none where this lane's 8 columns do not exist
   w += c8;
   auto load = [&](int r) {
-    return active && r < rows ? ptx::ldg_stream(w + static_cast<int64_t>(r) * a.n)
-                              : make_uint4(0, 0, 0, 0);
+    return r < load_rows ? ptx::ldg_stream(w + static_cast<int64_t>(r) * a.n)
+                         : make_uint4(0, 0, 0, 0);
   };
   uint4 v[kUnroll<MR>];
 #pragma unroll
@@ -182,7 +183,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // Tensor cores: this warp's partial [MR][64] (its half of the tile, its row group) ->
 // `red`. `w` points at the chunk's first row and the half's first column.
 template <typename T, int MR, typename Stage>
-__device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, bool active, int rows,
+__device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int cols, int rows,
                                             int rg, int groups, float* smem, float* red,
                                             Stage&& stage) {
   constexpr int kTiles = MR / 8;  // n8 tiles of x rows
@@ -190,7 +191,7 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, bool 
   const int steps = rows / 16, stride = swiglu_gemv_mma_x_stride(rows);
   w += 4 * c * a.n + 8 * g;
   auto load = [&](uint4 (&v)[4], int s) {
-    const bool ok = active && s < steps;
+    const bool ok = cols > 0 && s < steps;  // (a half's columns exist all or none)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[i] = ok ? ptx::ldg_stream(w + static_cast<int64_t>(16 * s + i) * a.n)
@@ -266,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
   const int half = MMA ? warp & 1 : 0;
   const int rg = MMA ? (a.up ? (warp >> 1) & 1 : warp >> 1) : (a.up ? warp & 3 : warp);
   const int64_t col0 = tile * kCols + half * 64;
-  const bool active = col0 < a.n;  // n is a multiple of 64: a half is all in or all out
+  // columns of the matrix from col0 on, up to the tile's (a half: all or none, n % 64 == 0)
+  const int cols = static_cast<int>(max(static_cast<int64_t>(0), min(a.n - col0, static_cast<int64_t>(kCols))));
   const T* w = static_cast<const T*>(matrix ? a.w1 : a.w0) + r0 * a.n + col0;
   float* red = smem + (matrix * groups + rg) * MR * kCols + half * 64;
   // x is staged after the first weight loads are issued (for down, after A2 is done: PDL)
@@ -275,9 +277,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
     stage_x<T, MR, MMA>(a, r0, rows, smem);
   };
   if constexpr (MMA) {
-    mma_partial<T, MR>(a, w, active, rows, rg, groups, smem, red, stage);
+    mma_partial<T, MR>(a, w, cols, rows, rg, groups, smem, red, stage);
   } else {
-    cuda_core_partial<T, MR>(a, w, active, rows, smem, red, stage);
+    cuda_core_partial<T, MR>(a, w, cols, rows, smem, red, stage);
   }
   __syncthreads();
 
