@@ -27,8 +27,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
   "gemv"       M <= 16 (larger M runs in 16-row chunks): both GEMMs streaming the weights
                from HBM straight into registers (no shared-memory staging, 12 16-byte loads
                in flight per thread), byte-permuted into mma.sync fragments of the
-               transposed weights with x as the other operand (tensor cores: the same cost
-               at any M <= 16); each block owns 128 columns (gate and up) and one K chunk,
+               transposed weights with x as the other operand (tensor cores: 4 mma per 8
+               rows of x per 16 weight rows, so M is nearly free); each block owns 128 columns (gate and up) and one K chunk,
                as many chunks as keep every block resident (one wave); chunks are summed in
                order by the tile's last block (deterministic); the down kernel starts
                programmatically (PDL) and loads its first weights while the up kernel
