@@ -258,6 +258,30 @@ struct SoftmaxState {
   }
 };
 
+// Entry i of one head's merged state (i < DH: o[i], i == DH: l): the warp states
+// [warp][head (kWarpStride)][DH + 2] = (o..., m, l) summed in warp order, then the new token
+// (score s_new in the exp2 domain, -inf when absent; values v_new), all rescaled to their
+// common max, returned in mm.
+template <int DH, int kWarps, int kWarpStride>
+__device__ __forceinline__ float merged_state_entry(const float* warp_states, int head, int i,
+                                                    float s_new, const float* v_new, float& mm) {
+  float m = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_states[(w * kWarpStride + head) * (DH + 2) + DH]);
+  mm = fmaxf(m, s_new);
+  float acc = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    const float* ws = warp_states + (w * kWarpStride + head) * (DH + 2);
+    const float wm = ws[DH];
+    if (wm == -INFINITY) continue;
+    acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
+  }
+  if (s_new != -INFINITY) {
+    const float pr = exp2f(s_new - mm);
+    acc += i < DH ? pr * v_new[i] : pr;
+  }
+  return acc;
+}
+
 // A block's attention state per head after its warps attended over their tokens: the warp
 // states [warp][head (kWarpStride)][DH + 2] = (o..., m, l) merged in a fixed warp order with
 // the new token (score q . k_new, exp2 domain) where the block owns position len
@@ -271,26 +295,15 @@ __device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float q
                                                   Sync sync) {
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float m = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_states[(w * kWarpStride + head) * (DH + 2) + DH]);
     float s_new = -INFINITY;
     if (has_new) {
       float d = 0.f;
       for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
       s_new = d;
     }
-    const float mm = fmaxf(m, s_new);
-    float acc = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* ws = warp_states + (w * kWarpStride + head) * (DH + 2);
-      const float wm = ws[DH];
-      if (wm == -INFINITY) continue;
-      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
-    }
-    if (s_new != -INFINITY) {
-      const float pr = exp2f(s_new - mm);
-      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
-    }
+    float mm;
+    const float acc = merged_state_entry<DH, kWarps, kWarpStride>(
+        warp_states, head, i, s_new, qkv + (hpc + 1) * DH, mm);
     if (i < DH) {
       sums[head * DH + i] = acc;
     } else {

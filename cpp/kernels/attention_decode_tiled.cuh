@@ -280,21 +280,9 @@ __device__ void block_row_state(const AttentionDecodeParams& p, int hpc, const f
   __syncthreads();
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float m = -INFINITY;
-    for (int w = 0; w < kBlockWarps; ++w) m = fmaxf(m, warp_states[(w * kMaxH + head) * (DH + 2) + DH]);
-    const float sn = s_new[head];
-    const float mm = fmaxf(m, sn);
-    float acc = 0.f;
-    for (int w = 0; w < kBlockWarps; ++w) {
-      const float* ws = warp_states + (w * kMaxH + head) * (DH + 2);
-      const float wm = ws[DH];
-      if (wm == -INFINITY) continue;
-      acc += (i < DH ? ws[i] : ws[DH + 1]) * exp2f(wm - mm);
-    }
-    if (sn != -INFINITY) {
-      const float pr = exp2f(sn - mm);
-      acc += i < DH ? pr * qkv[(hpc + 1) * DH + i] : pr;
-    }
+    float mm;
+    const float acc = merged_state_entry<DH, kBlockWarps, kMaxH>(
+        warp_states, head, i, s_new[head], qkv + (hpc + 1) * DH, mm);
     float* st = state + head * stride;
     if (i < DH) {
       st[i] = acc;
