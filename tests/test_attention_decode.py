@@ -119,7 +119,9 @@ def test_vmap_folds_batch(rng):
         (dict(rotary_dim=15), "rotary_dim"),
         (dict(norm="batch"), "norm must be one of"),
         (dict(rope_layout="spiral"), "rope_layout"),
-        (dict(cluster_size=3), "cluster_size must be one of"),
+        (dict(cluster_size=9), "cluster_size must be one of"),
+        (dict(cluster_size=3, dataflow="split_head"), "not a power of two"),
+        (dict(cluster_size=6, rows_per_cluster=2), "not a power of two"),
         (dict(heads_per_cluster=9), "heads_per_cluster must be in 1..8"),
         (dict(num_kv_heads=1, num_q_heads=4), "k_cache has shape"),
     ],
@@ -146,9 +148,17 @@ def test_bad_shapes_and_lengths(rng):
 def test_tuner_candidates_and_choices():
     from jax_cluster.ops import attention_decode as ad
     # MHA: nothing to spread; each pipeline
-    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "tma:2", "tma:4", "tma:8")
+    # (one cluster: 7 is the one-wave size that is not a power of two)
+    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", 7, "tma:2", "tma:4", "tma:8", "tma:7")
     gqa = ad._tuner_candidates(4)
     assert {"n8:h2", "n4:h1", "tma:n8:h2", "tma:4"} <= set(gqa) and "n8:h4" not in gqa
+    # 32 clusters (Llama-2-7B b1; Llama-3-8B b1 at one query head per cluster) fit an H100
+    # in one wave at cluster size 3, not 4; 16 clusters at 7
+    assert {3, "tma:3"} <= set(ad._tuner_candidates(1, 1, 32))
+    assert {"n3:h1", "n7:h2", "tma:n3:h1", "tma:n7:h2"} <= set(ad._tuner_candidates(4, 1, 8))
+    assert not [c for c in ad._tuner_candidates(1, 16, 32) if ad.parse_choice(c) != "xla"
+                and ad.parse_choice(c)[0] & (ad.parse_choice(c)[0] - 1)]  # 512 clusters: none
+    assert ad.parse_choice("n3:h1") == (3, 1, "registers", 1) and ad.parse_choice("tma:3") == (3, None, "tma", 1)
     assert ad.parse_choice("n8:h2") == (8, 2, "registers", 1) and ad.parse_choice(4) == (4, None, "registers", 1)
     assert ad.parse_choice("tma:n4:h1") == (4, 1, "tma", 1) and ad.parse_choice("tma:8") == (8, None, "tma", 1)
     assert ad.parse_choice("n4:r8") == (4, None, "registers", 8)
@@ -161,7 +171,7 @@ def test_tuner_batch_tiled_candidates():
     """batch > 1 adds the batch-tiled kernel: per tile size, the cluster sizes whose grid
     holds 0.5-2 blocks per SM (shared memory permitting); batch 1 adds nothing."""
     from jax_cluster.ops import attention_decode as ad
-    assert ad._tuner_candidates(4, 1, 8, 4096, 128) == ad._tuner_candidates(4)
+    assert ad._tuner_candidates(4, 1, 8, 4096, 128) == ad._tuner_candidates(4, 1, 8)
     llama3 = ad._tuner_candidates(4, 16, 8, 4096, 128)  # 8 KV heads: 16 / R tiles each
     tiled = [c for c in llama3 if ":r" in str(c)]
     assert {"n4:r4", "n8:r8", "n16:r16", "n2:r2"} <= set(tiled) and "n1:r2" not in tiled
@@ -277,7 +287,7 @@ GPU_SHAPES = [  # hidden, hq, hkv, dh
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8, 16])  # 3, 6: collectives without a butterfly
 def test_gpu_vs_reference(rng, dtype, shape, n, pipeline):
     hidden, hq, hkv, dh = shape
     for batch, max_seq, lengths in ((1, 40, [0]), (3, 300, [1, 299, 157]), (16, 77, None)):
@@ -370,11 +380,12 @@ def test_gpu_long_context_and_interleaved(rng, pipeline):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])
-def test_gpu_deterministic(rng, pipeline):
+@pytest.mark.parametrize("n", [3, 4])
+def test_gpu_deterministic(rng, pipeline, n):
     args, kw = make_inputs(rng, batch=4, hidden=1024, hq=16, hkv=4, dh=128, max_seq=2048,
                            dtype="float16")
     args = jax.device_put(args, _gpu())
-    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, pipeline=pipeline)[0])
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=n, pipeline=pipeline)[0])
     first = np.asarray(f(args))
     for _ in range(20):
         np.testing.assert_array_equal(np.asarray(f(args)), first)
@@ -398,7 +409,8 @@ def test_gpu_donated_caches_update_in_place(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("config", [(1, None), (2, None), (4, None), (8, None), (16, None), (4, 1), (8, 2)])
+@pytest.mark.parametrize("config", [(1, None), (2, None), (4, None), (8, None), (16, None), (4, 1), (8, 2),
+                                    (3, 1), (5, None), (7, 2)])
 def test_gpu_model_sized_gqa_every_cluster(rng, dtype, config, pipeline):
     """Llama-3-8B's attention shape (hidden 4096, 32/8 heads): the streamed kernel's ring
     wraps hundreds of times per block, phases hand over mid-ring; lengths that are not

@@ -14,7 +14,9 @@ void cluster_reduce(const ClusterCollectiveParams& p) {
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t i = 0; i < n * size; ++i) cur[i] = load(p.dtype, p.x, g * n * size + i);
     for (int c = 0; c < p.repeat; ++c) {
-      if (p.impl == CollectiveImpl::kGlobal) {  // rank order in fp32, one rounding
+      // The off-chip baseline and the direct schedule of sizes that are not powers of two:
+      // rank order in fp32, one rounding.
+      if (p.impl == CollectiveImpl::kGlobal || (n & (n - 1)) != 0) {
         for (int64_t i = 0; i < size; ++i) {
           float acc = cur[i];
           for (int b = 1; b < n; ++b) {

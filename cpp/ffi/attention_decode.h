@@ -60,7 +60,7 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
     return fail("pipeline tma is a SplitToken pipeline (dataflow split_token)");
   }
   p.pipeline = static_cast<AttnPipeline>(pipeline);
-  if (!is_valid_cluster_size(rows_per_cluster)) {
+  if (!is_pow2_cluster_size(rows_per_cluster)) {
     return fail("rows_per_cluster must be 1, 2, 4, 8 or 16");
   }
   p.rows_per_cluster = static_cast<int>(rows_per_cluster);
@@ -73,7 +73,10 @@ inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
   if (num_kv_heads < 1 || num_q_heads % num_kv_heads) return fail("num_q_heads must be a multiple of num_kv_heads");
   if (kd[0] != p.batch || kd[1] != num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
   if (rotary_dim < 0 || rotary_dim > p.head_dim || rotary_dim % 2) return fail("rotary_dim must be even and <= head_dim");
-  if (!is_valid_cluster_size(cluster_size)) return fail("cluster_size must be 1, 2, 4, 8 or 16");
+  if (!is_valid_cluster_size(cluster_size)) return fail("cluster_size must be 1..8 or 16");
+  if (!is_pow2_cluster_size(cluster_size) && (p.dataflow != AttnDataflow::kSplitToken || rows_per_cluster > 1)) {
+    return fail("cluster sizes 3, 5, 6, 7 are for the SplitToken kernels with rows_per_cluster 1 only");
+  }
   const int64_t cols = (num_q_heads + 2 * num_kv_heads) * p.head_dim;
   if (a.w_qkv.element_count() != static_cast<size_t>(p.hidden * cols)) return fail("w_qkv must be [D, (Hq + 2 Hkv) Dh]");
   if (a.w_o.element_count() != static_cast<size_t>(num_q_heads * p.head_dim * p.hidden)) return fail("w_o must be [Hq Dh, D]");

@@ -38,7 +38,7 @@ inline ffi::ErrorOr<ClusterCollectiveParams> decode_cluster_collective(
   p.out = out->untyped_data();
   p.workspace = workspace->untyped_data();
   if (!is_valid_cluster_size(p.cluster_size)) {
-    return ffi::Unexpected(invalid(std::string(name) + ": cluster size (x.shape[1]) must be 1, 2, 4, 8 or 16, got " +
+    return ffi::Unexpected(invalid(std::string(name) + ": cluster size (x.shape[1]) must be 1..8 or 16, got " +
                                    std::to_string(p.cluster_size)));
   }
   if (op != 0 && op != 1) return ffi::Unexpected(invalid("cluster_reduce: op must be 0 (sum) or 1 (max)"));

@@ -99,11 +99,11 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   }
   if (order != 0 && order != 1) return fail("order must be 0 (col) or 1 (row)");
   if (row_tiles != 1 && row_tiles != 2 && row_tiles != 4) return fail("row_tiles must be 1, 2 or 4");
-  if (!is_valid_cluster_size(cluster_up) || cluster_up > p.d / 64) {
+  if (!is_pow2_cluster_size(cluster_up) || cluster_up > p.d / 64) {
     return fail("cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64");
   }
   if (p.variant == SwigluVariant::kSplit && has_down &&
-      (!is_valid_cluster_size(cluster_down) || cluster_down > p.f / 64)) {
+      (!is_pow2_cluster_size(cluster_down) || cluster_down > p.f / 64)) {
     return fail("cluster_down must be 1, 2, 4, 8 or 16 and at most F / 64");
   }
   if (p.variant == SwigluVariant::kStream && (num_clusters < 1 || num_clusters > 65535)) {

@@ -2,11 +2,13 @@
 // pipeline (pipeline="tma"); attention_decode_registers.cuh has the register pipeline (the
 // faster one so far) and attention_decode_split_head.cuh the SplitHead dataflow; the launch
 // dispatch is at the end of this file. Measured on H100 (session 7, same run): 112 vs 111 us
-// for the register pipeline at Llama-2-7B b1 ctx4K, 89 vs 80 us at Llama-3-8B: at b1 a launch of
-// 32 clusters doubles some SMs (31 clusters of 4 fit one block per SM), so per-SM consumer
-// throughput decides, and these CUDA-core consumers (~1,300 warp instructions per 16 KB
-// stage, 7 warps) are slower per SM than register streaming. The next step is tensor-core
-// consumers (ldmatrix on 128B-swizzled boxes), for which this staging is the prerequisite.
+// for the register pipeline at Llama-2-7B b1 ctx4K, 89 vs 80 us at Llama-3-8B. At b1 each SM
+// runs one block, so per-SM throughput decides: these CUDA-core consumers (~1,300 warp
+// instructions per 16 KB stage, 7 warps) are no faster than register streaming. (Session 11:
+// 32 clusters of 3, all resident at once, ran as fast as 32 clusters of 4, of which only 31
+// fit at one block per SM: the doubled SMs were not what held b1 back.) The next step is
+// tensor-core consumers (ldmatrix on 128B-swizzled boxes), for which this staging is the
+// prerequisite.
 //
 // One cluster of N blocks per (batch row b, KV head g, chunk of <= 8 query heads of that
 // group): the KV of a group is read once for all its heads. Each block is warp-
@@ -89,7 +91,7 @@ struct StreamLayout {
   int64_t h_off, red_off, warp_off, ored_off, fixed, bytes;
 
   __host__ __device__ StreamLayout(int hidden, int hpc, int dh, int mh, int n, int stages) {
-    const int rounds = log2_ceil(n);
+    const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
     qkv_floats = (hpc + 2) * dh;
     sum_vecs = (hpc * dh + kMaxH) / 4;
     groups = kConsumerThreads / (dh / 8);  // row groups of the QKV GEMV
@@ -115,12 +117,6 @@ struct StreamLayout {
     off = off > phase2_end ? off : phase2_end;
     bytes = off;
     fixed = bytes - static_cast<int64_t>(stages) * kStageBytes;
-  }
-
-  __host__ __device__ static int log2_ceil(int n) {
-    int r = 0;
-    while ((1 << r) < n) ++r;
-    return r;
   }
 };
 

@@ -31,7 +31,7 @@ struct AttentionDecodeParams {
   NormKind norm;
   float eps, scale;
   bool residual, has_qkv_bias, has_o_bias;
-  int cluster_size;  // blocks per cluster: 1, 2, 4, 8, 16
+  int cluster_size;  // blocks per cluster: 1..8 or 16 (3, 5, 6, 7: SplitToken, R = 1 only)
   // At most this many query heads per cluster (1..8): fewer heads = more clusters per KV
   // head (each re-reads that head's K/V columns and cache) = more SMs busy for GQA at
   // small batch. A tuning knob; the chunks split the group evenly.

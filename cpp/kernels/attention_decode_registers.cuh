@@ -28,8 +28,7 @@ struct RegistersLayout {
   int sum_vecs;  // 16-byte vectors of the (o, l) all-reduce
 
   __host__ __device__ RegistersLayout(int hidden, int hpc_, int dh_, int n_) : hpc(hpc_), dh(dh_), n(n_) {
-    int rounds = 0;
-    while ((1 << rounds) < n) ++rounds;
+    const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
     qkv_vecs = (hpc + 2) * dh / 8;
     vecs_per_blk = (qkv_vecs + n - 1) / n;
     sum_vecs = (hpc * dh + kMaxH) / 4;

@@ -25,8 +25,7 @@ struct SplitHeadLayout {
 
   __host__ __device__ SplitHeadLayout(int hidden, int hpc_, int dh_, int n_, int mh)
       : hpc(hpc_), dh(dh_), n(n_) {
-    int rounds = 0;
-    while ((1 << rounds) < n) ++rounds;
+    const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
     w = dh / n;
     wv = w / 8;
     tokens = kSplitHeadReduceFloats / mh;

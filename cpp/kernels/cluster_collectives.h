@@ -37,8 +37,8 @@ inline int64_t collective_slice_bytes(DType t, int64_t size) {
 inline int64_t cluster_reduce_smem_bytes(DType t, int cluster_size, int64_t size,
                                          CollectiveImpl impl) {
   const int64_t slice = collective_slice_bytes(t, size);
-  // data + one receive slot per round (DSMEM); data alone (global).
-  return impl == CollectiveImpl::kDsmem ? slice * (1 + log2_exact(cluster_size)) : slice;
+  // data + its receive slots (DSMEM); data alone (global).
+  return impl == CollectiveImpl::kDsmem ? slice * (1 + cluster_exchange_slots(cluster_size)) : slice;
 }
 
 inline int64_t cluster_gather_smem_bytes(DType t, int cluster_size, int64_t size,

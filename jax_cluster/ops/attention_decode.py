@@ -30,7 +30,12 @@ from jax_cluster.ops.attention_decode_xla import attention_decode_xla
 
 NORMS = {None: 0, "rms": 1, "layer": 2}
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
-CLUSTER_SIZES = (1, 2, 4, 8, 16)
+# Cluster sizes of the SplitToken kernels. 3, 5, 6, 7 (collectives without a butterfly)
+# let a grid fit the GPU in one wave where powers of two do not: an H100 keeps 31
+# clusters of 4 resident (GPCs hold whole clusters), so 32 clusters of 4 run some SMs
+# twice; 32 clusters of 3 all fit. SplitHead and the batch-tiled kernel take powers of two.
+CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+POW2_CLUSTER_SIZES = (1, 2, 4, 8, 16)
 IMPLS = ("auto", "kernel", "xla", "reference")
 DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/attention_decode.h
 # How SplitToken streams weights and KV (AttnPipeline): "registers" = every thread loads
@@ -144,10 +149,17 @@ def _check(name, array, shape, dtype=None):
 def default_cluster_size(batch: int, num_kv_heads: int, group: int, num_sms: int = 132) -> int:
     """Heuristic: the smallest power of two whose grid covers the GPU once."""
     clusters = batch * num_kv_heads * (group // _heads_per_cluster(group))
-    for n in CLUSTER_SIZES:
+    for n in POW2_CLUSTER_SIZES:
         if clusters * n >= num_sms:
             return n
     return 16
+
+
+def _one_wave_size(clusters: int, num_sms: int) -> int | None:
+    """The largest cluster size that is not a power of two (3, 5, 6, 7) whose grid of
+    `clusters` clusters needs at most one block per SM, or None."""
+    fits = [n for n in CLUSTER_SIZES if n & (n - 1) and clusters * n <= num_sms]
+    return max(fits) if fits else None
 
 
 def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden: int | None = None,
@@ -155,14 +167,21 @@ def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden:
     """Cluster sizes (default heads per cluster), "xla", and for GQA fewer heads per
     cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head; each
     cluster configuration with the register pipeline, and the TMA pipeline ("tma:" prefix)
-    at the sizes that fill an H100 at small batch (2, 4, 8). For batch > 1 also the
-    batch-tiled kernel (_tiled_candidates)."""
+    at the sizes that fill an H100 at small batch (2, 4, 8). Per heads-per-cluster choice
+    also the one-wave size that is not a power of two (_one_wave_size: 32 clusters -> 3).
+    For batch > 1 also the batch-tiled kernel (_tiled_candidates)."""
     default = _heads_per_cluster(group)
     fewer = sorted({_heads_per_cluster(group, h) for h in (1, 2, 4) if h < default}, reverse=True)
     spread = tuple(f"n{n}:h{h}" for h in fewer[:2] for n in (2, 4, 8))
-    tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(c for c in spread if not c.startswith("n2")))
+    odd = []
+    for h in (default,) + tuple(fewer[:2]):
+        n = _one_wave_size(batch * num_kv_heads * (group // h), num_sms)
+        if n is not None:
+            odd.append(n if h == default else f"n{n}:h{h}")
+    tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(odd)
+                + tuple(c for c in spread if not c.startswith("n2")))
     tiled = _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms)
-    return CLUSTER_SIZES + ("xla",) + spread + tma + tiled
+    return POW2_CLUSTER_SIZES + ("xla",) + tuple(odd) + spread + tma + tiled
 
 
 def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132) -> tuple:
@@ -178,7 +197,7 @@ def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132)
     for rows in ROWS_PER_CLUSTER[1:]:
         if rows // 2 >= batch:
             break
-        fits = [n for n in CLUSTER_SIZES if hidden is None or _tiled_shared_bytes(
+        fits = [n for n in POW2_CLUSTER_SIZES if hidden is None or _tiled_shared_bytes(
             hidden, rows, hpc, head_dim, n) <= SHARED_BYTES_PER_BLOCK]
         blocks = {n: -(-batch // rows) * num_kv_heads * (group // hpc) * n for n in fits}
         chosen = [n for n in fits if num_sms / 2 <= blocks[n] <= 2 * num_sms]
@@ -214,7 +233,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v6 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v7 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(choice):
@@ -272,7 +291,8 @@ def attention_decode(
 ):
     """One fused decode step; returns (y [B, D], k_cache, v_cache).
 
-    cluster_size None: on a GPU the tuner measures 1, 2, 4, 8, 16 once per shape
+    cluster_size None: on a GPU the tuner measures 1, 2, 4, 8, 16 (and the size of 3, 5, 6, 7
+    whose grid fits one block per SM) once per shape
     (outside any trace; cached in the tuning file, JAX_CLUSTER_TUNING=0 for the
     heuristic); an explicit size overrides. heads_per_cluster: at most this many query
     heads per cluster (1..8; None: up to 8, or the tuner's pick), so a GQA group can be
@@ -345,11 +365,15 @@ def attention_decode(
                          f"got {heads_per_cluster}")
     if dataflow not in DATAFLOWS:
         raise ValueError(f"attention_decode: dataflow must be one of {list(DATAFLOWS)}, got {dataflow!r}")
+    if cluster_size is not None and cluster_size not in POW2_CLUSTER_SIZES and (
+            dataflow != "split_token" or (rows_per_cluster or 1) > 1):
+        raise ValueError(f"attention_decode: cluster_size={cluster_size} (not a power of two) is for the "
+                         "SplitToken kernels with rows_per_cluster=1 only")
     if dataflow == "split_head":
         if cluster_size is not None and head_dim % (8 * cluster_size):
             raise ValueError(f"attention_decode: dataflow='split_head' needs head_dim ({head_dim}) divisible "
                              f"by 8 * cluster_size ({cluster_size})")
-        cluster_size = cluster_size or max(n for n in CLUSTER_SIZES if n <= 4 and head_dim % (8 * n) == 0)
+        cluster_size = cluster_size or max(n for n in POW2_CLUSTER_SIZES if n <= 4 and head_dim % (8 * n) == 0)
     if pipeline is not None and pipeline not in PIPELINES:
         raise ValueError(f"attention_decode: pipeline must be one of {list(PIPELINES)} or None, "
                          f"got {pipeline!r}")

@@ -8,7 +8,6 @@ the collectives that the fused kernels use internally
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jax.core import ShapedArray
 from jax_cluster.ops._primitive import ffi_primitive, fold_batch_axis
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-CLUSTER_SIZES = (1, 2, 4, 8, 16)
+CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 # Dynamic shared memory a block may use: sm_90's 227 KiB opt-in limit, less
 # 1 KiB kept for barriers and static shared memory.
 SHARED_MEMORY_LIMIT_BYTES = 232448 - 1024
@@ -31,13 +30,20 @@ def _slice_bytes(dtype, size: int) -> int:
     return -(-size * jnp.dtype(dtype).itemsize // 16) * 16
 
 
+def exchange_slots(cluster_size: int) -> int:
+    """Receive slots per block (mirrors cluster_exchange_slots in jax_cluster/types.h): one
+    per butterfly round for a power of two, else one per peer (the direct schedule)."""
+    if cluster_size & (cluster_size - 1):
+        return cluster_size - 1
+    return cluster_size.bit_length() - 1
+
+
 def shared_memory_bytes(kind: str, dtype, cluster_size: int, size: int, impl: str) -> int:
     """Shared memory per block (mirrors cpp/kernels/cluster_collectives.h)."""
     slice_bytes = _slice_bytes(dtype, size)
     if kind == "gather":
         return slice_bytes * (cluster_size + 1)
-    rounds = int(math.log2(cluster_size))
-    return slice_bytes * (1 + rounds) if impl == "dsmem" else slice_bytes
+    return slice_bytes * (1 + exchange_slots(cluster_size)) if impl == "dsmem" else slice_bytes
 
 
 def _workspace_bytes(dtype, groups: int, cluster_size: int, size: int, impl: str) -> int:
@@ -54,7 +60,7 @@ def _validate(kind: str, x, cluster_size, impl: str, repeat: int) -> int:
         raise ValueError(f"{name}: x dtype must be float32, float16 or bfloat16, got {x.dtype}")
     n = x.shape[1] if cluster_size is None else cluster_size
     if n not in CLUSTER_SIZES:
-        raise ValueError(f"{name}: cluster_size must be a power of two in 1..16, got {n}")
+        raise ValueError(f"{name}: cluster_size must be one of {CLUSTER_SIZES}, got {n}")
     if x.shape[1] != n:
         raise ValueError(
             f"{name}: x.shape[1] ({x.shape[1]}) must equal cluster_size ({n}): one row per block"

@@ -23,6 +23,12 @@
 // barrier at start-up (barrier init visible to peers) and one before exit
 // (no block leaves while peers may still touch its shared memory).
 //
+// Cluster sizes that are not powers of two (3, 5, 6, 7) have no butterfly: there
+// every block sends its data straight to each of its N - 1 peers (slot s of the
+// block s + 1 ranks up), with the same per-slot full/empty barriers. A reduce then
+// combines the N values in rank order in fp32 and rounds once, so every block still
+// ends with a bitwise-identical result; a gather's segments land in place.
+//
 // Usage inside a kernel (every thread of the block, or of the ThreadGroup passed last to
 // the constructor, calls every method):
 //   __shared__ ClusterCollectiveBarriers bars;
@@ -40,11 +46,12 @@
 
 namespace jax_cluster {
 
-inline constexpr int kMaxClusterRounds = 4;  // log2(16)
+// Receive slots per block: log2(16) butterfly rounds, or 7 - 1 direct peers.
+inline constexpr int kMaxClusterSlots = 6;
 
 struct ClusterCollectiveBarriers {
-  uint64_t full[kMaxClusterRounds];   // data of round r arrived in my slot
-  uint64_t empty[kMaxClusterRounds];  // my partner of round r freed its slot
+  uint64_t full[kMaxClusterSlots];   // data of round (slot) r arrived in my slot
+  uint64_t empty[kMaxClusterSlots];  // the block I send to in round r freed its slot
 };
 
 template <ReduceOp Op>
@@ -71,10 +78,10 @@ __device__ __forceinline__ uint4 combine(const uint4& a, const uint4& b) {
 class ClusterCollectiveBase {
  protected:
   __device__ ClusterCollectiveBase(ClusterCollectiveBarriers* bars, ThreadGroup group)
-      : bars_(bars), group_(group), rank_(ptx::cluster_rank()), calls_(0) {
-    const uint32_t n = ptx::cluster_num_blocks();
-    rounds_ = 0;
-    while ((1u << rounds_) < n) ++rounds_;
+      : bars_(bars), group_(group), rank_(ptx::cluster_rank()), n_(ptx::cluster_num_blocks()),
+        calls_(0) {
+    rounds_ = cluster_exchange_slots(n_);
+    direct_ = (n_ & (n_ - 1)) != 0;
   }
 
   __device__ void init_barriers(uint32_t empty_arrivals) {
@@ -87,7 +94,12 @@ class ClusterCollectiveBase {
     }
   }
 
+  // Butterfly: the block I exchange with in round r (both ways).
   __device__ uint32_t partner(int r) const { return rank_ ^ (1u << r); }
+  // Direct schedule: slot r of the block r + 1 ranks up receives my data; mine receives
+  // the data of the block r + 1 ranks down.
+  __device__ uint32_t receiver(int r) const { return (rank_ + r + 1) % n_; }
+  __device__ uint32_t sender(int r) const { return (rank_ + n_ - 1 - r) % n_; }
 
   __device__ uint32_t remote(const void* local, uint32_t rank) const {
     return ptx::map_to_rank(ptx::smem_addr(local), rank);
@@ -100,8 +112,9 @@ class ClusterCollectiveBase {
 
   ClusterCollectiveBarriers* bars_;
   ThreadGroup group_;  // the threads that call the collective (all of them, every call)
-  uint32_t rank_;
-  int rounds_;
+  uint32_t rank_, n_;
+  int rounds_;   // receive slots: butterfly rounds, or peers (direct)
+  bool direct_;  // n is not a power of two
   uint32_t calls_;
 
  public:
@@ -125,6 +138,17 @@ class ClusterReduce : public ClusterCollectiveBase {
 
   __device__ void operator()(uint4* data) {
     group_.sync();  // `data` complete before anyone sends it
+    if (direct_) {
+      exchange_direct(data);
+    } else {
+      butterfly(data);
+    }
+    ++calls_;
+    group_.sync();  // every thread may read every vector of the result
+  }
+
+ private:
+  __device__ void butterfly(uint4* data) {
     const uint32_t bytes = static_cast<uint32_t>(num_vecs_) * 16u;
     for (int r = 0; r < rounds_; ++r) {
       const uint32_t peer = partner(r);
@@ -145,11 +169,46 @@ class ClusterReduce : public ClusterCollectiveBase {
       __syncwarp();
       if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], peer));
     }
-    ++calls_;
-    group_.sync();  // every thread may read every vector of the result
   }
 
- private:
+  // Send to every peer, then combine the N values of each vector in rank order (fp32, one
+  // rounding): the same operations in every block.
+  __device__ void exchange_direct(uint4* data) {
+    const uint32_t bytes = static_cast<uint32_t>(num_vecs_) * 16u;
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < rounds_; ++r) ptx::mbarrier_arrive_expect_tx(&bars_->full[r], bytes);
+    }
+    for (int r = 0; r < rounds_; ++r) {
+      wait_slot_free(r);
+      const uint32_t peer = receiver(r);
+      const uint32_t peer_slot = remote(recv_ + static_cast<size_t>(r) * num_vecs_, peer);
+      const uint32_t peer_full = remote(&bars_->full[r], peer);
+      for (int v = threadIdx.x; v < num_vecs_; v += group_.threads) {
+        ptx::st_async_16(peer_slot + 16u * v, data[v], peer_full);
+      }
+    }
+    for (int r = 0; r < rounds_; ++r) ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
+    constexpr int L = Vec16<T>::kLanes;
+    // rank j's vectors: mine, or those of slot (rank - j - 1) mod n
+    auto from = [&](uint32_t j, int v) {
+      return j == rank_ ? data[v] : recv_[static_cast<size_t>((rank_ + n_ - j - 1) % n_) * num_vecs_ + v];
+    };
+    for (int v = threadIdx.x; v < num_vecs_; v += group_.threads) {
+      float acc[L], x[L];
+      unpack<T>(from(0, v), acc);
+      for (uint32_t j = 1; j < n_; ++j) {
+        unpack<T>(from(j, v), x);
+#pragma unroll
+        for (int i = 0; i < L; ++i) acc[i] = reduce_op<Op>(acc[i], x[i]);
+      }
+      data[v] = pack<T>(acc);
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      for (int r = 0; r < rounds_; ++r) ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], sender(r)));
+    }
+  }
+
   uint4* recv_;
   int num_vecs_;
 };
@@ -174,9 +233,20 @@ class ClusterGather : public ClusterCollectiveBase {
   __device__ void operator()() {
     group_.sync();  // own segment written; previous result consumed
     if (calls_ > 0 && static_cast<int>(threadIdx.x) < rounds_) {
-      const int r = threadIdx.x;
-      ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], partner(r)));
+      const int r = threadIdx.x;  // my buffer is free again for whoever writes it in round r
+      ptx::mbarrier_arrive_remote(remote(&bars_->empty[r], direct_ ? sender(r) : partner(r)));
     }
+    if (direct_) {
+      exchange_direct();
+    } else {
+      butterfly();
+    }
+    ++calls_;
+    group_.sync();  // no thread rewrites its segment while another still sends it
+  }
+
+ private:
+  __device__ void butterfly() {
     for (int r = 0; r < rounds_; ++r) {
       const uint32_t stride = 1u << r;
       const uint32_t peer = partner(r);
@@ -195,11 +265,28 @@ class ClusterGather : public ClusterCollectiveBase {
       }
       ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
     }
-    ++calls_;
-    group_.sync();  // no thread rewrites its segment while another still sends it
   }
 
- private:
+  // My segment straight to every peer, at its place in their buffers.
+  __device__ void exchange_direct() {
+    const int first = static_cast<int>(rank_) * seg_vecs_;
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < rounds_; ++r) {
+        ptx::mbarrier_arrive_expect_tx(&bars_->full[r], static_cast<uint32_t>(seg_vecs_) * 16u);
+      }
+    }
+    for (int r = 0; r < rounds_; ++r) {
+      wait_slot_free(r);
+      const uint32_t peer = receiver(r);
+      const uint32_t peer_out = remote(out_, peer);
+      const uint32_t peer_full = remote(&bars_->full[r], peer);
+      for (int v = threadIdx.x; v < seg_vecs_; v += group_.threads) {
+        ptx::st_async_16(peer_out + 16u * (first + v), out_[first + v], peer_full);
+      }
+    }
+    for (int r = 0; r < rounds_; ++r) ptx::mbarrier_wait_cluster(&bars_->full[r], calls_ & 1);
+  }
+
   uint4* out_;
   int seg_vecs_;
 };

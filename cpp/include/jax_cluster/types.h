@@ -21,14 +21,24 @@ enum class ReduceOp : int32_t { kSum = 0, kMax = 1 };
 // Largest dynamic shared memory one block may opt into on sm_90 (227 KiB).
 inline constexpr int64_t kMaxSharedBytesPerBlock = 232448;
 
-// Cluster sizes 1..16; 16 is non-portable (needs an opt-in attribute).
+// Cluster sizes 1..8 and 16 (16 is non-portable: needs an opt-in attribute). Sizes that
+// are not powers of two (3, 5, 6, 7) exist for grids whose clusters would otherwise not
+// fit the GPU at once (an H100 keeps 31 clusters of 4 resident, not 32: 32 clusters of 3
+// run in one wave); kernels that split work by powers of two check is_pow2_cluster_size.
 inline constexpr int kMaxClusterSize = 16;
 
-inline bool is_valid_cluster_size(int64_t n) {
+JAX_CLUSTER_HOST_DEVICE inline bool is_pow2_cluster_size(int64_t n) {
   return n >= 1 && n <= kMaxClusterSize && (n & (n - 1)) == 0;
 }
 
-inline int log2_exact(int64_t n) {
+JAX_CLUSTER_HOST_DEVICE inline bool is_valid_cluster_size(int64_t n) {
+  return (n >= 1 && n <= 8) || n == 16;
+}
+
+// Receive slots a cluster collective (cluster_collectives.cuh) needs per block: one per
+// butterfly round, log2(n), for a power of two; else one per peer, n - 1.
+JAX_CLUSTER_HOST_DEVICE inline int cluster_exchange_slots(int64_t n) {
+  if ((n & (n - 1)) != 0) return static_cast<int>(n - 1);
   int r = 0;
   while ((int64_t{1} << r) < n) ++r;
   return r;
