@@ -23,7 +23,7 @@ def _same_on_cpu(fn, x):
 def collectives(dtypes):
     key = jax.random.key(1)
     for dtype in dtypes:
-        for n in (1, 2, 4, 8, 16):
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 16):  # 3, 5, 6, 7: the direct schedule
             x = (jax.random.normal(key, (2, n, 333), jnp.float32) / n).astype(dtype)
             for impl in ("dsmem", "global"):
                 _same_on_cpu(lambda x: jc.cluster_reduce(x, "sum", impl=impl, all_blocks=True, repeat=3), x)
@@ -37,7 +37,7 @@ def attention_decode(head_dims=None, pipelines=None):
     for dh, (hq, hkv) in ((64, (8, 2)), (80, (4, 4)), (96, (12, 1)), (128, (4, 2))):
         if head_dims is not None and dh not in head_dims:
             continue
-        for n in (1, 2, 4, 8, 16):
+        for n in (1, 2, 3, 4, 6, 8, 16):
             print("attention_decode dh", dh, "cluster", n, flush=True)  # which one, if it dies
             f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)  # noqa: E731
             args = dict(x=f(3, 256), w_qkv=f(256, (hq + 2 * hkv) * dh, sc=1 / 16),
@@ -48,7 +48,7 @@ def attention_decode(head_dims=None, pipelines=None):
             # fewer heads per cluster on the GQA shapes: several clusters per KV head
             ref = jc.reference.attention_decode(**args, **kw)[0]
             runs = [("split_token", p) for p in pipelines or ("registers", "tma")]
-            if dh % (8 * n) == 0:
+            if dh % (8 * n) == 0 and n & (n - 1) == 0:  # SplitHead: powers of two
                 runs.append(("split_head", None))
             for dataflow, pipeline in runs:
                 y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel", dataflow=dataflow,
