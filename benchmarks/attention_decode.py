@@ -10,6 +10,7 @@ Run: python benchmarks/attention_decode.py [--quick]
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 
 import jax
@@ -18,7 +19,8 @@ import numpy as np
 
 import jax_cluster as jc
 from jax_cluster.ops import attention_decode as ad_op  # the module: its tuner
-from common import dtype_tag, measure_bandwidth, merge_results, random_normal, time_fn, write_results
+from common import (dtype_tag, measure_bandwidth, merge_results, print_timeline, random_normal, time_fn,
+                    write_results)
 
 MODELS = {  # hidden, q heads, kv heads, head dim
     "llama2-7b": (4096, 32, 32, 128),
@@ -84,10 +86,11 @@ def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster
                                rows_per_cluster=rows_per_cluster)
 
 
-def time_steps(step, state, consts):
-    """Microseconds per step: STEPS steps in one jit, the caches carried and donated; the
-    weights are jit arguments (as constants captured by the trace they would be baked into
-    every program: seconds of compile per configuration)."""
+def steps_call(step, state, consts):
+    """A call running STEPS decode steps in one jit, the caches carried and donated (each
+    call continues from the last one's state); the weights are jit arguments (as constants
+    captured by the trace they would be baked into every program: seconds of compile per
+    configuration)."""
     def run_steps(s, c):
         def body(i, s):
             x, kc, vc = s
@@ -102,7 +105,52 @@ def time_steps(step, state, consts):
         holder[0] = run(holder[0], consts)
         return holder[0]
 
-    return time_fn(call) / STEPS * 1e6
+    return call
+
+
+def time_steps(step, state, consts):
+    """Microseconds per decode step (steps_call)."""
+    return time_fn(steps_call(step, state, consts)) / STEPS * 1e6
+
+
+def make_case(model, dtype, batch, ctx, key):
+    """(consts, fresh, nbytes, shape) of one benchmark case: the weights and lengths as jit
+    arguments, fresh() -> a new (x, k_cache, v_cache), the bytes a step must read."""
+    d, hq, hkv, dh = MODELS[model]
+    ks = jax.random.split(key, 6)
+    cols = (hq + 2 * hkv) * dh
+    consts = {
+        "w_qkv": random_normal(ks[0], (d, cols), dtype, d ** -0.5),
+        "w_o": random_normal(ks[1], (hq * dh, d), dtype, (hq * dh) ** -0.5),
+        "nw": jnp.ones((d,), dtype),
+        "lengths": jnp.full((batch,), ctx - 1, jnp.int32),
+        "inv_freq": jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32),
+    }
+    fresh = lambda: (random_normal(ks[2], (batch, d), dtype),  # noqa: E731
+                     random_normal(ks[3], (batch, hkv, ctx, dh), dtype),
+                     random_normal(ks[4], (batch, hkv, ctx, dh), dtype))
+    itemsize = jnp.dtype(dtype).itemsize
+    nbytes = (d * cols + hq * dh * d) * itemsize + 2 * batch * hkv * ctx * dh * itemsize
+    return consts, fresh, nbytes, (hq, hkv, dh)
+
+
+def step_for(choice, shape):
+    """The step function of a peer ('jnp', 'pallas'), 'auto', or a tuner choice ('3', 'n8:h2')."""
+    if choice in ("jnp", "pallas"):
+        step = plain_jnp_step if choice == "jnp" else pallas_step
+        return lambda *a: step(*a, *shape)
+    if choice == "auto":
+        return lambda *a: ours_step(*a, *shape, impl="auto")
+    n, h, pipe, r = ad_op.parse_choice(int(choice) if str(choice).isdigit() else choice)
+    return lambda *a: ours_step(*a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe,
+                                rows_per_cluster=r)
+
+
+def trace(spec, dtype=jnp.float16):
+    """Kernel timeline of STEPS steps: spec = 'model:batch:context:choice'."""
+    model, batch, ctx, choice = spec.split(":", 3)
+    consts, fresh, _, shape = make_case(model, dtype, int(batch), int(ctx), jax.random.key(0))
+    print_timeline(spec, steps_call(step_for(choice, shape), fresh(), consts), STEPS)
 
 
 def main(argv=None):
@@ -123,7 +171,17 @@ def main(argv=None):
                         help="leave out the auto row (its tuning measures every candidate)")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
+    parser.add_argument("--trace", default=None,
+                        help="no benchmark: the kernel timeline of each comma-listed spec "
+                             "'model:batch:context:choice' (choice: jnp, pallas, auto or a tuner choice)")
     args = parser.parse_args(argv)
+    # the tuner's measured times of every candidate go to the log beside the rows
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("jax_cluster.tuning").setLevel(logging.INFO)
+    if args.trace:
+        for spec in args.trace.split(","):
+            trace(spec)
+        return None
     if args.cluster_sweep:
         return cluster_sweep()
     global RESULT_NAME
@@ -143,27 +201,12 @@ def main(argv=None):
                 for ctx in map(int, args.contexts.split(",")):
                     if args.quick and (ctx == 1024 or (batch == 16 and ctx == 16384)):
                         continue
-                    ks = jax.random.split(key, 6)
-                    cols = (hq + 2 * hkv) * dh
-                    consts = {
-                        "w_qkv": random_normal(ks[0], (d, cols), dtype, d ** -0.5),
-                        "w_o": random_normal(ks[1], (hq * dh, d), dtype, (hq * dh) ** -0.5),
-                        "nw": jnp.ones((d,), dtype),
-                        "lengths": jnp.full((batch,), ctx - 1, jnp.int32),
-                        "inv_freq": jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32),
-                    }
-                    fresh = lambda: (random_normal(ks[2], (batch, d), dtype),  # noqa: E731
-                                     random_normal(ks[3], (batch, hkv, ctx, dh), dtype),
-                                     random_normal(ks[4], (batch, hkv, ctx, dh), dtype))
-                    nbytes = (d * cols + hq * dh * d) * jnp.dtype(dtype).itemsize + \
-                        2 * batch * hkv * ctx * dh * jnp.dtype(dtype).itemsize
+                    consts, fresh, nbytes, shape = make_case(model, dtype, batch, ctx, key)
                     floor_us = nbytes / bw * 1e6
-                    shape = (hq, hkv, dh)
                     t = {}
-                    for name, step in (("jnp", plain_jnp_step), ("pallas", pallas_step)):
-                        f = lambda *a, step=step: step(*a, *shape)  # noqa: E731
+                    for name in ("jnp", "pallas"):
                         try:
-                            t[name] = time_steps(f, fresh(), consts)
+                            t[name] = time_steps(step_for(name, shape), fresh(), consts)
                         except Exception as exc:  # noqa: BLE001 - a peer may not run here
                             print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
                             t[name] = None
@@ -179,11 +222,7 @@ def main(argv=None):
                     for choice in choices:
                         if choice == "xla":
                             continue
-                        n, h, pipe, r = ad_op.parse_choice(choice)
-                        f = lambda *a, n=n, h=h, pipe=pipe, r=r: ours_step(  # noqa: E731
-                            *a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe,
-                            rows_per_cluster=r)
-                        sweep[choice] = time_steps(f, fresh(), consts)
+                        sweep[choice] = time_steps(step_for(choice, shape), fresh(), consts)
                     tiled = {c: v for c, v in sweep.items() if ad_op.parse_choice(c)[3] > 1}
                     tma = {c: v for c, v in sweep.items() if str(c).startswith("tma:")}
                     registers = {c: v for c, v in sweep.items() if c not in tiled and c not in tma}
@@ -200,7 +239,7 @@ def main(argv=None):
                     best_sh = min(split_head, key=split_head.get) if split_head else None
                     # what a user gets: the tuner's pick among the cluster sizes and XLA's ops
                     if not args.skip_auto:
-                        t["auto"] = time_steps(lambda *a: ours_step(*a, *shape, impl="auto"), fresh(), consts)
+                        t["auto"] = time_steps(step_for("auto", shape), fresh(), consts)
                         pick = ad_op.autotune(batch, d, hq, hkv, ctx, dh, dtype)
                     case = f"{model} b{batch} ctx{ctx} {dtype_tag(dtype)}"
                     variants = [(name, sweep[best]) for name, best in

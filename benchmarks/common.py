@@ -41,8 +41,9 @@ def versions() -> dict:
 
 
 def time_fn(fn: Callable, *args, warmup: int = 2, trials: int = 7) -> float:
-    """Median wall time (seconds) of fn(*args) to completion; fn should be jitted
-    and do many iterations of work so host overhead is negligible."""
+    """Seconds per fn(*args) in a loop of back-to-back calls (tuning.steady_seconds: the
+    fixed dispatch latency of one synchronised call left out); fn should be jitted and do
+    many steps of work."""
     return time_call(fn, *args, warmup=warmup, trials=trials)
 
 
@@ -86,6 +87,49 @@ def measure_bandwidth(gib: float = 1.0) -> float:
 
         best = max(best, buf.size * 4 * 10 / time_fn(reads, buf))
     return best
+
+
+def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2) -> None:
+    """Kernel timeline of `repeat` back-to-back run() (each one jitted call doing `calls`
+    steps), from CUPTI through jax.profiler: per-kernel time per step, idle gaps between
+    kernels on the busiest GPU stream, the steady step period (median spacing of a kernel
+    that runs once per step; the largest spacing shows the gap between calls) and the first
+    `first` kernels. run is called once before the traced calls (compilation, tuning)."""
+    import glob
+    import tempfile
+    from collections import defaultdict
+
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(run())
+    out = tempfile.mkdtemp()
+    with jax.profiler.trace(out):
+        outs = [run() for _ in range(repeat)]
+        jax.block_until_ready(outs[-1])
+    data = ProfileData.from_file(glob.glob(out + "/**/*.xplane.pb", recursive=True)[0])
+    lines = [ln for pl in data.planes if pl.name.startswith("/device:GPU")
+             for ln in pl.lines if "Stream" in ln.name]
+    line = max(lines, key=lambda ln: len(list(ln.events)))
+    evs = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events), key=lambda t: t[0])
+    steps = calls * repeat
+    per, starts = defaultdict(float), defaultdict(list)
+    gaps = sum(max(0.0, s1 - (s0 + d0)) for (s0, d0, _), (s1, _, _) in zip(evs, evs[1:]))
+    for s0, dur, name in evs:
+        per[name[:70]] += dur
+        starts[name[:70]].append(s0)
+    span = evs[-1][0] + evs[-1][1] - evs[0][0]
+    print(f"trace {label}: {len(evs)} kernels on {line.name}, span {span / steps / 1e3:.1f} us "
+          f"per step, gaps {gaps / steps / 1e3:.1f} us per step", flush=True)
+    once = [n for n in per if len(starts[n]) == steps]
+    if once:
+        marker = max(once, key=per.get)
+        spacing = np.diff(starts[marker]) / 1e3
+        print(f"    steady period {np.median(spacing):.1f} us per step (spacing of {marker[:40]}; "
+              f"largest {spacing.max():.1f} us)", flush=True)
+    for name, dur in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {dur / steps / 1e3:8.1f} us/step  {name}", flush=True)
+    for s0, dur, name in evs[:first]:
+        print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
 
 
 def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",

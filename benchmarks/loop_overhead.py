@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import jax_cluster as jc
 from jax_cluster import tuning
 from jax_cluster.ops import swiglu as sw
+from common import print_timeline
 from swiglu import SHAPES
 
 CALLS = 24
@@ -93,40 +94,12 @@ def stream_read_case() -> None:
 
 
 def trace_case(spec: str) -> None:
-    """Kernel timeline of the fori timing loop (CUPTI through jax.profiler): per-kernel
-    durations and the idle gaps between kernels on the busiest GPU stream."""
-    import glob
-    import tempfile
-    from collections import defaultdict
-
-    from jax.profiler import ProfileData
-
+    """Kernel timeline of the fori timing loop (common.print_timeline)."""
     variant, m, d, f = parse_spec(spec)
     inputs = sw.timing_inputs(m, d, f, "float16")
     fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
     loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
-    jax.block_until_ready(loop(*inputs))
-    out = tempfile.mkdtemp()
-    with jax.profiler.trace(out):
-        jax.block_until_ready(loop(*inputs))
-    data = ProfileData.from_file(glob.glob(out + "/**/*.xplane.pb", recursive=True)[0])
-    lines = [ln for pl in data.planes if pl.name.startswith("/device:GPU")
-             for ln in pl.lines if "Stream" in ln.name]
-    line = max(lines, key=lambda ln: len(list(ln.events)))
-    evs = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events), key=lambda t: t[0])
-    per = defaultdict(float)
-    gaps = 0.0
-    for (s0, d0, _), (s1, _, _) in zip(evs, evs[1:]):
-        gaps += max(0.0, s1 - (s0 + d0))
-    for _, dur, name in evs:
-        per[name[:70]] += dur
-    span = evs[-1][0] + evs[-1][1] - evs[0][0]
-    print(f"trace {spec}: {len(evs)} kernels on {line.name}, span {span / calls / 1e3:.1f} us "
-          f"per call, gaps {gaps / calls / 1e3:.1f} us per call", flush=True)
-    for name, dur in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"    {dur / calls / 1e3:8.1f} us/call  {name}", flush=True)
-    for s0, dur, name in evs[:12]:
-        print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
+    print_timeline(spec, lambda: loop(*inputs), calls)
 
 
 if __name__ == "__main__":

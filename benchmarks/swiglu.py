@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 
@@ -98,6 +99,9 @@ def main(argv=None):
     parser.add_argument("--part", default=None, help="write results/parts/swiglu_PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join parts a,b,... into results/swiglu")
     args = parser.parse_args(argv)
+    # the tuner's measured times of every candidate go to the log beside the rows
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("jax_cluster.tuning").setLevel(logging.INFO)
     if args.merge:
         parts = [f"swiglu_{p}" for p in args.merge.split(",")]
         merged = {}

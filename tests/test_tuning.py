@@ -219,7 +219,33 @@ def test_time_carried_feeds_each_output_back():
         return step(s)
 
     t = tuning.time_carried(fn, jnp.zeros(4), warmup=1, trials=3)
-    assert 0 < t < 10 and seen == [0.0, 1.0, 2.0, 3.0]
+    calls = 1 + 3 * (1 + tuning.BACK_TO_BACK_CALLS)
+    assert 0 < t < 10 and seen == [float(i) for i in range(calls)]
+
+
+def test_steady_seconds_leaves_out_fixed_latency():
+    """A call costing a fixed latency (paid once per synchronised run) plus 2 ms of work:
+    the steady time is the work alone, where timing one call would add the latency."""
+    import time as _time
+
+    class Pending:  # what an async dispatch returns: the work finishes when waited on
+        def __init__(self, due):
+            self.due = due
+
+        def block_until_ready(self):
+            _time.sleep(max(0.0, self.due - _time.perf_counter()))
+            return self
+
+    clock = {"free": 0.0}
+
+    def call():
+        now = _time.perf_counter()
+        start = max(now + 0.006, clock["free"])  # 6 ms latency before the device starts
+        clock["free"] = start + 0.002
+        return Pending(clock["free"])
+
+    t = tuning.steady_seconds(call, warmup=1, trials=3)
+    assert 0.0015 < t < 0.003
 
 
 def test_attention_decode_tuner_measures_with_carried_caches(tmp_path, monkeypatch):

@@ -23,15 +23,30 @@ struct Ctx {  // per-cluster coordinates
 
 // This block's cluster -> (b, g, chunk), the batch row fastest: the clusters resident
 // at one time then share a KV group's weight columns (read from HBM once, from L2 by
-// the other rows) instead of each bringing its own.
-__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
+// the other rows) instead of each bringing its own. Reads no memory (len is not set).
+__device__ __forceinline__ Ctx cluster_coords(const AttentionDecodeParams& p) {
   const int64_t cluster = blockIdx.x / p.cluster_size, rest = cluster / p.batch;
   Ctx c;
   c.rank = static_cast<int>(ptx::cluster_rank());
   c.b = cluster % p.batch;
   c.chunk = rest % p.head_chunks();
   c.g = rest / p.head_chunks();
-  c.len = p.lengths[c.b];
+  c.len = 0;
+  return c;
+}
+
+// The kernels are launched programmatically (PDL): they may start while the previous
+// kernel of the stream still runs, and that kernel may be what wrote x, lengths or the
+// caches, or what still reads the partials workspace. So every access to global memory
+// except the weights' L2 prefetch comes after this wait (a no-op without PDL).
+__device__ __forceinline__ int wait_for_inputs(const AttentionDecodeParams& p, const Ctx& c) {
+  ptx::griddep_wait();
+  return p.lengths[c.b];
+}
+
+__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
+  Ctx c = cluster_coords(p);
+  c.len = wait_for_inputs(p, c);
   return c;
 }
 
@@ -431,9 +446,12 @@ __device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, 
 }
 
 
-// y[b, :] = sum over the row's clusters (fixed order) + bias + residual.
+// y[b, :] = sum over the row's clusters (fixed order) + bias + residual. Launched
+// programmatically: scheduled while the main kernel runs (its blocks trigger at their
+// start), it waits for that kernel's partials, which hides its launch latency.
 template <typename T>
 __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const AttentionDecodeParams p) {
+  ptx::griddep_wait();
   const int64_t b = blockIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (col >= p.hidden) return;
@@ -449,6 +467,5 @@ __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const Att
 template <typename T>
 cudaError_t launch_combine(const AttentionDecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
-  attention_decode_combine_kernel<T><<<grid, 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_programmatic(attention_decode_combine_kernel<T>, grid, dim3(256), 0, true, stream, p);
 }

@@ -12,7 +12,10 @@
 //      (m, l, o) across the cluster;
 //   5. block r multiplies the attention output by its W_o column tiles -> fp32 partial row
 //      (the combine kernel sums the clusters' partials in a fixed order).
-// Each phase's first 32 KB is prefetched into L2 while the previous phase finishes.
+// Each phase's first 32 KB is prefetched into L2 while the previous phase finishes (more
+// was slower: 256 KB of QKV rows, or all of the block's W_o before attention, measured
+// 3-10% slower at Llama-2-7B b1 ctx4K in session 12). Launched programmatically (PDL): the
+// QKV prefetch is issued while the previous kernel of the stream still runs.
 // Measured against the TMA ring (session 7, H100): faster per SM on CUDA-core math, as
 // its 8 warps load without a shared-memory round trip; see attention_decode.cu.
 // Included inside attention_decode.cu's anonymous namespace (uses
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   float* mx = reinterpret_cast<float*>(smem + L.max_off);
   float* sums = reinterpret_cast<float*>(smem + L.sum_off);
 
-  const Ctx c = cluster_ctx(p);
+  Ctx c = cluster_coords(p);
 
   ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
   ClusterReduce<float, ReduceOp::kMax> reduce_max(
@@ -165,26 +168,17 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   reduce_sum.init();
   ptx::cluster_arrive();  // barrier init visible to peers; overlap the wait with the norm
 
-  const OutputSlice out = output_slice(p, c);
-  float* partial_row = out.row;
-  const int o_first = out.first, o_count = out.count;
-  if (length_out_of_range(p, c)) {
-    write_nan_slice(out, ThreadGroup::block());
-    ptx::cluster_wait();
-    return;
-  }
   // This block's share of each phase: QKV column vectors, tokens, W_o columns.
   const int first_vec = c.rank * L.vecs_per_blk;
   const int my_vecs = max(0, min(L.vecs_per_blk, L.qkv_vecs - first_vec));
-  const int total = c.len + 1;
-  const int per_block = (total + n - 1) / n;
-  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
   const T* wqkv = static_cast<const T*>(p.w_qkv);
   const int64_t qkv_ld = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
   const T* wo = static_cast<const T*>(p.w_o) + (c.g * p.group() + c.chunk * hpc) * DH * p.hidden;
 
   // Each phase's first bytes are requested ahead (L2 prefetch) so no phase starts with an
-  // empty memory pipeline: here the QKV rows (per contiguous run: Q, K or V columns).
+  // empty memory pipeline: here the QKV rows (per contiguous run: Q, K or V columns),
+  // while the previous kernel of the stream may still run (PDL: weights are no output
+  // of it, and a prefetch is only a hint).
   for (int v = first_vec, end = first_vec + my_vecs; v < end;) {
     const int bound = v < hpc * DH / 8 ? hpc * DH / 8 : v < (hpc + 1) * DH / 8 ? (hpc + 1) * DH / 8
                                                                                : end;
@@ -193,6 +187,20 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
                   static_cast<int>(p.hidden), static_cast<int64_t>(run_end - v) * 16);
     v = run_end;
   }
+  c.len = wait_for_inputs(p, c);
+  ptx::griddep_launch_dependents();  // the combine kernel may be scheduled now
+
+  const OutputSlice out = output_slice(p, c);
+  float* partial_row = out.row;
+  const int o_first = out.first, o_count = out.count;
+  if (length_out_of_range(p, c)) {
+    write_nan_slice(out, ThreadGroup::block());
+    ptx::cluster_wait();
+    return;
+  }
+  const int total = c.len + 1;
+  const int per_block = (total + n - 1) / n;
+  const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);
   normalize_input<T>(p, c.b, h, ThreadGroup::block());
   ptx::cluster_wait();
 
@@ -246,7 +254,7 @@ cudaError_t launch_registers(const AttentionDecodeParams& p, cudaStream_t stream
   const RegistersLayout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
                           p.cluster_size);
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
-  return launch_cluster(attention_decode_kernel<T, DH, MH>,
-                        dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kBlockThreads),
-                        static_cast<size_t>(L.bytes), p.cluster_size, stream, p);
+  return launch_cluster_programmatic(
+      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
+      dim3(kBlockThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p);
 }

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   float* attn = reinterpret_cast<float*>(smem + L.attn_off);
 
   const Ctx c = cluster_ctx(p);
+  ptx::griddep_launch_dependents();  // the combine kernel may be scheduled now
 
   ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
   ClusterReduce<float, ReduceOp::kSum> reduce(&reduce_bars, reinterpret_cast<uint4*>(smem + L.recv_off),
@@ -254,7 +255,7 @@ cudaError_t launch_split_head_typed(const AttentionDecodeParams& p, cudaStream_t
   const SplitHeadLayout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
                           p.cluster_size, MH);
   const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster_programmatic(
       attention_decode_split_head_kernel<T, DH, MH>,
       dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kBlockThreads),
       static_cast<size_t>(L.bytes), p.cluster_size, stream, p));

@@ -74,6 +74,21 @@ cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
   return launch_ex(kernel, grid, block, smem, stream, &attr, 1, std::forward<Args>(args)...);
 }
 
+// launch_cluster, launched programmatically (PDL; see launch_programmatic).
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_cluster_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                                        size_t smem, int cluster_size, cudaStream_t stream,
+                                        Args&&... args) {
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = cluster_size;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  return launch_ex(kernel, grid, block, smem, stream, attrs, 2, std::forward<Args>(args)...);
+}
+
 // A plain (cluster-less) launch through cudaLaunchKernelEx. programmatic: programmatic
 // dependent launch (PDL): the kernel may be scheduled while the previous kernel of the
 // stream still runs (once that one's blocks called ptx::griddep_launch_dependents() or
