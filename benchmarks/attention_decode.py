@@ -314,7 +314,10 @@ RESULT_NAME = "attention_decode"
 COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_vs_pallas", "roofline_fraction",
            "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"]
 # the batch-tiled configurations' own columns ("n4:r8_us", ...) stay in the JSON rows
-EXPLAIN = ("kernel = the fused kernel (register pipeline) at its best configuration among those the tuner "
+EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuning.steady_seconds; parts from "
+           "session 12 on, named s12_*): earlier parts timed one synchronised call, which added 60-250 us "
+           "of host dispatch latency per timed call of 20-24 steps. "
+           "kernel = the fused kernel (register pipeline) at its best configuration among those the tuner "
            "weighs (best_config: a cluster size, or 'nK:hH' = cluster size K with at most H query heads per "
            "cluster; nK_us = cluster size K with the default heads per cluster); tma = the same kernel with "
            "pipeline='tma' (a producer warp streams every byte through a TMA/mbarrier ring) at its best "

@@ -60,7 +60,11 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize() {  # sanitize TOOL FILTER TARGETS [--quick]
     local tool=$1 filter=$2 only=$3; shift 3
     local tag="${tool}_${filter}_${only//,/+}"
-    step "sanitize-$tag" "sanitize_$tag.log" timeout 150 compute-sanitizer \
+    # racecheck does not follow programmatic launches (session 12, H100: it segfaulted at
+    # attention_decode's first configuration once its kernels were launched with PDL;
+    # clean with them off): it runs with plain launches.
+    local pdl=1; [ "$tool" = racecheck ] && pdl=0
+    JAX_CLUSTER_PDL=$pdl step "sanitize-$tag" "sanitize_$tag.log" timeout 150 compute-sanitizer \
       --tool "$tool" --kernel-name "kns=$filter" --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only="$only" "$@"
   }
@@ -81,7 +85,7 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize racecheck jax_cluster collectives --quick
   sanitize racecheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
   for v in split stream gemv fused fused_row tma; do
-    step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
+    JAX_CLUSTER_PDL=0 step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
       compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only=swiglu --quick --variants=$v
   done

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -74,6 +75,17 @@ cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
   return launch_ex(kernel, grid, block, smem, stream, &attr, 1, std::forward<Args>(args)...);
 }
 
+// JAX_CLUSTER_PDL=0 turns programmatic launches off for the process (read once): for
+// tools that do not follow them (compute-sanitizer's racecheck crashed on an H100 as soon
+// as attention_decode's kernels were launched programmatically, session 12).
+inline bool programmatic_launches_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("JAX_CLUSTER_PDL");
+    return env == nullptr || env[0] != '0';
+  }();
+  return enabled;
+}
+
 // launch_cluster, launched programmatically (PDL; see launch_programmatic).
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_cluster_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
@@ -86,7 +98,8 @@ cudaError_t launch_cluster_programmatic(void (*kernel)(KernelArgs...), dim3 grid
   attrs[0].val.clusterDim.z = 1;
   attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  return launch_ex(kernel, grid, block, smem, stream, attrs, 2, std::forward<Args>(args)...);
+  return launch_ex(kernel, grid, block, smem, stream, attrs,
+                   programmatic_launches_enabled() ? 2u : 1u, std::forward<Args>(args)...);
 }
 
 // A plain (cluster-less) launch through cudaLaunchKernelEx. programmatic: programmatic
@@ -100,7 +113,8 @@ cudaError_t launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 b
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  return launch_ex(kernel, grid, block, smem, stream, &attr, programmatic ? 1u : 0u,
+  return launch_ex(kernel, grid, block, smem, stream, &attr,
+                   programmatic && programmatic_launches_enabled() ? 1u : 0u,
                    std::forward<Args>(args)...);
 }
 
