@@ -3,7 +3,9 @@
 Llama-2-7B and Llama-3-8B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
 cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_decode,
 swiglu). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
-in the loop, KV cache donated), so dispatch is excluded. The cache is filled with random values.
+in the loop, KV cache donated), timed per call in a loop of back-to-back calls
+(jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
+values.
 
 Roofline: floor = (all weight bytes + KV bytes read per step) / HBM bandwidth, the bandwidth
 measured in the same run (best of an elementwise pass and a read-only reduction); roofline_fraction = floor / measured time.
@@ -33,6 +35,7 @@ except ImportError:  # running from a source checkout: the repo root, after inst
     sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from jax_cluster.tuning import steady_seconds  # noqa: E402
 from flax_models import ops  # noqa: E402
 from flax_models.engine import Engine  # noqa: E402
 from flax_models.loading import parse_dtype  # noqa: E402
@@ -81,17 +84,17 @@ def time_decode(model, impl, batch, ctx, steps, trials):
 
     run = jax.jit(run, donate_argnums=(2,))
     cache = random_cache(model, batch, ctx + steps, ctx)
-    tok = jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size
-    key = jax.random.key(1)
-    times = []
-    for i in range(trials + 1):  # the first call compiles and warms up
-        t0 = time.perf_counter()
-        tok, cache, key = run(engine.state, tok, cache, key)
-        jax.block_until_ready(tok)
-        if i:
-            times.append(time.perf_counter() - t0)
+    state = [jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size, cache, jax.random.key(1)]
     del cache
-    return statistics.median(times) / steps
+
+    def call():  # each call continues from the last one's tokens, cache and key
+        state[:] = run(engine.state, *state)
+        return state[0]
+
+    # per call in a loop of back-to-back calls: one call's host dispatch latency left out
+    seconds = steady_seconds(call, warmup=1, trials=trials)
+    del state[:]
+    return seconds / steps
 
 
 def device_memory_bytes() -> int | None:
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
     if args.merge:
         common.merge_results("decode_e2e_smoke" if args.smoke else "decode_e2e", args.merge.split(","), columns=COLUMNS,
                              notes="Per output token (one decode step of the whole batch), 16 steps inside one "
-                                   "jit, median of 5; roofline floor = (all weight bytes + KV bytes at ctx) / "
+                                   "jit, per call in a loop of back-to-back calls (parts from session 12 on; earlier "
+                                   "parts: median of 5 synchronised calls); roofline floor = (all weight bytes + KV bytes at ctx) / "
                                    "bandwidth; fused = the ops' tuners' picks per shape (kernels or XLA's ops).")
         return 0
     if args.smoke:
