@@ -63,15 +63,21 @@ cudaError_t launch_ex(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size
   return cudaGetLastError();
 }
 
-// grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
-                           int cluster_size, cudaStream_t stream, Args&&... args) {
+// Clusters of cluster_size blocks along x.
+inline cudaLaunchAttribute cluster_attribute(int cluster_size) {
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = cluster_size;
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
+  return attr;
+}
+
+// grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           int cluster_size, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr = cluster_attribute(cluster_size);
   return launch_ex(kernel, grid, block, smem, stream, &attr, 1, std::forward<Args>(args)...);
 }
 
@@ -91,11 +97,7 @@ template <typename... KernelArgs, typename... Args>
 cudaError_t launch_cluster_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
                                         size_t smem, int cluster_size, cudaStream_t stream,
                                         Args&&... args) {
-  cudaLaunchAttribute attrs[2] = {};
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = cluster_size;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attrs[2] = {cluster_attribute(cluster_size), {}};
   attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[1].val.programmaticStreamSerializationAllowed = 1;
   return launch_ex(kernel, grid, block, smem, stream, attrs,
