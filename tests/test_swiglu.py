@@ -20,7 +20,8 @@ from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 
 DTYPES = ["float16", "bfloat16"]
 MS = [1, 3, 8, 16, 33, 64, 128]
-VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "gemv", "gemv:mma=0", "tma", "xla"]
+VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1",
+            "xla"]
 # non-square, F = 21 * 64 (not a multiple of 128), D = 320 (down tile of 64 valid columns)
 SHAPES = [(256, 512), (320, 1344), (512, 192)]
 
@@ -112,7 +113,8 @@ def test_cpu_handler_close_to_reference_bitwise_mostly(rng):
     "spec", ["split:nu=1:nd=1", "split:nu=16:nd=16:rt=4", "split:rt=2", "fused:n=1:c=1",
              "fused:n=2:g=1", "fused:n=16:g=3:rt=4", "fused:c=2", "fused:g=64", "fused_row:n=4",
              "stream:rt=1", "stream:rt=4:c=7", "stream:c=1", "stream:c=2000", "gemv:ku=1:kd=1",
-             "gemv:ku=3:kd=5", "gemv:ku=4", "tma:rt=1", "tma:rt=4:c=7", "tma:c=2000:p=0"])
+             "gemv:ku=3:kd=5", "gemv:ku=4", "tma:rt=1", "tma:rt=4:c=7", "tma:c=2000:p=0",
+             "tma:wg=1", "tma:wg=1:rt=4:c=7:p=0", "tma:q=1", "tma:q=64:c=3"])
 def test_cpu_knobs_pass_validation(rng, spec):
     """Every knob combination yields a configuration the C++ decoder accepts."""
     for d, f in ((1024, 1024), (256, 192)):
@@ -126,7 +128,7 @@ def test_configs_valid_for_many_shapes():
         for f in (64, 192, 1344, 7168, 11008, 14336, 28672):
             for m in (1, 2, 5, 16, 17, 33, 64, 65, 300):
                 for spec in ("split", "split_row", "fused", "fused_row", "fused:n=16", "fused:n=4",
-                             "stream", "gemv", "gemv:mma=0", "tma", "tma:rt=1"):
+                             "stream", "gemv", "gemv:mma=0", "tma", "tma:rt=1", "tma:wg=1"):
                     for down in (True, False):
                         cfg = sw.make_config(spec, m, d, f, down, 132)
                         if cfg is None:
@@ -143,7 +145,9 @@ def test_configs_valid_for_many_shapes():
                             assert cfg.pdl == 1
                         elif cfg.variant == 4:
                             assert cfg.num_clusters == 132 and cfg.pdl == 1
-                            assert cfg.row_tiles == (1 if spec == "tma:rt=1" else sw._default_row_tiles(min(m, 64)))
+                            assert cfg.items_per_block == sw.TMA_ITEMS_PER_BLOCK
+                            rt = {"tma:rt=1": 1, "tma:wg=1": 4}.get(spec, sw._default_row_tiles(min(m, 64)))
+                            assert cfg.row_tiles == rt and cfg.wgmma == (spec == "tma:wg=1")
                         elif cfg.variant == 2:
                             assert cfg.num_clusters == (2 if sw.tile_smem(cfg.row_tiles)[1] <= sw._BUDGET2 else 1) * 132
                             assert sw.tile_smem(cfg.row_tiles)[0] >= 2
@@ -220,9 +224,12 @@ def test_bad_dtypes_and_variants():
     with pytest.raises(ValueError, match="x dtype must be float16 or bfloat16"):
         jc.swiglu(x.astype(jnp.int32), w.astype(jnp.int32), w.astype(jnp.int32))
     for bad, message in [("fast", "variant must be one of"), ("fused:n=3", "cluster sizes are"),
-                         ("fused:q=1", "bad knob"), ("split:rt=8", "row tiles are 1, 2 or 4"),
+                         ("fused:z=1", "bad knob"), ("split:rt=8", "row tiles are 1, 2 or 4"),
                          ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), ("stream:c=0", "c= in 1..65535"),
                          ("gemv:ku=0", "K chunks must be >= 1"), ("tma:p=2", "p= is 0 or 1"), ("gemv:mma=2", "mma= is 0 or 1"),
+                         ("tma:wg=2", "wg= is 0 or 1"), ("gemv:wg=1", "a knob of 'tma' only"),
+                         ("tma:wg=1:rt=2", "rt= must be 4"), ("tma:q=0", "work items per block are 1..64"),
+                         ("split:q=2", "a knob of 'tma' only"),
                          (3, "must be a string")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             jc.swiglu(x, w, w, w, variant=bad)
@@ -259,7 +266,7 @@ def test_ffi_validation_errors():
     empty = jnp.zeros((0,), jnp.float16)
     good = dict(variant=1, order=0, cluster_up=2, cluster_down=1, row_tiles=1, f_group=1,
                 num_clusters=1, k_splits_up=1, k_splits_down=1, pdl=0, gemv_mma=0,
-                has_down=True, has_residual=False)
+                wgmma=0, items_per_block=1, has_down=True, has_residual=False)
     bad_attrs = [({"row_tiles": 3}, "row_tiles must be 1, 2 or 4"),
                  ({"cluster_up": 4}, "cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64"),
                  ({"num_clusters": 3}, "num_clusters must be in 1..F/64"),
@@ -269,6 +276,10 @@ def test_ffi_validation_errors():
                  ({"variant": 3, "k_splits_up": 0}, "k_splits_up must be in 1..K/16"),
                  ({"variant": 3, "k_splits_down": 9}, "k_splits_down must be in 1..K/16"),
                  ({"variant": 3, "gemv_mma": 2}, "gemv_mma must be 0 or 1"),
+                 ({"variant": 4, "wgmma": 2}, "wgmma must be 0 or 1"),
+                 ({"variant": 4, "num_clusters": 7, "items_per_block": 0}, "items_per_block must be in 1..64"),
+                 ({"variant": 4, "num_clusters": 7, "wgmma": 1}, "wgmma is a knob of the tma variant with row_tiles 4"),
+                 ({"variant": 0, "row_tiles": 4, "wgmma": 1}, "wgmma is a knob of the tma variant with row_tiles 4"),
                  ({"variant": 2, "num_clusters": 0}, "num_clusters (the stream kernels' blocks) must be in 1..65535")]
     for change, message in bad_attrs:
         with pytest.raises(Exception, match=re.escape(message)):
@@ -337,7 +348,7 @@ def test_gpu_variants(rng, variant, dtype):
 def test_gpu_up_only(rng, dtype):
     for d, f in SHAPES:
         for m in MS:
-            for variant in ("split", "split_row", "stream", "gemv", "gemv:mma=0", "tma"):
+            for variant in ("split", "split_row", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1"):
                 inputs = _inputs(rng, m, d, f, dtype, down=False)
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
@@ -351,7 +362,9 @@ def test_gpu_up_only(rng, dtype):
              "stream:c=1000", "stream:rt=1", "stream:rt=2:c=33", "gemv:ku=1:kd=1", "gemv:ku=7:kd=3",
              "gemv:ku=64:kd=64", "gemv:p=0", "gemv:ku=7:kd=37",
              "gemv:mma=0:ku=7:kd=3", "gemv:mma=0:ku=64:kd=64", "gemv:mma=0:p=0", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
-             "tma:rt=2:c=33", "tma:rt=4", "tma:p=0", "tma:p=0:c=5"])
+             "tma:rt=2:c=33", "tma:rt=4", "tma:p=0", "tma:p=0:c=5", "tma:wg=1:c=1", "tma:wg=1:c=7",
+             "tma:wg=1:c=1000", "tma:wg=1:c=3000", "tma:wg=1:p=0", "tma:wg=1:p=0:c=5", "tma:q=1",
+             "tma:q=64", "tma:q=16:c=5", "tma:q=3:p=0", "tma:wg=1:q=8"])
 def test_gpu_knobs(rng, spec):
     for d, f in ((1024, 1344), (320, 704)):
         for m in (1, 16, 33, 64):
@@ -363,13 +376,14 @@ def test_gpu_knobs(rng, spec):
 def test_gpu_llama_shapes(rng):
     for d, f in ((4096, 11008), (8192, 7168)):
         for m in (1, 16, 64):
-            for variant in ("split", "fused", "stream", "gemv", "gemv:mma=0", "tma"):
+            for variant in ("split", "fused", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1"):
                 inputs = _inputs(rng, m, d, f, "float16")
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "split", "gemv", "gemv:p=0", "gemv:mma=0"])
+@pytest.mark.parametrize("spec", ["tma", "tma:p=0", "tma:wg=1", "split", "gemv", "gemv:p=0",
+                                  "gemv:mma=0"])
 def test_gpu_chained_calls(rng, spec):
     """Calls feeding each other inside one jit, as in a decoder stack (command buffers,
     the programmatic launch of each call's down kernel right after its up kernel, one

@@ -4,8 +4,11 @@
 // engine.
 //
 // Work: the flat sequence of units (work tile, 64-row K block), work tiles in column
-// order (a weight tile's row groups side by side), K fastest; block b of G owns units
-// [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM).
+// order (a weight tile's row groups side by side), K fastest, cut into fixed items of
+// item_units consecutive units (about items_per_block per block). Blocks take items from
+// a queue (an integer counter): a block that streams faster takes more (static equal
+// shares left the SMs active only 73-82% of a kernel at M = 1 and 48% in the down GEMM
+// at M = 64 under ncu, session 13: some blocks finish long before others).
 //  * up: a work tile is 128 columns of w_gate AND the same 128 columns of w_up (plus one
 //    row group of x); down: 256 columns of w_down. Every weight row segment a block reads
 //    is 256 (up) or 512 (down) contiguous bytes: 64-column tiles (128-byte segments, read
@@ -15,19 +18,15 @@
 //
 // Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
 // kStages stages (~200 KB):
-//  * the producer (one thread) waits for a free stage, announces its bytes and issues the
-//    five boxes (weights with an L2 evict-first hint when read once), running up to
+//  * the producer (one thread) takes an item, and per unit waits for a free stage, tags it
+//    with the unit, announces its bytes and issues the five boxes (weights with an L2 evict-first hint when read once), running up to
 //    kStages units ahead, across tile boundaries and through the consumers' epilogues;
-//  * consumer warp w owns two 16-column groups P, Q of the stage: up: gate columns
-//    [16 w, 16 w + 16) and the same up columns (so SiLU * mul happens in registers);
-//    down: columns [32 w, 32 w + 32). Per 16-deep K step: two ldmatrix.x4.trans (the
-//    chunks of 8 consecutive rows land in 8 different 16-byte bank groups under the 128B
-//    swizzle: conflict-free), one ldmatrix.x4 of A per 16-row tile, four mma.m16n8k16
-//    (fp32 accumulators acc[MT][4][4]);
-//  * at the end of a work tile's K range (or of its own units) a block that owned the
-//    whole tile writes the output directly; otherwise it writes its fp32 partial to slot
-//    (b + tile) of the workspace, and the tile's last block to arrive (integer counter)
-//    sums the slots in block order (deterministic) and writes A2 / y.
+//  * the consumers multiply each stage (mma.sync or wgmma: the tile policies below);
+//  * at the end of a work tile's K range (or of an item) a tile held by one item is
+//    written directly; otherwise the item's fp32 partial goes to slot (item + tile) of the
+//    workspace, and the tile's last item to arrive (integer counter) sums the slots in
+//    item order (deterministic: item boundaries are fixed, whoever ran them) and writes
+//    A2 / y.
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
 // launch at once; a down block issues its first kStages units' weight boxes (independent
@@ -37,12 +36,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/thread_group.cuh"
 #include "jax_cluster/tma.cuh"
 #include "jax_cluster/vec.cuh"
+#include "jax_cluster/wgmma.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/swiglu_launch.h"
 #include "kernels/tma_host.h"
@@ -77,8 +79,10 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   const void* residual;  // down only; may be null
   void* out;             // A2 [m, F] (up) or y [m, D] (down)
   unsigned int* counters;  // [work tiles], zero before the up kernel
+  unsigned int* queue;     // next work item, zero before the up kernel
   float* slots;            // fp32 partials [segments][slot_rows][256]
   int64_t m, out_cols, k_blocks, col_tiles, row_groups, slot_rows;
+  int64_t item_units, items;  // units per work item (the last may have fewer), items
   int tile_cols;  // weight columns of a work tile: 128 (up: of each matrix) or 256 (down)
   int b1_off;     // first column of boxes 2, 3 relative to box 0: 0 (up) or 128 (down)
   bool up;
@@ -87,15 +91,10 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   bool trigger;     // PDL: let the next kernel launch now
 };
 
-// The block (of `blocks`, block b owning units [b U / G, (b + 1) U / G)) owning unit u.
-__device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t blocks) {
-  return ((u + 1) * blocks - 1) / units;
-}
-
 // ------------------------------------------------------------------ producer
 template <int MT>
 __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>& ring,
-                                        uint8_t* stages, int64_t u0, int n) {
+                                        uint8_t* stages, volatile int* stage_unit) {
   constexpr int S = kStages<MT>, R = 16 * MT;
   ptx::prefetch_tensor_map(&g.a_map);
   ptx::prefetch_tensor_map(&g.b0_map);
@@ -124,158 +123,277 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>&
     where(u, k, col, row);
     ptx::tma_load_2d(st + kBoxes * kBoxBytes, &g.a_map, k, row, bar, a_policy);
   };
+  // Work items from the queue, their units into the ring; stage_unit tells the consumers
+  // which unit a stage holds (published by the barrier arrive), -1 that none is left.
   // PDL: the first S stages' weights go out before the wait for the previous grid; their
   // A boxes (A2, written by it) after it. The stages' barriers already expect them.
-  const int pro = g.wait_prior ? min(n, S) : 0;
-  RingCursor cur;
-  for (int i = 0; i < n; ++i) {
-    if (i == pro && pro > 0) {
-      ptx::griddep_wait();
-      for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
-    }
-    uint64_t* bar = ring_acquire(ring, cur, kStageBytes<MT>);
-    uint8_t* st = stages + cur.stage * kStageBytes<MT>;
-    issue_b(u0 + i, st, bar);
-    if (i >= pro) issue_a(u0 + i, st, bar);
-    cur.advance<S>();
-  }
-  if (pro == n && pro > 0) {
+  const int64_t units = g.col_tiles * g.row_groups * K;
+  // Stages [0, pending) went out without their A box (their tags say which unit);
+  // -1: nothing deferred. They cannot complete, so their tags stay until the flush.
+  int pending = g.wait_prior ? 0 : -1;
+  auto flush_deferred = [&] {
+    if (pending < 0) return;
     ptx::griddep_wait();
-    for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
+    for (int j = 0; j < pending; ++j) issue_a(stage_unit[j], stages + j * kStageBytes<MT>, &ring.full[j]);
+    pending = -1;
+  };
+  RingCursor cur;
+  for (;;) {
+    const int64_t item = atomicAdd(g.queue, 1u);
+    if (item >= g.items) break;
+    const int64_t u_end = min(units, (item + 1) * g.item_units);
+    for (int64_t u = item * g.item_units; u < u_end; ++u) {
+      if (pending == S) flush_deferred();  // the next stage's release needs its A box
+      uint64_t* bar = ring_acquire(ring, cur, kStageBytes<MT>, stage_unit, static_cast<int>(u));
+      uint8_t* st = stages + cur.stage * kStageBytes<MT>;
+      issue_b(u, st, bar);
+      if (pending >= 0) {
+        ++pending;
+      } else {
+        issue_a(u, st, bar);
+      }
+      cur.advance<S>();
+    }
   }
+  flush_deferred();
+  ring_acquire(ring, cur, 0, stage_unit, -1);  // the end marker: a stage with no bytes
 }
 
 // ------------------------------------------------------------------ consumers
-// The two 16-column groups P, Q of consumer warp `warp`: (box, first 16-byte chunk).
-struct WarpCols {
-  uint32_t p_box, q_box;  // byte offsets of the boxes in a stage
-  int p_chunk, q_chunk;
-};
+// A consumer tile policy holds one thread's accumulators of a work tile's 16 MT rows and
+// knows their layout: mma() adds one stage, slot_io() stores / adds fp32 partials (slot row
+// of 256: up [gate 128 | up 128], down the tile's 256 output columns), emit() writes A2 or y.
+// Two engines: MmaSyncTile (8 warps x mma.sync over ldmatrix fragments, MT = 1, 2, 4) and
+// WgmmaTile (2 warpgroups x wgmma reading both operands from shared memory, MT = 4).
 
-__device__ __forceinline__ WarpCols warp_cols(bool up, int warp) {
-  WarpCols c;
-  if (up) {  // gate box warp / 4, up box 2 + warp / 4, same chunks
-    c.p_box = (warp >> 2) * kBoxBytes;
-    c.q_box = (2 + (warp >> 2)) * kBoxBytes;
-    c.p_chunk = c.q_chunk = (warp & 3) * 2;
-  } else {  // columns [32 warp, 32 warp + 32): box warp / 2
-    c.p_box = c.q_box = (warp >> 1) * kBoxBytes;
-    c.p_chunk = (warp & 1) * 4;
-    c.q_chunk = c.p_chunk + 2;
-  }
-  return c;
-}
-
-template <typename T, int MT>
-__device__ __forceinline__ void mma_unit(float (&acc)[MT][4][4], uint32_t st, const WarpCols& wc,
-                                         int lane) {
-  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // row this lane addresses
-  const int lchunk = lane >> 4;                          // +0 / +1 chunk (8 elements)
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    uint32_t b0[4], b1[4];
-    ldsm_x4_trans(b0, st + wc.p_box + swz(kk * 16 + lrow, wc.p_chunk + lchunk, 128));
-    ldsm_x4_trans(b1, st + wc.q_box + swz(kk * 16 + lrow, wc.q_chunk + lchunk, 128));
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      uint32_t a[4];
-      ldsm_x4(a, st + kBoxes * kBoxBytes + swz(mt * 16 + lrow, kk * 2 + lchunk, 128));
-      mma16816<T>(acc[mt][0], a, b0[0], b0[1]);
-      mma16816<T>(acc[mt][1], a, b0[2], b0[3]);
-      mma16816<T>(acc[mt][2], a, b1[0], b1[1]);
-      mma16816<T>(acc[mt][3], a, b1[2], b1[3]);
-    }
-  }
-}
-
-// Fragment (mt, nt, i) of warp `warp`: row 16 mt + lane / 4 (+8 for i >= 2); its column
-// (+ i % 2) within the work tile's slot row of 256: up: [gate 128 | up 128] (nt / 2 picks
-// the matrix), down: the tile's 256 output columns.
-__device__ __forceinline__ int frag_col(bool up, int nt, int warp, int lane) {
-  return up ? (nt >> 1) * 128 + warp * 16 + (nt & 1) * 8 + 2 * (lane & 3)
-            : warp * 32 + nt * 8 + 2 * (lane & 3);
-}
-
-// A2 = SiLU(gate) * up (up) or y = acc (+ residual) (down) of one work tile, rows [0, rows).
-template <typename T, int MT>
-__device__ __forceinline__ void emit(const TmaGemmArgs& g, const float (&acc)[MT][4][4],
-                                     int64_t tile, int64_t row0, int rows, int warp, int lane) {
+// y = acc (+ residual) of two adjacent output columns, or A2 = SiLU(gate) * up.
+template <typename T>
+__device__ __forceinline__ void store_down(const TmaGemmArgs& g, int64_t base, int64_t col,
+                                           float v0, float v1) {
   T* out = static_cast<T*>(g.out);
   const T* res = static_cast<const T*>(g.residual);
+  if (res != nullptr) {
+    const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
+    const T* e = reinterpret_cast<const T*>(&r2);
+    v0 += to_float(e[0]);
+    v1 += to_float(e[1]);
+  }
+  *reinterpret_cast<uint32_t*>(out + base + col) = pack2<T>(v0, v1);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_up(const TmaGemmArgs& g, int64_t base, int64_t col, float g0,
+                                         float g1, float u0, float u1) {
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(g.out) + base + col) =
+      pack2<T>(silu(g0) * u0, silu(g1) * u1);
+}
+
+template <bool kLoad>
+__device__ __forceinline__ void slot_pair(float* p, float& v0, float& v1) {
+  float2* q = reinterpret_cast<float2*>(p);
+  if (kLoad) {
+    const float2 v = __ldcg(q);
+    v0 += v.x;
+    v1 += v.y;
+  } else {
+    *q = make_float2(v0, v1);
+  }
+}
+
+// Warp w of 8 owns two 16-column groups P, Q of the stage for all 16 MT rows: up: gate
+// columns [16 w, 16 w + 16) and the same up columns (so SiLU * mul happens in registers);
+// down: columns [32 w, 32 w + 32). Per 16-deep K step: two ldmatrix.x4.trans (the chunks
+// of 8 consecutive rows land in 8 different 16-byte bank groups under the 128B swizzle:
+// conflict-free), one ldmatrix.x4 of A per 16-row tile, four mma.m16n8k16.
+template <typename T, int MT>
+struct MmaSyncTile {
+  float acc[MT][4][4];
+  uint32_t p_box, q_box;  // byte offsets of the boxes in a stage
+  int p_chunk, q_chunk;   // first 16-byte chunk of P, Q in them
+  int warp, lane;
+
+  __device__ MmaSyncTile(bool up, int warp_, int lane_) : warp(warp_), lane(lane_) {
+    if (up) {  // gate box warp / 4, up box 2 + warp / 4, same chunks
+      p_box = (warp >> 2) * kBoxBytes;
+      q_box = (2 + (warp >> 2)) * kBoxBytes;
+      p_chunk = q_chunk = (warp & 3) * 2;
+    } else {  // columns [32 warp, 32 warp + 32): box warp / 2
+      p_box = q_box = (warp >> 1) * kBoxBytes;
+      p_chunk = (warp & 1) * 4;
+      q_chunk = p_chunk + 2;
+    }
+  }
+  __device__ void zero() { zero_acc(acc); }
+
+  __device__ void mma(uint32_t st, bool /*up*/) {
+    const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // row this lane addresses
+    const int lchunk = lane >> 4;                          // +0 / +1 chunk (8 elements)
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t b0[4], b1[4];
+      ldsm_x4_trans(b0, st + p_box + swz(kk * 16 + lrow, p_chunk + lchunk, 128));
+      ldsm_x4_trans(b1, st + q_box + swz(kk * 16 + lrow, q_chunk + lchunk, 128));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = mt * 16 + (lane >> 2) + 8 * h;
-      if (row >= rows) continue;
-      const int64_t base = (row0 + row) * g.out_cols;
-      if (g.up) {
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t a[4];
+        ldsm_x4(a, st + kBoxes * kBoxBytes + swz(mt * 16 + lrow, kk * 2 + lchunk, 128));
+        mma16816<T>(acc[mt][0], a, b0[0], b0[1]);
+        mma16816<T>(acc[mt][1], a, b0[2], b0[3]);
+        mma16816<T>(acc[mt][2], a, b1[0], b1[1]);
+        mma16816<T>(acc[mt][3], a, b1[2], b1[3]);
+      }
+    }
+  }
+
+  // Fragment (mt, nt, 2 h + e): row 16 mt + lane / 4 + 8 h, slot column below (+ e).
+  __device__ int col(bool up, int nt) const {
+    return up ? (nt >> 1) * 128 + warp * 16 + (nt & 1) * 8 + 2 * (lane & 3)
+              : warp * 32 + nt * 8 + 2 * (lane & 3);
+  }
+
+  template <bool kLoad>
+  __device__ void slot_io(float* slot, int rows, bool up) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int64_t col = tile * 128 + frag_col(true, nt, warp, lane);
-          if (col >= g.out_cols) continue;  // columns past F of a last tile
-          const float* ga = acc[mt][nt];
-          const float* ua = acc[mt][nt + 2];
-          *reinterpret_cast<uint32_t*>(out + base + col) =
-              pack2<T>(silu(ga[2 * h]) * ua[2 * h], silu(ga[2 * h + 1]) * ua[2 * h + 1]);
-        }
-      } else {
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + (lane >> 2) + 8 * h;
+        if (row >= rows) continue;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          const int64_t col = tile * 256 + frag_col(false, nt, warp, lane);
-          if (col >= g.out_cols) continue;  // columns past D of a last tile
-          float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
-          if (res != nullptr) {
-            const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
-            const T* e = reinterpret_cast<const T*>(&r2);
-            v0 += to_float(e[0]);
-            v1 += to_float(e[1]);
+          slot_pair<kLoad>(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h],
+                           acc[mt][nt][2 * h + 1]);
+        }
+      }
+  }
+
+  __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + (lane >> 2) + 8 * h;
+        if (row >= rows) continue;
+        const int64_t base = (row0 + row) * g.out_cols;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          if (g.up && nt >= 2) break;  // nt + 2 are the up columns of gate nt
+          const int64_t c = tile * g.tile_cols + col(g.up, nt);
+          if (c >= g.out_cols) continue;  // columns past F / D of a last tile
+          if (g.up) {
+            store_up<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1],
+                        acc[mt][nt + 2][2 * h], acc[mt][nt + 2][2 * h + 1]);
+          } else {
+            store_down<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
           }
-          *reinterpret_cast<uint32_t*>(out + base + col) = pack2<T>(v0, v1);
+        }
+      }
+  }
+};
+
+// Warpgroup q of 2 owns all 64 rows and 128 slot columns as two 64-column halves t, one
+// weight box each (one m64n64k16 per half and K step): up: gate columns [64 q, 64 q + 64)
+// (box q) and the same up columns (box 2 + q), so SiLU * mul pairs acc[0][i] with
+// acc[1][i]; down: columns [128 q, 128 q + 128) (boxes 2 q, 2 q + 1). Both operands
+// straight from the stage: A (x / A2) K-major, the weights MN-major (wgmma.cuh); no
+// ldmatrix, no register fragments. Accumulator layout: acc[t][4 j + 2 h + e] =
+// D[16 w + lane / 4 + 8 h][8 j + 2 (lane % 4) + e] of half t, w the warp in the group.
+template <typename T>
+struct WgmmaTile {
+  float acc[2][32];
+  uint32_t box[2];  // byte offsets of the halves' weight boxes in a stage
+  int col0[2];      // slot column of each half's first column
+  int w, lane;
+
+  __device__ WgmmaTile(bool up, int warp, int lane_) : w(warp & 3), lane(lane_) {
+    const int q = warp >> 2;
+    box[0] = (up ? q : 2 * q) * kBoxBytes;
+    box[1] = (up ? 2 + q : 2 * q + 1) * kBoxBytes;
+    col0[0] = up ? 64 * q : 128 * q;
+    col0[1] = up ? 128 + 64 * q : 128 * q + 64;
+  }
+  __device__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[0][i] = acc[1][i] = 0.f;
+  }
+
+  __device__ void mma(uint32_t st, bool /*up*/) {
+    wgmma::fence();  // the accumulators were last written by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t a = wgmma::desc_k_major(st + kBoxes * kBoxBytes + kk * 32);
+      const uint32_t k_off = kk * 2048;  // 16 K rows of 128 bytes
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        wgmma::mma_ss<T, 64, true>(acc[t], a, wgmma::desc_mn_major(st + box[t] + k_off, kBoxBytes),
+                                   true);
+      }
+    }
+    wgmma::commit();
+    wgmma::wait<0>();  // the stage is released right after
+    wgmma::fence_operand(acc[0]);
+    wgmma::fence_operand(acc[1]);
+  }
+
+  __device__ int col(int t, int j) const { return col0[t] + 8 * j + 2 * (lane & 3); }
+
+  template <bool kLoad>
+  __device__ void slot_io(float* slot, int rows, bool /*up*/) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * w + (lane >> 2) + 8 * h;
+      if (row >= rows) continue;
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          slot_pair<kLoad>(slot + row * kSlotCols + col(t, j), acc[t][4 * j + 2 * h],
+                           acc[t][4 * j + 2 * h + 1]);
+        }
+    }
+  }
+
+  __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * w + (lane >> 2) + 8 * h;
+      if (row >= rows) continue;
+      const int64_t base = (row0 + row) * g.out_cols;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        if (g.up && t == 1) break;  // half 1 holds the up columns of half 0
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int64_t c = tile * g.tile_cols + col(t, j);
+          if (c >= g.out_cols) continue;  // columns past F / D of a last tile
+          const int i = 4 * j + 2 * h;
+          if (g.up) {
+            store_up<T>(g, base, c, acc[0][i], acc[0][i + 1], acc[1][i], acc[1][i + 1]);
+          } else {
+            store_down<T>(g, base, c, acc[t][i], acc[t][i + 1]);
+          }
         }
       }
     }
   }
-}
+};
 
-// Rows [0, rows) of the accumulators to / from (kAdd: added from) an fp32 slot [rows][128].
-template <int MT, bool kLoad>
-__device__ __forceinline__ void slot_io(float* slot, float (&acc)[MT][4][4], int rows, bool up,
-                                        int warp, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = mt * 16 + (lane >> 2) + 8 * h;
-      if (row >= rows) continue;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        float2* p = reinterpret_cast<float2*>(slot + row * kSlotCols + frag_col(up, nt, warp, lane));
-        if (kLoad) {
-          const float2 v = __ldcg(p);
-          acc[mt][nt][2 * h] += v.x;
-          acc[mt][nt][2 * h + 1] += v.y;
-        } else {
-          *p = make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-        }
-      }
-    }
-}
+template <typename T, int MT, bool kWgmma>
+using ConsumerTile = std::conditional_t<kWgmma, WgmmaTile<T>, MmaSyncTile<T, MT>>;
 
-template <typename T, int MT>
+template <typename T, int MT, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, 1)
     swiglu_tma_kernel(const __grid_constant__ TmaGemmArgs g) {
+  static_assert(!kWgmma || MT == 4, "wgmma tiles are 64 rows");
   constexpr int S = kStages<MT>, R = 16 * MT;
   extern __shared__ uint8_t smem_raw[];
   __shared__ Ring<S> ring;
-  __shared__ int tile_done;  // this block arrived last at the tile it just ended
+  __shared__ int stage_unit[S];  // the unit a stage holds (-1: no more work)
+  __shared__ int tile_done;      // this block arrived last at the tile it just ended
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // 128B-swizzled boxes need 1024-byte aligned destinations
   uint8_t* stages = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
-  const int64_t K = g.k_blocks, units = g.col_tiles * g.row_groups * K;
-  const int64_t blocks = gridDim.x, b = blockIdx.x;
-  const int64_t u0 = b * units / blocks;
-  const int n = static_cast<int>((b + 1) * units / blocks - u0);
+  const int64_t K = g.k_blocks, U = g.item_units;
   if (g.trigger) ptx::griddep_launch_dependents();
   if (tid == 0) {
     ring.init(kConsumerWarps);
@@ -283,61 +401,62 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    if (lane == 0) produce<MT>(g, ring, stages, u0, n);
+    if (lane == 0) produce<MT>(g, ring, stages, stage_unit);
     return;
   }
 
-  // ---- consumers
+  // ---- consumers: the units of the producer's items, in its order
   const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
   if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
   const uint32_t stages_addr = ptx::smem_addr(stages);
-  const WarpCols wc = warp_cols(g.up, warp);
-  float acc[MT][4][4];
-  zero_acc(acc);
-  RingCursor cur;
-  for (int i = 0; i < n; ++i) {
+  const int64_t units = g.col_tiles * g.row_groups * K;
+  ConsumerTile<T, MT, kWgmma> tile_acc(g.up, warp, lane);
+  tile_acc.zero();
+  for (RingCursor cur;; cur.advance<S>()) {
     ring_wait(ring, cur);
-    mma_unit<T, MT>(acc, stages_addr + cur.stage * kStageBytes<MT>, wc, lane);
+    const int64_t u = static_cast<volatile int*>(stage_unit)[cur.stage];
+    if (u < 0) break;
+    tile_acc.mma(stages_addr + cur.stage * kStageBytes<MT>, g.up);
     ring_release(ring, cur);
-    cur.advance<S>();
-    const int64_t u = u0 + i, w = u / K;
-    if (u - w * K != K - 1 && i != n - 1) continue;
-    // ---- end of this block's segment of work tile w
+    const int64_t w = u / K, item = u / U;
+    if (u - w * K != K - 1 && u + 1 != min(units, (item + 1) * U)) continue;
+    // ---- end of item `item`'s segment of work tile w
     const int64_t tile = w / g.row_groups, row0 = (w - tile * g.row_groups) * R;
     const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
-    const int64_t first = owner(w * K, units, blocks), last = owner(w * K + K - 1, units, blocks);
+    const int64_t first = w * K / U, last = (w * K + K - 1) / U;  // items in the tile
     if (first != last) {
       const int64_t slot_floats = g.slot_rows * kSlotCols;
-      slot_io<MT, false>(g.slots + (b + w) * slot_floats, acc, rows, g.up, warp, lane);
+      tile_acc.template slot_io<false>(g.slots + (item + w) * slot_floats, rows, g.up);
       __threadfence();
       group_sync.sync();
       if (tid == 0) {
         tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
       }
       group_sync.sync();
-      zero_acc(acc);
+      tile_acc.zero();
       if (!tile_done) continue;
       __threadfence();
-      for (int64_t blk = first; blk <= last; ++blk) {  // block order: deterministic
-        slot_io<MT, true>(g.slots + (blk + w) * slot_floats, acc, rows, g.up, warp, lane);
+      for (int64_t i = first; i <= last; ++i) {  // item order: deterministic
+        tile_acc.template slot_io<true>(g.slots + (i + w) * slot_floats, rows, g.up);
       }
     }
-    emit<T, MT>(g, acc, tile, row0, rows, warp, lane);
-    zero_acc(acc);
+    tile_acc.emit(g, tile, row0, rows);
+    tile_acc.zero();
   }
 }
 
 // ------------------------------------------------------------------ launcher
-template <typename T, int MT>
+template <typename T, int MT, bool kWgmma = false>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
-  auto kernel = swiglu_tma_kernel<T, MT>;
+  auto kernel = swiglu_tma_kernel<T, MT, kWgmma>;
   if (p.row_tiles != MT || p.num_clusters < 1) return cudaErrorInvalidValue;
   const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
+  unsigned int* queues = counters + l.tiles_up + l.tiles_down;  // [up, down]
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
+      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down + 2), stream));
   const int64_t groups = swiglu_ceil_div(p.m, R);
   constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
@@ -351,6 +470,7 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     a.slot_rows = l.slot_rows;
     a.slots = reinterpret_cast<float*>(ws + l.slots);
     a.counters = counters + (a.up ? 0 : l.tiles_up);
+    a.queue = queues + (a.up ? 0 : 1);
     a.hint = groups == 1;
     if (a.up) {
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, p.x, p.m, p.d, R,
@@ -384,9 +504,10 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.wait_prior = p.pdl;
       a.trigger = false;
     }
-    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it).
     const int64_t units = a.col_tiles * groups * a.k_blocks;
-    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
+    a.item_units = swiglu_tma_item_units(units, p.num_clusters, p.items_per_block);
+    a.items = swiglu_ceil_div(units, a.item_units);
+    const int64_t blocks = std::min<int64_t>(p.num_clusters, a.items);
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
         kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
         a.wait_prior, stream, a));
@@ -399,7 +520,7 @@ cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
   switch (p.row_tiles) {
     case 1: return launch_rows<T, 1>(p, stream);
     case 2: return launch_rows<T, 2>(p, stream);
-    case 4: return launch_rows<T, 4>(p, stream);
+    case 4: return p.wgmma ? launch_rows<T, 4, true>(p, stream) : launch_rows<T, 4>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

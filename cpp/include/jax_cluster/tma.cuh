@@ -129,14 +129,18 @@ struct RingCursor {
 };
 
 // Producer side (one thread): wait until the stage is free, announce `bytes`, then issue
-// the copies of this stage against ring.full[cur.stage].
+// the copies of this stage against ring.full[cur.stage]. With `tags`, first stores `tag`
+// in tags[cur.stage]: the arrive publishes it, so consumers read it after ring_wait (e.g.
+// which work unit the stage holds; the stage's previous tag has been read by then).
 template <int S>
 __device__ __forceinline__ uint64_t* ring_acquire(Ring<S>& ring, const RingCursor& cur,
-                                                  uint32_t bytes) {
+                                                  uint32_t bytes, volatile int* tags = nullptr,
+                                                  int tag = 0) {
   // The first pass over the ring finds every stage free (parity trick: waiting for the
   // phase before the initial one returns at once).
   ptx::mbarrier_wait(&ring.empty[cur.stage], cur.phase ^ 1);
-  ptx::mbarrier_arrive_expect_tx(&ring.full[cur.stage], bytes);
+  if (tags != nullptr) tags[cur.stage] = tag;
+  ptx::mbarrier_arrive_expect_tx(&ring.full[cur.stage], bytes);  // release: the tag too
   return &ring.full[cur.stage];
 }
 

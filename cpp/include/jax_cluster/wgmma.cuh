@@ -16,7 +16,7 @@
 //      - K-major (the operand's contraction dim is contiguous: Q and K of Q K^T): the
 //        descriptor points at the k16 slice (start + 32 bytes per k16 step inside a panel,
 //        the next panel for k >= 64); stride byte offset (SBO) = 1024 between 8-row atoms.
-//      - MN-major B (N contiguous: V of P V, N = head dim): SBO = 1024 between groups of
+//      - MN-major B (N contiguous: V of P V, N = head dim; a [K, N] weight tile): SBO = 1024 between groups of
 //        8 k-rows (start + 2048 bytes per k16 step), leading byte offset (LBO) = the
 //        distance to the next 64-column panel.
 //  * Asynchrony: wgmma_fence() before the first wgmma that reads registers written by
@@ -94,7 +94,17 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 
-#define JC_WGMMA_SS_N128(TY)                              \
+#define JC_WGMMA_SS_N64(TY, TB)                              \
+  asm volatile(                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                     \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"              \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+      "%32, %33, p, 1, 1, 0, " TB ";\n}\n"                                     \
+      : JC_WGMMA_ACC8(d, 0), JC_WGMMA_ACC8(d, 8), JC_WGMMA_ACC8(d, 16), JC_WGMMA_ACC8(d, 24) \
+      : "l"(a), "l"(b), "r"(scale_d))
+
+#define JC_WGMMA_SS_N128(TY, TB)                              \
   asm volatile(                                                                  \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                     \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"              \
@@ -102,12 +112,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"                                     \
+      "%64, %65, p, 1, 1, 0, " TB ";\n}\n"                                     \
       : JC_WGMMA_ACC8(d, 0), JC_WGMMA_ACC8(d, 8), JC_WGMMA_ACC8(d, 16), JC_WGMMA_ACC8(d, 24), \
         JC_WGMMA_ACC8(d, 32), JC_WGMMA_ACC8(d, 40), JC_WGMMA_ACC8(d, 48), JC_WGMMA_ACC8(d, 56) \
       : "l"(a), "l"(b), "r"(scale_d))
 
-#define JC_WGMMA_SS_N192(TY)                              \
+#define JC_WGMMA_SS_N192(TY, TB)                              \
   asm volatile(                                                                  \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"                     \
       "wgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " {"              \
@@ -117,7 +127,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "  \
-      "%96, %97, p, 1, 1, 0, 0;\n}\n"                                     \
+      "%96, %97, p, 1, 1, 0, " TB ";\n}\n"                                     \
       : JC_WGMMA_ACC8(d, 0), JC_WGMMA_ACC8(d, 8), JC_WGMMA_ACC8(d, 16), JC_WGMMA_ACC8(d, 24), \
         JC_WGMMA_ACC8(d, 32), JC_WGMMA_ACC8(d, 40), JC_WGMMA_ACC8(d, 48), JC_WGMMA_ACC8(d, 56), \
         JC_WGMMA_ACC8(d, 64), JC_WGMMA_ACC8(d, 72), JC_WGMMA_ACC8(d, 80), JC_WGMMA_ACC8(d, 88) \
@@ -149,17 +159,27 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 template <typename T>
 inline constexpr bool kIsHalf = std::is_same_v<T, __half>;
 
-// D (+)= A B, A [64, 16] and B [16, N] both K-major in shared memory (S = Q K^T).
+// D (+)= A B, A [64, 16] K-major and B [16, N] in shared memory: K-major (kBMnMajor =
+// false: K of S = Q K^T) or MN-major (true: a [K, N] row-major weight tile, swiglu_tma).
 // accumulate = false overwrites D.
-template <typename T, int N>
+template <typename T, int N, bool kBMnMajor = false>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert(N == 128 || N == 192, "add the shape's operand list above");
+  static_assert(N == 64 || N == 128 || N == 192, "add the shape's operand list above");
   const uint32_t scale_d = accumulate ? 1u : 0u;
-  if constexpr (N == 128) {
-    if constexpr (kIsHalf<T>) { JC_WGMMA_SS_N128("f16"); } else { JC_WGMMA_SS_N128("bf16"); }
-  } else {
-    if constexpr (kIsHalf<T>) { JC_WGMMA_SS_N192("f16"); } else { JC_WGMMA_SS_N192("bf16"); }
+#define JC_WGMMA_SS_DISPATCH(MACRO)                                      \
+  if constexpr (kIsHalf<T>) {                                            \
+    if constexpr (kBMnMajor) { MACRO("f16", "1"); } else { MACRO("f16", "0"); }   \
+  } else {                                                               \
+    if constexpr (kBMnMajor) { MACRO("bf16", "1"); } else { MACRO("bf16", "0"); } \
   }
+  if constexpr (N == 64) {
+    JC_WGMMA_SS_DISPATCH(JC_WGMMA_SS_N64)
+  } else if constexpr (N == 128) {
+    JC_WGMMA_SS_DISPATCH(JC_WGMMA_SS_N128)
+  } else {
+    JC_WGMMA_SS_DISPATCH(JC_WGMMA_SS_N192)
+  }
+#undef JC_WGMMA_SS_DISPATCH
 }
 
 // D (+)= A B, A [64, 16] from registers (m16n8k16 A fragments), B [16, N] MN-major in
@@ -177,6 +197,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 }
 
 #undef JC_WGMMA_ACC8
+#undef JC_WGMMA_SS_N64
 #undef JC_WGMMA_SS_N128
 #undef JC_WGMMA_SS_N192
 #undef JC_WGMMA_RS_N64
