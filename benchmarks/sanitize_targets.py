@@ -71,8 +71,7 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192)), variants=None):
              "fused:n=2:g=1", "fused:n=4:g=2:c=3", "fused:n=16:g=2", "fused_row:n=8:g=3",
              "stream:c=7", "stream:rt=1:c=300", "gemv", "gemv:ku=1:kd=1", "gemv:ku=5:kd=3", "gemv:p=0",
              "gemv:mma=0", "gemv:mma=0:ku=5:kd=3",
-             "tma", "tma:c=7", "tma:rt=1:c=300:p=0", "tma:rt=4:c=5", "tma:wg=1", "tma:wg=1:c=5:p=0",
-             "tma:q=1", "tma:q=16:c=5"]
+             "tma", "tma:c=7", "tma:rt=1:c=300:p=0", "tma:rt=4:c=5", "tma:wg=1", "tma:wg=1:c=5:p=0"]
     if variants is not None:  # e.g. ["gemv"]: only specs of these variants
         specs = [s for s in specs if s.split(":")[0] in variants]
     for dtype in dtypes:

@@ -114,7 +114,7 @@ def test_cpu_handler_close_to_reference_bitwise_mostly(rng):
              "fused:n=2:g=1", "fused:n=16:g=3:rt=4", "fused:c=2", "fused:g=64", "fused_row:n=4",
              "stream:rt=1", "stream:rt=4:c=7", "stream:c=1", "stream:c=2000", "gemv:ku=1:kd=1",
              "gemv:ku=3:kd=5", "gemv:ku=4", "tma:rt=1", "tma:rt=4:c=7", "tma:c=2000:p=0",
-             "tma:wg=1", "tma:wg=1:rt=4:c=7:p=0", "tma:q=1", "tma:q=64:c=3"])
+             "tma:wg=1", "tma:wg=1:rt=4:c=7:p=0"])
 def test_cpu_knobs_pass_validation(rng, spec):
     """Every knob combination yields a configuration the C++ decoder accepts."""
     for d, f in ((1024, 1024), (256, 192)):
@@ -145,7 +145,6 @@ def test_configs_valid_for_many_shapes():
                             assert cfg.pdl == 1
                         elif cfg.variant == 4:
                             assert cfg.num_clusters == 132 and cfg.pdl == 1
-                            assert cfg.items_per_block == sw.TMA_ITEMS_PER_BLOCK
                             rt = {"tma:rt=1": 1, "tma:wg=1": 4}.get(spec, sw._default_row_tiles(min(m, 64)))
                             assert cfg.row_tiles == rt and cfg.wgmma == (spec == "tma:wg=1")
                         elif cfg.variant == 2:
@@ -228,8 +227,7 @@ def test_bad_dtypes_and_variants():
                          ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), ("stream:c=0", "c= in 1..65535"),
                          ("gemv:ku=0", "K chunks must be >= 1"), ("tma:p=2", "p= is 0 or 1"), ("gemv:mma=2", "mma= is 0 or 1"),
                          ("tma:wg=2", "wg= is 0 or 1"), ("gemv:wg=1", "a knob of 'tma' only"),
-                         ("tma:wg=1:rt=2", "rt= must be 4"), ("tma:q=0", "work items per block are 1..64"),
-                         ("split:q=2", "a knob of 'tma' only"),
+                         ("tma:wg=1:rt=2", "rt= must be 4"),
                          (3, "must be a string")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             jc.swiglu(x, w, w, w, variant=bad)
@@ -266,7 +264,7 @@ def test_ffi_validation_errors():
     empty = jnp.zeros((0,), jnp.float16)
     good = dict(variant=1, order=0, cluster_up=2, cluster_down=1, row_tiles=1, f_group=1,
                 num_clusters=1, k_splits_up=1, k_splits_down=1, pdl=0, gemv_mma=0,
-                wgmma=0, items_per_block=1, has_down=True, has_residual=False)
+                wgmma=0, has_down=True, has_residual=False)
     bad_attrs = [({"row_tiles": 3}, "row_tiles must be 1, 2 or 4"),
                  ({"cluster_up": 4}, "cluster_up must be 1, 2, 4, 8 or 16 and at most D / 64"),
                  ({"num_clusters": 3}, "num_clusters must be in 1..F/64"),
@@ -277,7 +275,6 @@ def test_ffi_validation_errors():
                  ({"variant": 3, "k_splits_down": 9}, "k_splits_down must be in 1..K/16"),
                  ({"variant": 3, "gemv_mma": 2}, "gemv_mma must be 0 or 1"),
                  ({"variant": 4, "wgmma": 2}, "wgmma must be 0 or 1"),
-                 ({"variant": 4, "num_clusters": 7, "items_per_block": 0}, "items_per_block must be in 1..64"),
                  ({"variant": 4, "num_clusters": 7, "wgmma": 1}, "wgmma is a knob of the tma variant with row_tiles 4"),
                  ({"variant": 0, "row_tiles": 4, "wgmma": 1}, "wgmma is a knob of the tma variant with row_tiles 4"),
                  ({"variant": 2, "num_clusters": 0}, "num_clusters (the stream kernels' blocks) must be in 1..65535")]
@@ -363,8 +360,7 @@ def test_gpu_up_only(rng, dtype):
              "gemv:ku=64:kd=64", "gemv:p=0", "gemv:ku=7:kd=37",
              "gemv:mma=0:ku=7:kd=3", "gemv:mma=0:ku=64:kd=64", "gemv:mma=0:p=0", "tma:c=1", "tma:c=7", "tma:c=1000", "tma:c=3000", "tma:rt=1",
              "tma:rt=2:c=33", "tma:rt=4", "tma:p=0", "tma:p=0:c=5", "tma:wg=1:c=1", "tma:wg=1:c=7",
-             "tma:wg=1:c=1000", "tma:wg=1:c=3000", "tma:wg=1:p=0", "tma:wg=1:p=0:c=5", "tma:q=1",
-             "tma:q=64", "tma:q=16:c=5", "tma:q=3:p=0", "tma:wg=1:q=8"])
+             "tma:wg=1:c=1000", "tma:wg=1:c=3000", "tma:wg=1:p=0", "tma:wg=1:p=0:c=5"])
 def test_gpu_knobs(rng, spec):
     for d, f in ((1024, 1344), (320, 704)):
         for m in (1, 16, 33, 64):

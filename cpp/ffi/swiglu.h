@@ -20,7 +20,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
     ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order, int64_t cluster_up,
     int64_t cluster_down, int64_t row_tiles, int64_t f_group, int64_t num_clusters,
     int64_t k_splits_up, int64_t k_splits_down, int64_t pdl, int64_t gemv_mma, int64_t wgmma,
-    int64_t items_per_block, bool has_down, bool has_residual) {
+    bool has_down, bool has_residual) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("swiglu: " + m));
   };
@@ -49,7 +49,6 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   p.pdl = pdl != 0;
   p.gemv_mma = gemv_mma != 0;
   p.wgmma = wgmma != 0;
-  p.items_per_block = static_cast<int>(items_per_block);
   if (p.m < 1) return fail("x must have at least one row");
   if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
   if (p.d % kSwigluAlign || p.f % kSwigluAlign) {
@@ -118,7 +117,6 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   if (p.variant == SwigluVariant::kTma && (num_clusters < 1 || num_clusters > 65535)) {
     return fail("num_clusters (the tma kernels' blocks) must be in 1..65535");
   }
-  if (items_per_block < 1 || items_per_block > 64) return fail("items_per_block must be in 1..64");
   const bool fused = p.variant == SwigluVariant::kFused && has_down;
   if (fused) {
     if (f_group < 1 || f_group > 64) return fail("f_group must be in 1..64");
@@ -165,7 +163,6 @@ auto bind_swiglu(Binding&& b) {
       .template Attr<int64_t>("pdl")
       .template Attr<int64_t>("gemv_mma")
       .template Attr<int64_t>("wgmma")
-      .template Attr<int64_t>("items_per_block")
       .template Attr<bool>("has_down")
       .template Attr<bool>("has_residual");
 }
@@ -178,8 +175,8 @@ auto bind_swiglu(Binding&& b) {
       ffi::Result<ffi::AnyBuffer> workspace, int64_t variant, int64_t order,                  \
       int64_t cluster_up, int64_t cluster_down, int64_t row_tiles, int64_t f_group,           \
       int64_t num_clusters, int64_t k_splits_up, int64_t k_splits_down, int64_t pdl,        \
-      int64_t gemv_mma, int64_t wgmma, int64_t items_per_block, bool has_down, bool has_residual
+      int64_t gemv_mma, int64_t wgmma, bool has_down, bool has_residual
 #define JAX_CLUSTER_SWIGLU_DECODE                                                             \
   decode_swiglu(x, w_gate, w_up, w_down, residual, out, workspace, variant, order, cluster_up, \
                 cluster_down, row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, \
-                gemv_mma, wgmma, items_per_block, has_down, has_residual)
+                gemv_mma, wgmma, has_down, has_residual)

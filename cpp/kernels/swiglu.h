@@ -98,7 +98,6 @@ struct SwigluParams {
   bool pdl;           // tma, gemv: the down kernel launches programmatically (PDL)
   bool gemv_mma;      // gemv: tensor cores (mma.sync) instead of CUDA-core FMAs
   bool wgmma;         // tma: warpgroup MMA consumers (row_tiles 4) instead of mma.sync
-  int items_per_block;  // tma: work items of the dynamic queue per block (on average)
   const void* x;
   const void* w_gate;
   const void* w_up;
@@ -186,20 +185,12 @@ inline SwigluStreamLayout swiglu_stream_layout(const SwigluParams& p) {
 // Tma: work tiles of 128 F columns (of w_gate AND of w_up) for the up GEMM and 256 D
 // columns for the down GEMM: each weight row segment a block streams is 256 or 512
 // contiguous bytes (narrower segments read at other times by other blocks cost DRAM
-// bandwidth: 64-column tiles measured 2.3 TB/s effective on H100). The flat (work tile,
-// K block) units are cut into items of swiglu_tma_item_units consecutive units, taken from
-// a queue (an integer counter) by the blocks. Workspace: [A2 [M, F] (with w_down) |
-// counters (one per work tile of either GEMM, then the two queues) | fp32 partial slots
-// [segments][slot_rows][256]] (segment (i, t) of item i in work tile t: slot i + t).
+// bandwidth: 64-column tiles measured 2.3 TB/s effective on H100). Workspace: [A2 [M, F]
+// (with w_down) | counters (one per work tile of either GEMM) | fp32 partial slots
+// [segments][slot_rows][256]] (segment (b, t) of block b in work tile t: slot b + t).
 inline constexpr int64_t kSwigluTmaUpCols = 128;
 inline constexpr int64_t kSwigluTmaDownCols = 256;
 inline constexpr int64_t kSwigluTmaSlotCols = 256;
-
-// Units per work item of a GEMM of `units` units on `blocks` blocks: about
-// items_per_block items per block; items <= blocks * items_per_block.
-inline int64_t swiglu_tma_item_units(int64_t units, int64_t blocks, int64_t items_per_block) {
-  return swiglu_ceil_div(units, blocks * items_per_block);
-}
 
 struct SwigluTmaLayout {
   int64_t tiles_up, tiles_down;  // work tiles: column tiles x row groups
@@ -214,9 +205,8 @@ inline SwigluTmaLayout swiglu_tma_layout(const SwigluParams& p) {
   l.tiles_down = p.has_down ? swiglu_ceil_div(p.d, kSwigluTmaDownCols) * groups : 0;
   l.slot_rows = std::min(p.m, rows);
   l.counters = p.has_down ? swiglu_align16(p.m * p.f * dtype_size(p.dtype)) : 0;
-  l.slots = l.counters + swiglu_align16(4 * (l.tiles_up + l.tiles_down + 2));
-  const int64_t items = static_cast<int64_t>(p.num_clusters) * p.items_per_block;
-  const int64_t segments = items + std::max(l.tiles_up, l.tiles_down) - 1;
+  l.slots = l.counters + swiglu_align16(4 * (l.tiles_up + l.tiles_down));
+  const int64_t segments = p.num_clusters + std::max(l.tiles_up, l.tiles_down) - 1;
   l.total = l.slots + segments * l.slot_rows * kSwigluTmaSlotCols * 4;
   return l;
 }

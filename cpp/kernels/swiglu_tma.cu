@@ -4,11 +4,11 @@
 // engine.
 //
 // Work: the flat sequence of units (work tile, 64-row K block), work tiles in column
-// order (a weight tile's row groups side by side), K fastest, cut into fixed items of
-// item_units consecutive units (about items_per_block per block). Blocks take items from
-// a queue (an integer counter): a block that streams faster takes more (static equal
-// shares left the SMs active only 73-82% of a kernel at M = 1 and 48% in the down GEMM
-// at M = 64 under ncu, session 13: some blocks finish long before others).
+// order (a weight tile's row groups side by side), K fastest; block b of G owns units
+// [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM). A queue of
+// smaller work items (blocks taking the next item from an integer counter) measured slower
+// at every M on H100 (session 13: 1.3x at 4 items per block, M = 1): each more item end
+// is one more partial and tile-counter round trip under the weight stream.
 //  * up: a work tile is 128 columns of w_gate AND the same 128 columns of w_up (plus one
 //    row group of x); down: 256 columns of w_down. Every weight row segment a block reads
 //    is 256 (up) or 512 (down) contiguous bytes: 64-column tiles (128-byte segments, read
@@ -18,15 +18,15 @@
 //
 // Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
 // kStages stages (~200 KB):
-//  * the producer (one thread) takes an item, and per unit waits for a free stage, tags it
-//    with the unit, announces its bytes and issues the five boxes (weights with an L2 evict-first hint when read once), running up to
+//  * the producer (one thread) waits for a free stage, announces its bytes and issues the
+//    five boxes (weights with an L2 evict-first hint when read once), running up to
 //    kStages units ahead, across tile boundaries and through the consumers' epilogues;
 //  * the consumers multiply each stage (mma.sync or wgmma: the tile policies below);
-//  * at the end of a work tile's K range (or of an item) a tile held by one item is
-//    written directly; otherwise the item's fp32 partial goes to slot (item + tile) of the
-//    workspace, and the tile's last item to arrive (integer counter) sums the slots in
-//    item order (deterministic: item boundaries are fixed, whoever ran them) and writes
-//    A2 / y.
+//  * at the end of a work tile's K range (or of its own units) a block that owned the
+//    whole tile writes the output directly; otherwise it writes its fp32 partial to slot
+//    (b + tile) of the workspace, and the tile's last block to arrive (integer counter)
+//    sums the slots in block order (deterministic; all consumer threads, several slots'
+//    loads in flight: reduce_tile) and writes A2 / y.
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
 // launch at once; a down block issues its first kStages units' weight boxes (independent
@@ -79,10 +79,8 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   const void* residual;  // down only; may be null
   void* out;             // A2 [m, F] (up) or y [m, D] (down)
   unsigned int* counters;  // [work tiles], zero before the up kernel
-  unsigned int* queue;     // next work item, zero before the up kernel
   float* slots;            // fp32 partials [segments][slot_rows][256]
   int64_t m, out_cols, k_blocks, col_tiles, row_groups, slot_rows;
-  int64_t item_units, items;  // units per work item (the last may have fewer), items
   int tile_cols;  // weight columns of a work tile: 128 (up: of each matrix) or 256 (down)
   int b1_off;     // first column of boxes 2, 3 relative to box 0: 0 (up) or 128 (down)
   bool up;
@@ -91,10 +89,15 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   bool trigger;     // PDL: let the next kernel launch now
 };
 
+// The block (of `blocks`, block b owning units [b U / G, (b + 1) U / G)) owning unit u.
+__device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t blocks) {
+  return ((u + 1) * blocks - 1) / units;
+}
+
 // ------------------------------------------------------------------ producer
 template <int MT>
 __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>& ring,
-                                        uint8_t* stages, volatile int* stage_unit) {
+                                        uint8_t* stages, int64_t u0, int n) {
   constexpr int S = kStages<MT>, R = 16 * MT;
   ptx::prefetch_tensor_map(&g.a_map);
   ptx::prefetch_tensor_map(&g.b0_map);
@@ -123,46 +126,32 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>&
     where(u, k, col, row);
     ptx::tma_load_2d(st + kBoxes * kBoxBytes, &g.a_map, k, row, bar, a_policy);
   };
-  // Work items from the queue, their units into the ring; stage_unit tells the consumers
-  // which unit a stage holds (published by the barrier arrive), -1 that none is left.
   // PDL: the first S stages' weights go out before the wait for the previous grid; their
   // A boxes (A2, written by it) after it. The stages' barriers already expect them.
-  const int64_t units = g.col_tiles * g.row_groups * K;
-  // Stages [0, pending) went out without their A box (their tags say which unit);
-  // -1: nothing deferred. They cannot complete, so their tags stay until the flush.
-  int pending = g.wait_prior ? 0 : -1;
-  auto flush_deferred = [&] {
-    if (pending < 0) return;
-    ptx::griddep_wait();
-    for (int j = 0; j < pending; ++j) issue_a(stage_unit[j], stages + j * kStageBytes<MT>, &ring.full[j]);
-    pending = -1;
-  };
+  const int pro = g.wait_prior ? min(n, S) : 0;
   RingCursor cur;
-  for (;;) {
-    const int64_t item = atomicAdd(g.queue, 1u);
-    if (item >= g.items) break;
-    const int64_t u_end = min(units, (item + 1) * g.item_units);
-    for (int64_t u = item * g.item_units; u < u_end; ++u) {
-      if (pending == S) flush_deferred();  // the next stage's release needs its A box
-      uint64_t* bar = ring_acquire(ring, cur, kStageBytes<MT>, stage_unit, static_cast<int>(u));
-      uint8_t* st = stages + cur.stage * kStageBytes<MT>;
-      issue_b(u, st, bar);
-      if (pending >= 0) {
-        ++pending;
-      } else {
-        issue_a(u, st, bar);
-      }
-      cur.advance<S>();
+  for (int i = 0; i < n; ++i) {
+    if (i == pro && pro > 0) {
+      ptx::griddep_wait();
+      for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
     }
+    uint64_t* bar = ring_acquire(ring, cur, kStageBytes<MT>);
+    uint8_t* st = stages + cur.stage * kStageBytes<MT>;
+    issue_b(u0 + i, st, bar);
+    if (i >= pro) issue_a(u0 + i, st, bar);
+    cur.advance<S>();
   }
-  flush_deferred();
-  ring_acquire(ring, cur, 0, stage_unit, -1);  // the end marker: a stage with no bytes
+  if (pro == n && pro > 0) {
+    ptx::griddep_wait();
+    for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
+  }
 }
 
 // ------------------------------------------------------------------ consumers
 // A consumer tile policy holds one thread's accumulators of a work tile's 16 MT rows and
-// knows their layout: mma() adds one stage, slot_io() stores / adds fp32 partials (slot row
-// of 256: up [gate 128 | up 128], down the tile's 256 output columns), emit() writes A2 or y.
+// knows their layout: mma() adds one stage, slot_store() stores the fp32 partial (slot row
+// of 256: up [gate 128 | up 128], down the tile's 256 output columns; reduce_tile() sums
+// them), emit() writes A2 or y of a tile the block held whole.
 // Two engines: MmaSyncTile (8 warps x mma.sync over ldmatrix fragments, MT = 1, 2, 4) and
 // WgmmaTile (2 warpgroups x wgmma reading both operands from shared memory, MT = 4).
 
@@ -188,16 +177,8 @@ __device__ __forceinline__ void store_up(const TmaGemmArgs& g, int64_t base, int
       pack2<T>(silu(g0) * u0, silu(g1) * u1);
 }
 
-template <bool kLoad>
-__device__ __forceinline__ void slot_pair(float* p, float& v0, float& v1) {
-  float2* q = reinterpret_cast<float2*>(p);
-  if (kLoad) {
-    const float2 v = __ldcg(q);
-    v0 += v.x;
-    v1 += v.y;
-  } else {
-    *q = make_float2(v0, v1);
-  }
+__device__ __forceinline__ void slot_pair(float* p, float v0, float v1) {
+  *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
 }
 
 // Warp w of 8 owns two 16-column groups P, Q of the stage for all 16 MT rows: up: gate
@@ -251,8 +232,7 @@ struct MmaSyncTile {
               : warp * 32 + nt * 8 + 2 * (lane & 3);
   }
 
-  template <bool kLoad>
-  __device__ void slot_io(float* slot, int rows, bool up) {
+  __device__ void slot_store(float* slot, int rows, bool up) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -261,7 +241,7 @@ struct MmaSyncTile {
         if (row >= rows) continue;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          slot_pair<kLoad>(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h],
+          slot_pair(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h],
                            acc[mt][nt][2 * h + 1]);
         }
       }
@@ -337,8 +317,7 @@ struct WgmmaTile {
 
   __device__ int col(int t, int j) const { return col0[t] + 8 * j + 2 * (lane & 3); }
 
-  template <bool kLoad>
-  __device__ void slot_io(float* slot, int rows, bool /*up*/) {
+  __device__ void slot_store(float* slot, int rows, bool /*up*/) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * w + (lane >> 2) + 8 * h;
@@ -347,7 +326,7 @@ struct WgmmaTile {
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          slot_pair<kLoad>(slot + row * kSlotCols + col(t, j), acc[t][4 * j + 2 * h],
+          slot_pair(slot + row * kSlotCols + col(t, j), acc[t][4 * j + 2 * h],
                            acc[t][4 * j + 2 * h + 1]);
         }
     }
@@ -378,6 +357,50 @@ struct WgmmaTile {
   }
 };
 
+// The tile's last block to arrive: sums the `count` partial slots of a split tile in block
+// order (deterministic) and writes A2 = SiLU(gate) * up or y (+ residual), with every
+// consumer thread on 4 columns at a time and kBatch slots' loads in flight: the slots were
+// read one after another before (one L2 round trip each, several microseconds under the
+// weight stream; ~8 slots per down tile), which stalled the ring at every tile end.
+template <typename T>
+__device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* slot0, int64_t count,
+                                            int64_t tile, int64_t row0, int rows, int tid) {
+  constexpr int kBatch = 4;
+  const int64_t slot_floats = g.slot_rows * kSlotCols;
+  const int quads = g.up ? kSlotCols / 8 : kSlotCols / 4;  // output columns / 4
+  for (int e = tid; e < rows * quads; e += kConsumers) {
+    const int row = e / quads, q = e - row * quads;
+    const float* src = slot0 + row * kSlotCols + 4 * q;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;  // up: gate, up; down: y
+    for (int64_t i0 = 0; i0 < count; i0 += kBatch) {
+      float4 va[kBatch], vb[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (i0 + j >= count) break;
+        const float* p = src + (i0 + j) * slot_floats;
+        va[j] = __ldcg(reinterpret_cast<const float4*>(p));
+        if (g.up) vb[j] = __ldcg(reinterpret_cast<const float4*>(p + kSlotCols / 2));
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (i0 + j >= count) break;
+        a.x += va[j].x, a.y += va[j].y, a.z += va[j].z, a.w += va[j].w;
+        if (g.up) b.x += vb[j].x, b.y += vb[j].y, b.z += vb[j].z, b.w += vb[j].w;
+      }
+    }
+    const int64_t col = tile * g.tile_cols + 4 * q;
+    if (col >= g.out_cols) continue;  // columns past F / D of a last tile
+    const int64_t base = (row0 + row) * g.out_cols;
+    if (g.up) {
+      store_up<T>(g, base, col, a.x, a.y, b.x, b.y);
+      store_up<T>(g, base, col + 2, a.z, a.w, b.z, b.w);
+    } else {
+      store_down<T>(g, base, col, a.x, a.y);
+      store_down<T>(g, base, col + 2, a.z, a.w);
+    }
+  }
+}
+
 template <typename T, int MT, bool kWgmma>
 using ConsumerTile = std::conditional_t<kWgmma, WgmmaTile<T>, MmaSyncTile<T, MT>>;
 
@@ -388,12 +411,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int S = kStages<MT>, R = 16 * MT;
   extern __shared__ uint8_t smem_raw[];
   __shared__ Ring<S> ring;
-  __shared__ int stage_unit[S];  // the unit a stage holds (-1: no more work)
-  __shared__ int tile_done;      // this block arrived last at the tile it just ended
+  __shared__ int tile_done;  // this block arrived last at the tile it just ended
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // 128B-swizzled boxes need 1024-byte aligned destinations
   uint8_t* stages = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
-  const int64_t K = g.k_blocks, U = g.item_units;
+  const int64_t K = g.k_blocks, units = g.col_tiles * g.row_groups * K;
+  const int64_t blocks = gridDim.x, b = blockIdx.x;
+  const int64_t u0 = b * units / blocks;
+  const int n = static_cast<int>((b + 1) * units / blocks - u0);
   if (g.trigger) ptx::griddep_launch_dependents();
   if (tid == 0) {
     ring.init(kConsumerWarps);
@@ -401,47 +426,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    if (lane == 0) produce<MT>(g, ring, stages, stage_unit);
+    if (lane == 0) produce<MT>(g, ring, stages, u0, n);
     return;
   }
 
-  // ---- consumers: the units of the producer's items, in its order
+  // ---- consumers
   const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
   if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
   const uint32_t stages_addr = ptx::smem_addr(stages);
-  const int64_t units = g.col_tiles * g.row_groups * K;
   ConsumerTile<T, MT, kWgmma> tile_acc(g.up, warp, lane);
   tile_acc.zero();
-  for (RingCursor cur;; cur.advance<S>()) {
+  RingCursor cur;
+  for (int i = 0; i < n; ++i) {
     ring_wait(ring, cur);
-    const int64_t u = static_cast<volatile int*>(stage_unit)[cur.stage];
-    if (u < 0) break;
     tile_acc.mma(stages_addr + cur.stage * kStageBytes<MT>, g.up);
     ring_release(ring, cur);
-    const int64_t w = u / K, item = u / U;
-    if (u - w * K != K - 1 && u + 1 != min(units, (item + 1) * U)) continue;
-    // ---- end of item `item`'s segment of work tile w
+    cur.advance<S>();
+    const int64_t u = u0 + i, w = u / K;
+    if (u - w * K != K - 1 && i != n - 1) continue;
+    // ---- end of this block's segment of work tile w
     const int64_t tile = w / g.row_groups, row0 = (w - tile * g.row_groups) * R;
     const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
-    const int64_t first = w * K / U, last = (w * K + K - 1) / U;  // items in the tile
-    if (first != last) {
-      const int64_t slot_floats = g.slot_rows * kSlotCols;
-      tile_acc.template slot_io<false>(g.slots + (item + w) * slot_floats, rows, g.up);
-      __threadfence();
-      group_sync.sync();
-      if (tid == 0) {
-        tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
-      }
-      group_sync.sync();
+    const int64_t first = owner(w * K, units, blocks), last = owner(w * K + K - 1, units, blocks);
+    if (first == last) {
+      tile_acc.emit(g, tile, row0, rows);
       tile_acc.zero();
-      if (!tile_done) continue;
-      __threadfence();
-      for (int64_t i = first; i <= last; ++i) {  // item order: deterministic
-        tile_acc.template slot_io<true>(g.slots + (i + w) * slot_floats, rows, g.up);
-      }
+      continue;
     }
-    tile_acc.emit(g, tile, row0, rows);
+    const int64_t slot_floats = g.slot_rows * kSlotCols;
+    tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
     tile_acc.zero();
+    __threadfence();
+    group_sync.sync();
+    if (tid == 0) {
+      tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
+    }
+    group_sync.sync();
+    if (!tile_done) continue;
+    __threadfence();
+    reduce_tile<T>(g, g.slots + (first + w) * slot_floats, last - first + 1, tile, row0, rows, tid);
   }
 }
 
@@ -454,9 +477,8 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
-  unsigned int* queues = counters + l.tiles_up + l.tiles_down;  // [up, down]
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down + 2), stream));
+      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
   const int64_t groups = swiglu_ceil_div(p.m, R);
   constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
@@ -470,7 +492,6 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     a.slot_rows = l.slot_rows;
     a.slots = reinterpret_cast<float*>(ws + l.slots);
     a.counters = counters + (a.up ? 0 : l.tiles_up);
-    a.queue = queues + (a.up ? 0 : 1);
     a.hint = groups == 1;
     if (a.up) {
       JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, p.x, p.m, p.d, R,
@@ -504,10 +525,9 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.wait_prior = p.pdl;
       a.trigger = false;
     }
+    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it).
     const int64_t units = a.col_tiles * groups * a.k_blocks;
-    a.item_units = swiglu_tma_item_units(units, p.num_clusters, p.items_per_block);
-    a.items = swiglu_ceil_div(units, a.item_units);
-    const int64_t blocks = std::min<int64_t>(p.num_clusters, a.items);
+    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
         kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
         a.wait_prior, stream, a));

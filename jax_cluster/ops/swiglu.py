@@ -82,8 +82,7 @@ VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv"
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
-_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd", "p", "mma", "wg", "q"}
-TMA_ITEMS_PER_BLOCK = 4  # the tma kernels' default work items per block (queue granularity)
+_KNOBS = {"n", "nu", "nd", "rt", "g", "c", "ku", "kd", "p", "mma", "wg"}
 # the gemv kernels' M on CUDA cores / tensor cores; larger M runs in chunks of this many rows
 GEMV_MAX_ROWS = 8
 GEMV_MMA_MAX_ROWS = 16
@@ -114,15 +113,14 @@ class Config:
     pdl: int = 0  # tma, gemv: the down kernel starts programmatically (PDL)
     gemv_mma: int = 0  # gemv: tensor cores (mma.sync) instead of CUDA-core FMAs
     wgmma: int = 0  # tma: warpgroup MMA (wgmma) consumers, 64-row tiles
-    items_per_block: int = 1  # tma: work items of the queue per block, on average
 
     def attrs(self) -> dict:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
         if self.variant == 4:
-            return (f"tma rt{self.row_tiles} c{self.num_clusters} q{self.items_per_block} "
-                    f"pdl{self.pdl}{' wgmma' if self.wgmma else ''}")
+            return (f"tma rt{self.row_tiles} c{self.num_clusters} pdl{self.pdl}"
+                    f"{' wgmma' if self.wgmma else ''}")
         if self.variant == 3:
             return (f"gemv ku{self.k_splits_up} kd{self.k_splits_down} pdl{self.pdl}"
                     f"{' mma' if self.gemv_mma else ''}")
@@ -196,16 +194,15 @@ def stream_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
 
 def tma_workspace_bytes(cfg: Config, m: int, d: int, f: int, itemsize: int,
                         has_down: bool) -> int:
-    """[A2 | one counter per work tile of each GEMM, two queues | partial slots]
-    (swiglu_tma_layout: 128-column up tiles, 256-column down tiles, slots of 256 fp32
-    columns, one per (work item, tile) segment)."""
+    """[A2 | one counter per work tile of each GEMM | partial slots] (swiglu_tma_layout:
+    128-column up tiles, 256-column down tiles, slots of 256 fp32 columns)."""
     rows = 16 * cfg.row_tiles
     groups = _ceil_div(m, rows)
     tiles_up = _ceil_div(f, 128) * groups
     tiles_down = _ceil_div(d, 256) * groups if has_down else 0
     a2 = _align16(m * f * itemsize) if has_down else 0
-    counters = _align16(4 * (tiles_up + tiles_down + 2))
-    segments = cfg.num_clusters * cfg.items_per_block + max(tiles_up, tiles_down) - 1
+    counters = _align16(4 * (tiles_up + tiles_down))
+    segments = cfg.num_clusters + max(tiles_up, tiles_down) - 1
     return a2 + counters + segments * min(m, rows) * 256 * 4
 
 
@@ -288,7 +285,6 @@ def parse_variant(spec: str) -> tuple[str, dict]:
                              "exchange), c= (clusters; for 'stream' and 'tma' blocks), ku=, kd= (gemv K "
                              "chunks), p= (tma, gemv: programmatic launch of the down kernel, 0 or 1), "
                              "mma= (gemv: tensor cores, 0 or 1), wg= (tma: wgmma consumers, 0 or 1), "
-                             "q= (tma: work items per block, 1..64), "
                              "each an integer")
         out[key] = int(value)
     for key in ("n", "nu", "nd"):
@@ -302,11 +298,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
             raise ValueError(f"swiglu: {key}={out[key]} in {spec!r}: {key}= is 0 or 1")
     if "rt" in out and out["rt"] not in (1, 2, 4):
         raise ValueError(f"swiglu: rt={out['rt']} in {spec!r}: row tiles are 1, 2 or 4")
-    for key in ("wg", "q"):
-        if key in out and name != "tma":
-            raise ValueError(f"swiglu: {key}= in {spec!r} is a knob of 'tma' only")
-    if not 1 <= out.get("q", 1) <= 64:
-        raise ValueError(f"swiglu: q={out['q']} in {spec!r}: work items per block are 1..64")
+    if "wg" in out and name != "tma":
+        raise ValueError(f"swiglu: wg= in {spec!r} is a knob of 'tma' only")
     if out.get("wg") and out.get("rt", 4) != 4:
         raise ValueError(f"swiglu: wg=1 in {spec!r} runs 64-row tiles: rt= must be 4 (or left out)")
     if out.get("g", 1) < 1 or not 1 <= out.get("c", 1) <= 65535:
@@ -363,7 +356,7 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
     if name == "tma":  # one block per SM
         wg = kn.get("wg", 0)
         return Config(4, 0, 1, 1, 4 if wg else rt, 1, kn.get("c", num_sms), pdl=kn.get("p", 1),
-                      wgmma=wg, items_per_block=kn.get("q", TMA_ITEMS_PER_BLOCK))
+                      wgmma=wg)
     if name == "stream":  # one block per resident slot: 2 per SM when the stages fit
         per_sm = 2 if tile_smem(rt)[1] <= _BUDGET2 else 1
         return Config(2, 0, 1, 1, rt, 1, kn.get("c", per_sm * num_sms))
@@ -415,11 +408,11 @@ def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
 # ----------------------------------------------------------------------------- primitive
 def _abstract(x, w_gate, w_up, w_down, residual, *, variant, order, cluster_up, cluster_down,
               row_tiles, f_group, num_clusters, k_splits_up, k_splits_down, pdl, gemv_mma,
-              wgmma, items_per_block, has_down, has_residual):
+              wgmma, has_down, has_residual):
     m, d = x.shape
     f = w_gate.shape[1]
     cfg = Config(variant, order, cluster_up, cluster_down, row_tiles, f_group, num_clusters,
-                 k_splits_up, k_splits_down, pdl, gemv_mma, wgmma, items_per_block)
+                 k_splits_up, k_splits_down, pdl, gemv_mma, wgmma)
     ws = workspace_bytes(cfg, m, d, f, jnp.dtype(x.dtype).itemsize, has_down)
     out_cols = d if has_down else f
     return ShapedArray((m, out_cols), x.dtype), ShapedArray((ws,), np.uint8)

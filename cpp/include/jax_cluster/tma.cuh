@@ -129,18 +129,14 @@ struct RingCursor {
 };
 
 // Producer side (one thread): wait until the stage is free, announce `bytes`, then issue
-// the copies of this stage against ring.full[cur.stage]. With `tags`, first stores `tag`
-// in tags[cur.stage]: the arrive publishes it, so consumers read it after ring_wait (e.g.
-// which work unit the stage holds; the stage's previous tag has been read by then).
+// the copies of this stage against ring.full[cur.stage].
 template <int S>
 __device__ __forceinline__ uint64_t* ring_acquire(Ring<S>& ring, const RingCursor& cur,
-                                                  uint32_t bytes, volatile int* tags = nullptr,
-                                                  int tag = 0) {
+                                                  uint32_t bytes) {
   // The first pass over the ring finds every stage free (parity trick: waiting for the
   // phase before the initial one returns at once).
   ptx::mbarrier_wait(&ring.empty[cur.stage], cur.phase ^ 1);
-  if (tags != nullptr) tags[cur.stage] = tag;
-  ptx::mbarrier_arrive_expect_tx(&ring.full[cur.stage], bytes);  // release: the tag too
+  ptx::mbarrier_arrive_expect_tx(&ring.full[cur.stage], bytes);
   return &ring.full[cur.stage];
 }
 
