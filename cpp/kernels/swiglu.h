@@ -42,12 +42,13 @@
 //    (~200 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
 //    of the (work tile, K block) units per block, partial tiles summed in block order by
 //    the tile's last block (deterministic); the down kernel launched programmatically (PDL).
-//    Measured on H100 (benchmarks/results/swiglu.md, logs/swiglu_tma): 0.73-0.92x plain
-//    jnp, 49-72% of the roofline at 3.09 TB/s (streaming-read probe), no better than gemv at
-//    M = 1 and within +-5% of split; 64-column tiles (first version) measured the same, so
-//    the 128-byte row segments are not what limits it, nor is PDL (p=0 vs p=1 within 2%).
-//    What does is not yet known (next: ncu of the two kernels: per-kernel DRAM throughput
-//    vs the gaps between them); the scheduler keeps picking XLA's dots.
+//    Measured on H100 (benchmarks/results/swiglu.md, part s13_tma_f16): 0.80-0.94x plain
+//    jnp, and `wgmma` consumers (two warpgroups, both operands from the stage) are no
+//    faster (0.91-1.02x the mma.sync form): the math is not what limits it. ncu
+//    (logs/session13): SMs are active only 82% (up) and 74% (down) of the kernel time at
+//    M = 1, and 80% / 50% at M = 64: blocks with equal unit shares end far apart. Open:
+//    why (a queue of smaller work items was slower; summing a split tile's partials with
+//    all threads instead of one slot after another gained ~2%).
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds

@@ -40,8 +40,11 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                block, partial tiles summed in block order by the tile's last block
                (deterministic); the down kernel launched programmatically (PDL) so its
                first weight tiles load while the up kernel drains. Any M (row groups of
-               16 rt rows; weights re-read per group above 64 rows). H100: 0.73-0.92x
-               plain jnp (benchmarks/results/swiglu.md), so "auto" still picks "xla".
+               16 rt rows; weights re-read per group above 64 rows). H100: 0.80-0.94x
+               plain jnp (benchmarks/results/swiglu.md, part s13_tma_f16), so "auto" still
+               picks "xla". "tma:wg=1": the consumers are two warpgroups on wgmma (64-row
+               tiles, both operands read from the stage); measured 0.97-1.02x the mma.sync
+               form at M <= 32 and 0.91-0.95x at M = 64, so not a scheduler candidate.
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, M = 1..64: they do, by 2-7% for gemv
@@ -55,8 +58,8 @@ Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per 
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
 down kernels), "stream:rt=1:c=132" (16-row tiles per block, blocks of the grid),
 "gemv:ku=8:kd=21:p=0:mma=0" (K chunks of the up and down GEMMs, programmatic launch of the
-down kernel off, CUDA cores), "tma:rt=1:c=132:p=0" (16-row tiles per block, blocks, programmatic launch of
-the down kernel off).
+down kernel off, CUDA cores), "tma:rt=1:c=132:p=0:wg=0" (16-row tiles per block, blocks, programmatic launch of
+the down kernel off, wgmma consumers off).
 
 Tensor parallelism (DeepFusionKernel App. A.1): :func:`swiglu_tp` shards w_gate / w_up by
 columns and w_down by rows over a mesh axis; each device runs the op on its shard and a
@@ -386,8 +389,8 @@ def candidates(m: int, has_down: bool) -> list[str]:
     measured (each candidate costs a compilation and a timing at the first trace)."""
     gemv = (["gemv"] if m <= GEMV_MMA_MAX_ROWS else []) + (["gemv:mma=0"] if m <= GEMV_MAX_ROWS else [])
     if not has_down:
-        return ["tma", "tma:wg=1"] + gemv + ["split", "xla"]
-    out = ["tma", "tma:wg=1"] + gemv + ["split"]
+        return ["tma"] + gemv + ["split", "xla"]
+    out = ["tma"] + gemv + ["split"]
     if m > 16:
         out += ["split_row"]
     return out + ["xla"]
