@@ -232,42 +232,43 @@ struct MmaSyncTile {
               : warp * 32 + nt * 8 + 2 * (lane & 3);
   }
 
-  __device__ void slot_store(float* slot, int rows, bool up) const {
+  // f(mt, h, row) for each accumulator row of this thread below `rows`.
+  template <typename F>
+  __device__ void for_rows(int rows, F&& f) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = mt * 16 + (lane >> 2) + 8 * h;
-        if (row >= rows) continue;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          slot_pair(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h],
-                           acc[mt][nt][2 * h + 1]);
-        }
+        if (row < rows) f(mt, h, row);
       }
   }
 
-  __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) {
+  __device__ void slot_store(float* slot, int rows, bool up) const {
+    for_rows(rows, [&](int mt, int h, int row) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int nt = 0; nt < 4; ++nt) {
+        slot_pair(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+      }
+    });
+  }
+
+  __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) const {
+    for_rows(rows, [&](int mt, int h, int row) {
+      const int64_t base = (row0 + row) * g.out_cols;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = mt * 16 + (lane >> 2) + 8 * h;
-        if (row >= rows) continue;
-        const int64_t base = (row0 + row) * g.out_cols;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          if (g.up && nt >= 2) break;  // nt + 2 are the up columns of gate nt
-          const int64_t c = tile * g.tile_cols + col(g.up, nt);
-          if (c >= g.out_cols) continue;  // columns past F / D of a last tile
-          if (g.up) {
-            store_up<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1],
-                        acc[mt][nt + 2][2 * h], acc[mt][nt + 2][2 * h + 1]);
-          } else {
-            store_down<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-          }
+      for (int nt = 0; nt < 4; ++nt) {
+        if (g.up && nt >= 2) break;  // nt + 2 are the up columns of gate nt
+        const int64_t c = tile * g.tile_cols + col(g.up, nt);
+        if (c >= g.out_cols) continue;  // columns past F / D of a last tile
+        if (g.up) {
+          store_up<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1],
+                      acc[mt][nt + 2][2 * h], acc[mt][nt + 2][2 * h + 1]);
+        } else {
+          store_down<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
         }
       }
+    });
   }
 };
 
