@@ -43,8 +43,11 @@ constexpr int kCols = static_cast<int>(kSwigluGemvCols);
 // CUDA cores: 16-byte weight loads in flight per thread (fewer at 8 rows: registers).
 template <int MR>
 constexpr int kUnroll = MR >= 8 ? 6 : 8;
-// Tensor cores: 16-row steps in flight per warp (4 loads per thread each).
-constexpr int kMmaUnroll = 3;
+// Tensor cores: 16-row steps in flight per warp (4 loads per thread each). Two, not more:
+// 8 loads per thread (64 KB per SM at 2 blocks) read 1-3% faster than 12 or 16, and
+// refilling a step's registers before its math (more in flight) was slower still
+// (benchmarks/probes/gemv_kernel.cu, session 14, H100).
+constexpr int kMmaUnroll = 2;
 // Blocks per SM (more loads in flight) as far as registers allow without spills.
 template <int MR, bool MMA>
 constexpr int kMinBlocks = !MMA && MR <= 2 ? 3 : 2;

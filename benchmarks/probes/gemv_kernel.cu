@@ -1,0 +1,80 @@
+// Probe: swiglu's gemv kernels (kernels/swiglu_gemv.cu, compiled in) timed alone, without
+// JAX: quick kernel experiments on the GPU machine without building the package.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -Icpp -Icpp/include benchmarks/probes/gemv_kernel.cu -o /tmp/gemv_kernel
+//   /tmp/gemv_kernel M D F [ku kd pdl]   (ku, kd 0: one wave of 2 blocks per SM)
+// Prints us per call (best of 5 x 20 back-to-back calls) and the weight read rate, for the
+// whole call and for the up stage alone.
+#include <cstdio>
+#include <cstdlib>
+
+#ifndef GEMV_SRC
+#define GEMV_SRC "kernels/swiglu_gemv.cu"
+#endif
+#include GEMV_SRC
+
+int main(int argc, char** argv) {
+  using namespace jax_cluster;
+  if (argc < 4) {
+    fprintf(stderr, "usage: %s M D F [ku kd pdl]\n", argv[0]);
+    return 2;
+  }
+  const int64_t m = atoll(argv[1]), d = atoll(argv[2]), f = atoll(argv[3]);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  SwigluParams p{};
+  p.dtype = DType::kF16;
+  p.variant = SwigluVariant::kGemv;
+  p.m = m;
+  p.d = d;
+  p.f = f;
+  p.has_down = true;
+  p.gemv_mma = true;
+  // default K chunks: one wave of 2 blocks per SM (jax_cluster.ops.swiglu._gemv_splits)
+  // (0 or left out: that default)
+  const int ku = argc > 4 ? atoi(argv[4]) : 0, kd = argc > 5 ? atoi(argv[5]) : 0;
+  p.k_splits_up = ku > 0 ? ku : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(f, 128));
+  p.k_splits_down = kd > 0 ? kd : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(d, 128));
+  p.pdl = argc > 6 ? atoi(argv[6]) : 1;
+  const size_t wbytes = static_cast<size_t>(d) * f * 2;
+  void *x, *wg, *wu, *wd, *out, *ws;
+  cudaMalloc(&x, m * std::max(d, f) * 2);
+  cudaMalloc(&wg, wbytes);
+  cudaMalloc(&wu, wbytes);
+  cudaMalloc(&wd, wbytes);
+  cudaMalloc(&out, m * std::max(d, f) * 2);
+  cudaMemset(x, 0, m * std::max(d, f) * 2);
+  for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);  // not zeros: no compression
+  p.x = x;
+  p.w_gate = wg;
+  p.w_up = wu;
+  p.w_down = wd;
+  p.out = out;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int up_only = 0; up_only < 2; ++up_only) {
+    p.has_down = !up_only;
+    cudaMalloc(&ws, swiglu_gemv_layout(p).total);
+    p.workspace = ws;
+    float best = 1e30f;
+    for (int r = 0; r < 6; ++r) {
+      cudaEventRecord(a);
+      for (int i = 0; i < 20; ++i) launch_swiglu_gemv(p, 0);
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float ms;
+      cudaEventElapsedTime(&ms, a, b);
+      if (r > 0) best = std::min(best, ms);
+    }
+    const double us = best * 1e3 / 20, bytes = (up_only ? 2.0 : 3.0) * wbytes;
+    printf("M %lld D %lld F %lld ku %d kd %d pdl %d %s: %.1f us, %.2f TB/s\n",
+           static_cast<long long>(m), static_cast<long long>(d), static_cast<long long>(f),
+           p.k_splits_up, p.k_splits_down, p.pdl ? 1 : 0, up_only ? "up only " : "up+down ", us,
+           bytes / us / 1e6);
+    cudaFree(ws);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) printf("CUDA error %s\n", cudaGetErrorString(e));
+  return 0;
+}
