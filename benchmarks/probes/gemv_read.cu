@@ -13,6 +13,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../../cpp/include/jax_cluster/ptx.cuh"  // ldg_stream: the kernels' weight loads
+
+using jax_cluster::ptx::ldg_stream;
+
 struct Plan {
   const unsigned char* w[2];
   int nm;              // matrices read per item (gate + up: 2)
@@ -23,13 +27,6 @@ struct Plan {
   int persistent;
 };
 
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 template <int THREADS, int U>
 __device__ __forceinline__ uint32_t read_item(const Plan& p, int item) {
