@@ -77,6 +77,16 @@ __device__ __forceinline__ void write_nan_slice(const OutputSlice& out, ThreadGr
   for (int e = threadIdx.x; e < out.count * 8; e += group.threads) out.row[out.first * 8 + e] = NAN;
 }
 
+// Whole-block kernels, right after their cluster_arrive: a row out of range gets NaN outputs
+// and the block completes that barrier phase (its peers wait for it). True: return now.
+__device__ __forceinline__ bool finish_out_of_range_row(const AttentionDecodeParams& p,
+                                                        const Ctx& c, const OutputSlice& out) {
+  if (!length_out_of_range(p, c)) return false;
+  write_nan_slice(out, ThreadGroup::block());
+  ptx::cluster_wait();
+  return true;
+}
+
 // Up to kNormVecs 16-byte vectors of src per thread, [base + threadIdx.x + u * threads],
 // loaded before any is used: the loads are in flight together (a scalar loop storing to
 // shared memory between loads ran them one after another: 12-15 us of the kernel's ~90 at

@@ -193,11 +193,7 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   const OutputSlice out = output_slice(p, c);
   float* partial_row = out.row;
   const int o_first = out.first, o_count = out.count;
-  if (length_out_of_range(p, c)) {
-    write_nan_slice(out, ThreadGroup::block());
-    ptx::cluster_wait();
-    return;
-  }
+  if (finish_out_of_range_row(p, c, out)) return;
   const int total = c.len + 1;
   const int per_block = (total + n - 1) / n;
   const int t0 = min(total, c.rank * per_block), t1 = min(total, t0 + per_block);

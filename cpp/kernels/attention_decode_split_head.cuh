@@ -96,11 +96,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const OutputSlice out = output_slice(p, c);
   float* partial_row = out.row;
   const int o_first = out.first, o_count = out.count;
-  if (length_out_of_range(p, c)) {
-    write_nan_slice(out, ThreadGroup::block());
-    ptx::cluster_wait();
-    return;
-  }
+  if (finish_out_of_range_row(p, c, out)) return;
   normalize_input<T>(p, c.b, h, ThreadGroup::block());
   ptx::cluster_wait();
 
