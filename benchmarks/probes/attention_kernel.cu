@@ -1,0 +1,172 @@
+// Probe: the attention_decode kernels (kernels/attention_decode.cu, compiled in) timed
+// alone, without JAX: quick kernel experiments on the GPU machine without building the
+// package (the gemv_kernel.cu of attention_decode).
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -Icpp -Icpp/include benchmarks/probes/attention_kernel.cu -o /tmp/attention_kernel
+//   /tmp/attention_kernel D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma]
+// One decode step at lengths[b] = ctx - 1 (RMS norm, residual, fp16). Prints us per step
+// (best of 5 x 20 back-to-back steps, main + combine kernel) and the rate at which it
+// reads the roofline bytes (weights + KV cache). AK_DUMP=FILE writes y of one more step
+// (raw fp16), to compare two builds' outputs.
+// An experiment swaps a header: put a modified copy at DIR/kernels/<name>.cuh and pass
+// -IDIR before -Icpp. A copy that records phase timestamps into
+// `__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks]` (entry, then up to
+// 15 phase ends; define AD_PHASES) gets them summarised per phase (median/max over blocks).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#ifdef AD_PHASES
+constexpr int kPhaseBlocks = 4096;
+constexpr int kPhaseMarks = 16;
+__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks];
+#endif
+#include "kernels/attention_decode.cu"
+
+// The batch-tiled kernels live in their own files; this probe runs rows_per_cluster = 1.
+namespace jax_cluster {
+cudaError_t launch_attention_decode_tiled_f16(const AttentionDecodeParams&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t launch_attention_decode_tiled_bf16(const AttentionDecodeParams&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+}  // namespace jax_cluster
+
+#define CHECK(x)                                                                      \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// Deterministic values in [-scale, scale): a hash of the index.
+__global__ void fill_half(__half* p, int64_t n, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * 256LL + threadIdx.x; i < n; i += 256LL * gridDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = __float2half(scale * (static_cast<float>(h & 0xffffff) / 8388608.f - 1.f));
+  }
+}
+
+template <typename T>
+T* alloc_filled(int64_t n, float scale, uint32_t seed) {
+  __half* p;
+  CHECK(cudaMalloc(&p, n * 2));
+  fill_half<<<1024, 256>>>(p, n, scale, seed);
+  return reinterpret_cast<T*>(p);
+}
+
+int main(int argc, char** argv) {
+  using namespace jax_cluster;
+  if (argc < 9) {
+    std::fprintf(stderr, "usage: %s D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma]\n", argv[0]);
+    return 2;
+  }
+  AttentionDecodeParams p{};
+  p.dtype = DType::kF16;
+  p.hidden = atoll(argv[1]);
+  p.num_q_heads = atoll(argv[2]);
+  p.num_kv_heads = atoll(argv[3]);
+  p.head_dim = atoll(argv[4]);
+  const int64_t ctx = atoll(argv[5]);
+  p.batch = atoll(argv[6]);
+  p.cluster_size = atoi(argv[7]);
+  p.max_heads_per_cluster = atoi(argv[8]);
+  p.pipeline = argc > 9 && atoi(argv[9]) ? AttnPipeline::kTma : AttnPipeline::kRegisters;
+  p.max_seq = ctx;
+  p.rotary_dim = p.head_dim;
+  p.rope_layout = RopeLayout::kHalf;
+  p.norm = NormKind::kRms;
+  p.eps = 1e-5f;
+  p.scale = 1.f / std::sqrt(static_cast<float>(p.head_dim));
+  p.residual = true;
+  const int64_t d = p.hidden, dh = p.head_dim, qkv_cols = (p.num_q_heads + 2 * p.num_kv_heads) * dh;
+  const int64_t cache = p.batch * p.num_kv_heads * ctx * dh;
+  p.x = alloc_filled<__half>(p.batch * d, 1.f, 1);
+  p.norm_w = alloc_filled<__half>(d, 1.f, 2);
+  p.w_qkv = alloc_filled<__half>(d * qkv_cols, 1.f / std::sqrt(static_cast<float>(d)), 3);
+  p.w_o = alloc_filled<__half>(p.num_q_heads * dh * d, 1.f / std::sqrt(static_cast<float>(d)), 4);
+  p.k_cache = alloc_filled<__half>(cache, 1.f, 5);
+  p.v_cache = alloc_filled<__half>(cache, 1.f, 6);
+  CHECK(cudaMalloc(&p.y, p.batch * d * 2));
+  CHECK(cudaMalloc(&p.partial, attention_decode_workspace_bytes(p)));
+  std::vector<float> inv(dh / 2);
+  for (int64_t i = 0; i < dh / 2; ++i) inv[i] = std::pow(10000.f, -2.f * i / dh);
+  float* inv_freq;
+  CHECK(cudaMalloc(&inv_freq, inv.size() * 4));
+  CHECK(cudaMemcpy(inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+  p.inv_freq = inv_freq;
+  std::vector<int32_t> len(p.batch, static_cast<int32_t>(ctx - 1));
+  int32_t* lengths;
+  CHECK(cudaMalloc(&lengths, p.batch * 4));
+  CHECK(cudaMemcpy(lengths, len.data(), p.batch * 4, cudaMemcpyHostToDevice));
+  p.lengths = lengths;
+  CHECK(cudaDeviceSynchronize());
+
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  for (int i = 0; i < 3; ++i) CHECK(launch_attention_decode(p, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  constexpr int kSteps = 20;
+  for (int rep = 0; rep < 5; ++rep) {
+    CHECK(cudaEventRecord(e0, stream));
+    for (int i = 0; i < kSteps; ++i) CHECK(launch_attention_decode(p, stream));
+    CHECK(cudaEventRecord(e1, stream));
+    CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+  }
+  const double us = 1000.0 * best / kSteps;
+  const double bytes = 2.0 * (d * qkv_cols + p.num_q_heads * dh * d + 2 * cache);
+  std::printf("D%lld q%lld kv%lld dh%lld ctx%lld b%lld n%d:h%lld%s  %8.1f us  %6.0f GB/s\n",
+              (long long)d, (long long)p.num_q_heads, (long long)p.num_kv_heads, (long long)dh,
+              (long long)ctx, (long long)p.batch, p.cluster_size,
+              (long long)p.heads_per_cluster(), p.pipeline == AttnPipeline::kTma ? " tma" : "", us,
+              bytes / us / 1e3);
+  if (const char* path = std::getenv("AK_DUMP")) {  // y of one more step, raw fp16, to compare builds
+    CHECK(launch_attention_decode(p, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    std::vector<uint16_t> y(p.batch * d);
+    CHECK(cudaMemcpy(y.data(), p.y, y.size() * 2, cudaMemcpyDeviceToHost));
+    FILE* f = std::fopen(path, "wb");
+    std::fwrite(y.data(), 2, y.size(), f);
+    std::fclose(f);
+  }
+#ifdef AD_PHASES
+  // One more launch alone; per block: phase durations (us) from the recorded timestamps.
+  std::vector<unsigned long long> ph(kPhaseBlocks * kPhaseMarks, 0);
+  CHECK(cudaMemcpyToSymbol(g_phase_ns, ph.data(), ph.size() * 8));
+  CHECK(launch_attention_decode(p, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  CHECK(cudaMemcpyFromSymbol(ph.data(), g_phase_ns, ph.size() * 8));
+  const int blocks = static_cast<int>(p.batch * p.num_kv_heads * p.head_chunks() * p.cluster_size);
+  unsigned long long t0 = ~0ull, t_end = 0;
+  for (int b = 0; b < blocks; ++b) t0 = std::min(t0, ph[b * kPhaseMarks]);
+  std::printf("   phase:");
+  for (int k = 1; k < kPhaseMarks; ++k) {
+    std::vector<double> dur;
+    for (int b = 0; b < blocks; ++b) {
+      const unsigned long long* t = &ph[b * kPhaseMarks];
+      if (t[k] == 0) continue;
+      t_end = std::max(t_end, t[k]);
+      dur.push_back((t[k] - t[k - 1]) / 1e3);
+    }
+    if (dur.empty()) break;
+    std::sort(dur.begin(), dur.end());
+    std::printf("  p%d %.1f/%.1f", k, dur[dur.size() / 2], dur.back());
+  }
+  std::printf("  (median/max us)  span %.1f us\n", (t_end - t0) / 1e3);
+#endif
+  return 0;
+}
