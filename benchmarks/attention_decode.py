@@ -315,7 +315,7 @@ COLUMNS = ["case", "ours_us", "jnp_us", "pallas_us", "speedup_vs_jnp", "speedup_
            "pick", "best_config", "n1_us", "n2_us", "n4_us", "n8_us", "n16_us"]
 # the batch-tiled configurations' own columns ("n4:r8_us", ...) stay in the JSON rows
 EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuning.steady_seconds; parts from "
-           "session 12 on, named s12_*): earlier parts timed one synchronised call, which added 60-250 us "
+           "session 12 on, named s12_* and later): earlier parts timed one synchronised call, which added 60-250 us "
            "of host dispatch latency per timed call of 20-24 steps. "
            "kernel = the fused kernel (register pipeline) at its best configuration among those the tuner "
            "weighs (best_config: a cluster size, or 'nK:hH' = cluster size K with at most H query heads per "

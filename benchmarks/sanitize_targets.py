@@ -47,12 +47,16 @@ def attention_decode(head_dims=None, pipelines=None):
             kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(256))
             # fewer heads per cluster on the GQA shapes: several clusters per KV head
             ref = jc.reference.attention_decode(**args, **kw)[0]
-            runs = [("split_token", p) for p in pipelines or ("registers", "tma")]
+            # "tiled": the batch-tiled kernel, 2 rows per cluster (batch 3: a partial tile)
+            pipes = pipelines or ("registers", "tma", "tiled")
+            runs = [("split_token", p, 1) for p in pipes if p != "tiled"]
+            if "tiled" in pipes and n & (n - 1) == 0:  # batch tiles: power-of-two clusters
+                runs.append(("split_token", "registers", 2))
             if dh % (8 * n) == 0 and n & (n - 1) == 0:  # SplitHead: powers of two
-                runs.append(("split_head", None))
-            for dataflow, pipeline in runs:
+                runs.append(("split_head", None, 1))
+            for dataflow, pipeline, rows in runs:
                 y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel", dataflow=dataflow,
-                                        pipeline=pipeline,
+                                        pipeline=pipeline, rows_per_cluster=rows,
                                         heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
                 err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
                 assert err < 1e-2, (dh, n, dataflow, pipeline, err)

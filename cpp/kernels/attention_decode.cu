@@ -18,7 +18,7 @@
 // 7 consumer warps use them. (8 warps in all: Hopper places a block's warps round-robin
 // on the SM's 4 register-file quarters, so a 9th warp would cut every warp's registers to
 // 168 at one block per SM, 96 at two.) The producer runs ahead across phases, so the cluster
-// exchanges (reduce, max, sum) happen while the next phase's data is already landing:
+// exchanges (QKV reduce, state gather) happen while the next phase's data is already landing:
 // memory never waits for compute.
 //   1. consumers normalise x[b] into shared memory (fp32);
 //   2. QKV projection split over the cluster by ROWS of W_qkv (64-row boxes of each of the
@@ -27,7 +27,8 @@
 //      + bias, RoPE at position lengths[b]; block 0 of chunk 0 writes the new k, v;
 //   3. block r attends over its slice of the cached tokens (online softmax in the exp2
 //      domain); the warps' states and the new token combine in a fixed order;
-//      ClusterReduce(max) and ClusterReduce(sum) combine (m, l, o) across the cluster;
+//      ClusterGather gives every block every block's (o, l, m), merged in rank order
+//      (merge_block_states: one exchange where a max and a sum reduce took two);
 //   4. block r multiplies the normalised attention output by its 64-column tiles of W_o
 //      and writes an fp32 partial; a second small kernel sums the partials of all clusters
 //      of a row in a fixed order (+ bias, + residual). No floating-point atomics: results
@@ -37,6 +38,8 @@
 // input), and the combine kernel is scheduled while the main kernel runs and waits for
 // its partials. Measured on H100 (session 12, Llama-2-7B b1 ctx4K, cluster 3): the step
 // went from 84 to 81 us; the combine now ends 2.6 us after the main kernel (was 3.9).
+// The combine kernel in turn lets the next step's main kernel launch once the partials
+// are in (session 15: 1.5-2 us less per step, every configuration measured).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -91,14 +94,14 @@ struct StreamArgs {
 // phases 3-4 (warp states, W_o partials) use in turn (local data only: never a buffer
 // that a peer writes into).
 struct StreamLayout {
-  int qkv_floats, sum_vecs, groups;
-  int64_t qkv_off, qkv_recv_off, max_off, max_recv_off, sum_off, sum_recv_off;
-  int64_t h_off, red_off, warp_off, ored_off, fixed, bytes;
+  int qkv_floats, state_floats, groups;
+  int64_t qkv_off, qkv_recv_off, states_off;
+  int64_t h_off, red_off, warp_off, ored_off, attn_off, fixed, bytes;
 
   __host__ __device__ StreamLayout(int hidden, int hpc, int dh, int mh, int n, int stages) {
     const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
     qkv_floats = (hpc + 2) * dh;
-    sum_vecs = (hpc * dh + kMaxH) / 4;
+    state_floats = BlockStateLayout(hpc, dh).floats;
     groups = kConsumerThreads / (dh / 8);  // row groups of the QKV GEMV
     int64_t off = static_cast<int64_t>(stages) * kStageBytes;
     auto take = [&](int64_t bytes) {
@@ -108,10 +111,7 @@ struct StreamLayout {
     };
     qkv_off = take(4LL * qkv_floats);
     qkv_recv_off = take(4LL * qkv_floats * rounds);
-    max_off = take(4LL * kMaxH);
-    max_recv_off = take(4LL * kMaxH * rounds);
-    sum_off = take(16LL * sum_vecs);
-    sum_recv_off = take(16LL * sum_vecs * rounds);
+    states_off = take(4LL * state_floats * n);  // every block's attention state (gathered)
     const int64_t local = off;
     h_off = take(4LL * hidden);
     red_off = take(4LL * groups * dh);
@@ -119,6 +119,7 @@ struct StreamLayout {
     off = local;
     warp_off = take(4LL * kConsumerWarps * mh * (dh + 2));
     ored_off = take(4LL * 2 * kConsumerWarps * kOutTileCols);
+    attn_off = take(4LL * hpc * dh);
     off = off > phase2_end ? off : phase2_end;
     bytes = off;
     fixed = bytes - static_cast<int64_t>(stages) * kStageBytes;
@@ -426,15 +427,14 @@ __global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
     attention_decode_tma_kernel(const __grid_constant__ AttentionDecodeParams p,
                             const __grid_constant__ StreamArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ ClusterCollectiveBarriers qkv_bars, max_bars, sum_bars;
+  __shared__ ClusterCollectiveBarriers qkv_bars, state_bars;
   __shared__ Ring<kMaxStages> ring;
-  __shared__ float local_max[kMaxH];
   const int hpc = static_cast<int>(p.heads_per_cluster());
   const int n = p.cluster_size;
   const StreamLayout L(static_cast<int>(p.hidden), hpc, DH, MH, n, a.stages);
   float* qkv = reinterpret_cast<float*>(smem + L.qkv_off);
-  float* mx = reinterpret_cast<float*>(smem + L.max_off);
-  float* sums = reinterpret_cast<float*>(smem + L.sum_off);
+  float* states = reinterpret_cast<float*>(smem + L.states_off);
+  float* attn = reinterpret_cast<float*>(smem + L.attn_off);
   float* h = reinterpret_cast<float*>(smem + L.h_off);
   float* red = reinterpret_cast<float*>(smem + L.red_off);
   float* warp_states = reinterpret_cast<float*>(smem + L.warp_off);
@@ -446,13 +446,10 @@ __global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
   const ThreadGroup group = consumers();
   ClusterReduce<float, ReduceOp::kSum> reduce_qkv(
       &qkv_bars, reinterpret_cast<uint4*>(smem + L.qkv_recv_off), L.qkv_floats / 4, group);
-  ClusterReduce<float, ReduceOp::kMax> reduce_max(
-      &max_bars, reinterpret_cast<uint4*>(smem + L.max_recv_off), kMaxH / 4, group);
-  ClusterReduce<float, ReduceOp::kSum> reduce_sum(
-      &sum_bars, reinterpret_cast<uint4*>(smem + L.sum_recv_off), L.sum_vecs, group);
+  ClusterGather<float> gather_states(&state_bars, reinterpret_cast<uint4*>(states),
+                                     L.state_floats / 4, group);
   reduce_qkv.init();
-  reduce_max.init();
-  reduce_sum.init();
+  gather_states.init();
   if (threadIdx.x == 0) {
     ring.init(kConsumerWarps);
     ptx::fence_mbarrier_init_cluster();
@@ -493,22 +490,17 @@ __global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
 
   // 3. Attention over this block's cached tokens; then the new token; cluster combine.
   attend_streamed<T, DH, MH>(p, hpc, qkv, w, warp_states, ring, cur, smem, a.stages);
+  const BlockStateLayout S(hpc, DH);
+  float* mine = states + c.rank * S.floats;
   merge_warp_states<DH, kConsumerThreads, kConsumerWarps, MH>(
-      hpc, w.t0 <= c.len && c.len < w.t1, p.scale * kLog2e, qkv, warp_states, mx, sums,
-      L.sum_vecs * 4, [] { consumers().sync(); });
-  if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
-  reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a consumer barrier
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kConsumerThreads) {
-    const int head = e < hpc * DH ? e / DH : e - hpc * DH;
-    const float scale = local_max[head] == -INFINITY ? 0.f : exp2f(local_max[head] - mx[head]);
-    sums[e] *= scale;
-  }
-  reduce_sum(reinterpret_cast<uint4*>(sums));
-  for (int e = threadIdx.x; e < hpc * DH; e += kConsumerThreads) sums[e] /= sums[hpc * DH + e / DH];
+      hpc, w.t0 <= c.len && c.len < w.t1, p.scale * kLog2e, qkv, warp_states, mine + S.m_off,
+      mine, S.m_off, [] { consumers().sync(); });
+  gather_states();  // starts with a consumer barrier
+  merge_block_states<DH>(S, hpc, n, states, attn, kConsumerThreads);
   group.sync();
 
   // 4. Output projection: this block's W_o column tiles.
-  project_output<T>(w, a.out_box_rows, sums, ored, out.row, ring, cur, smem, a.stages);
+  project_output<T>(w, a.out_box_rows, attn, ored, out.row, ring, cur, smem, a.stages);
 
   reduce_qkv.finish();  // no block leaves while a peer may still write into it
 }

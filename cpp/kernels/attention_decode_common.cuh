@@ -346,6 +346,22 @@ __device__ __forceinline__ float merged_state_entry(const float* warp_states, in
   return acc;
 }
 
+// The new token's score q_h . k_new (exp2 domain) per head -> s_new[head], -inf where the
+// block does not own the token: one warp per head, lanes over the head dimension. Warps
+// [0, kWarps) take part; the caller's barrier makes s_new visible.
+template <int DH, int kWarps>
+__device__ __forceinline__ void new_token_scores(int hpc, bool has_new, float qscale,
+                                                 const float* qkv, float* s_new) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  for (int head = warp; head < hpc; head += kWarps) {
+    float d = 0.f;
+    for (int k = lane; k < DH; k += 32) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+    if (lane == 0) s_new[head] = has_new ? d : -INFINITY;
+  }
+}
+
 // A block's attention state per head after its warps attended over their tokens: the warp
 // states [warp][head (kWarpStride)][DH + 2] = (o..., m, l) merged in a fixed warp order with
 // the new token (score q . k_new, exp2 domain) where the block owns position len
@@ -357,17 +373,16 @@ __device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float q
                                                   const float* qkv, const float* warp_states,
                                                   float* mx, float* sums, int sum_floats,
                                                   Sync sync) {
+  __shared__ float s_new[kMaxH];
+  // Once per head, not once per merged entry (a 128-long serial dot product per thread
+  // on the cluster's critical path).
+  new_token_scores<DH, kWarps>(hpc, has_new, qscale, qkv, s_new);
+  sync();
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float s_new = -INFINITY;
-    if (has_new) {
-      float d = 0.f;
-      for (int k = 0; k < DH; ++k) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
-      s_new = d;
-    }
     float mm;
     const float acc = merged_state_entry<DH, kWarps, kWarpStride>(
-        warp_states, head, i, s_new, qkv + (hpc + 1) * DH, mm);
+        warp_states, head, i, s_new[head], qkv + (hpc + 1) * DH, mm);
     if (i < DH) {
       sums[head * DH + i] = acc;
     } else {
@@ -380,6 +395,39 @@ __device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float q
   }
   for (int e = hpc * DH + hpc + threadIdx.x; e < sum_floats; e += kThreads) sums[e] = 0.f;
   sync();
+}
+
+// One block's attention state, as merge_warp_states writes it and the cluster's blocks
+// exchange it: o[hpc * DH] (scaled to the block's max), l[kMaxH], m[kMaxH] (fp32; heads
+// >= hpc: l = 0, m = -inf).
+struct BlockStateLayout {
+  int l_off, m_off, floats;  // floats: a multiple of 4 (whole 16-byte vectors)
+  __host__ __device__ BlockStateLayout(int hpc, int dh)
+      : l_off(hpc * dh), m_off(hpc * dh + kMaxH), floats(hpc * dh + 2 * kMaxH) {}
+};
+
+// The cluster's attention output from its n blocks' states (states[r * S.floats ...]),
+// merged in rank order: every block computes the same sums in the same order, so all
+// hold bitwise-identical results. attn[head * DH + i] = o / l. Threads [0, threads).
+template <int DH>
+__device__ __forceinline__ void merge_block_states(const BlockStateLayout& S, int hpc, int n,
+                                                   const float* states, float* attn,
+                                                   int threads) {
+  for (int e = threadIdx.x; e < hpc * DH; e += threads) {
+    const int head = e / DH;
+    float m = -INFINITY;
+    for (int r = 0; r < n; ++r) m = fmaxf(m, states[r * S.floats + S.m_off + head]);
+    float o = 0.f, l = 0.f;
+    for (int r = 0; r < n; ++r) {
+      const float* st = states + r * S.floats;
+      const float mr = st[S.m_off + head];
+      if (mr == -INFINITY) continue;  // a block without tokens
+      const float w = exp2f(mr - m);
+      o = fmaf(st[e], w, o);
+      l = fmaf(st[S.l_off + head], w, l);
+    }
+    attn[e] = o / l;
+  }
 }
 
 // out[jl*8 + i] = sum_r vec[r] * W[(row0 + r) * ld + col_of(j0 + jl) + i] for this
@@ -458,10 +506,14 @@ __device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, 
 
 // y[b, :] = sum over the row's clusters (fixed order) + bias + residual. Launched
 // programmatically: scheduled while the main kernel runs (its blocks trigger at their
-// start), it waits for that kernel's partials, which hides its launch latency.
+// start), it waits for that kernel's partials, which hides its launch latency. Once they
+// are there it lets the stream's next kernel launch: the next decode step's main kernel
+// then runs its prologue (indices, barrier set-up, the weights' L2 prefetch) while this
+// one sums, and waits (griddep_wait) before it reads anything this kernel writes.
 template <typename T>
 __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const AttentionDecodeParams p) {
   ptx::griddep_wait();
+  ptx::griddep_launch_dependents();
   const int64_t b = blockIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (col >= p.hidden) return;

@@ -8,8 +8,9 @@
 //      loads, 16 in flight per thread); ClusterGather gives every block all of them;
 //   3. RoPE on q and k at position lengths[b]; block 0 of chunk 0 writes the new k, v;
 //   4. block r attends over its slice of the tokens (K/V loads straight into registers,
-//      several token steps in flight); ClusterReduce(max) and ClusterReduce(sum) combine
-//      (m, l, o) across the cluster;
+//      several token steps in flight); ClusterGather gives every block every block's
+//      (o, l, m), which it merges in rank order (one collective instead of a max and a sum
+//      reduce: 2-3 us less at cluster size 8, session 15);
 //   5. block r multiplies the attention output by its W_o column tiles -> fp32 partial row
 //      (the combine kernel sums the clusters' partials in a fixed order).
 // Each phase's first 32 KB is prefetched into L2 while the previous phase finishes (more
@@ -27,28 +28,28 @@ struct RegistersLayout {
   int hpc, dh, n;
   int qkv_vecs;      // 8-column vectors of the group's Q|K|V columns
   int vecs_per_blk;  // their share per block (ceil)
-  int64_t h_off, qkv_off, red_off, warp_off, max_off, max_recv_off, sum_off, sum_recv_off, bytes;
-  int sum_vecs;  // 16-byte vectors of the (o, l) all-reduce
+  int state_floats;  // one block's attention state: BlockStateLayout
+  int64_t h_off, states_off, qkv_off, red_off, warp_off, attn_off, bytes;
 
   __host__ __device__ RegistersLayout(int hidden, int hpc_, int dh_, int n_) : hpc(hpc_), dh(dh_), n(n_) {
-    const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
     qkv_vecs = (hpc + 2) * dh / 8;
     vecs_per_blk = (qkv_vecs + n - 1) / n;
-    sum_vecs = (hpc * dh + kMaxH) / 4;
+    state_floats = BlockStateLayout(hpc, dh).floats;
     int64_t off = 0;
     auto take = [&](int64_t bytes) {
       int64_t at = off;
       off += (bytes + 127) / 128 * 128;
       return at;
     };
-    h_off = take(4LL * hidden);
+    // The normalised input h and the gathered block states share a region: h is dead once
+    // this block's QKV columns are projected, and no peer sends its state before the QKV
+    // gather, which needs those columns.
+    const int64_t states_bytes = 4LL * state_floats * n;
+    h_off = states_off = take(4LL * hidden > states_bytes ? 4LL * hidden : states_bytes);
     qkv_off = take(32LL * vecs_per_blk * n);  // gathered Q|K|V, fp32, natural column order
     red_off = take(4LL * kBlockThreads * 8);       // GEMV partial sums across row groups
     warp_off = take(4LL * kBlockWarps * kMaxH * (dh + 2));
-    max_off = take(4LL * kMaxH);
-    max_recv_off = take(4LL * kMaxH * rounds);
-    sum_off = take(16LL * sum_vecs);
-    sum_recv_off = take(16LL * sum_vecs * rounds);
+    attn_off = take(4LL * hpc * dh);  // the cluster's attention output, normalised
     bytes = off;
   }
 };
@@ -145,27 +146,24 @@ template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
     attention_decode_kernel(const AttentionDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ ClusterCollectiveBarriers gather_bars, max_bars, sum_bars;
+  __shared__ ClusterCollectiveBarriers gather_bars, state_bars;
   const int hpc = static_cast<int>(p.heads_per_cluster());
   const int n = p.cluster_size;
   const RegistersLayout L(static_cast<int>(p.hidden), hpc, DH, n);
   float* h = reinterpret_cast<float*>(smem + L.h_off);
+  float* states = reinterpret_cast<float*>(smem + L.states_off);
   float* qkv = reinterpret_cast<float*>(smem + L.qkv_off);
   float* red = reinterpret_cast<float*>(smem + L.red_off);
   float* warp_states = reinterpret_cast<float*>(smem + L.warp_off);
-  float* mx = reinterpret_cast<float*>(smem + L.max_off);
-  float* sums = reinterpret_cast<float*>(smem + L.sum_off);
+  float* attn = reinterpret_cast<float*>(smem + L.attn_off);
 
   Ctx c = cluster_coords(p);
 
   ClusterGather<float> gather(&gather_bars, reinterpret_cast<uint4*>(qkv), 2 * L.vecs_per_blk);
-  ClusterReduce<float, ReduceOp::kMax> reduce_max(
-      &max_bars, reinterpret_cast<uint4*>(smem + L.max_recv_off), kMaxH / 4);
-  ClusterReduce<float, ReduceOp::kSum> reduce_sum(
-      &sum_bars, reinterpret_cast<uint4*>(smem + L.sum_recv_off), L.sum_vecs);
+  ClusterGather<float> gather_states(&state_bars, reinterpret_cast<uint4*>(states),
+                                     L.state_floats / 4);
   gather.init();
-  reduce_max.init();
-  reduce_sum.init();
+  gather_states.init();
   ptx::cluster_arrive();  // barrier init visible to peers; overlap the wait with the norm
 
   // This block's share of each phase: QKV column vectors, tokens, W_o columns.
@@ -220,25 +218,20 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   attend_cached<T, DH, MH>(p, c, hpc, qkv, t0, min(t1, c.len), warp_states);
   prefetch_rows(wo + o_first * 8, p.hidden, hpc * DH, static_cast<int64_t>(o_count) * 16);
 
-  // Combine the warps (fixed order), then the new token, per head.
+  // Combine the warps (fixed order), then the new token, per head, into this block's
+  // state; every block gets all of them and merges them in rank order.
+  const BlockStateLayout S(hpc, DH);
+  float* mine = states + c.rank * S.floats;
   merge_warp_states<DH, kBlockThreads, kBlockWarps, kMaxH>(
-      hpc, t0 <= c.len && c.len < t1, p.scale * kLog2e, qkv, warp_states, mx, sums,
-      L.sum_vecs * 4, [] { __syncthreads(); });
-  __shared__ float local_max[kMaxH];
-  if (threadIdx.x < kMaxH) local_max[threadIdx.x] = mx[threadIdx.x];
-  reduce_max(reinterpret_cast<uint4*>(mx));  // starts with a block barrier
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
-    const int head = e < hpc * DH ? e / DH : e - hpc * DH;
-    const float scale = local_max[head] == -INFINITY ? 0.f : exp2f(local_max[head] - mx[head]);
-    sums[e] *= scale;
-  }
-  reduce_sum(reinterpret_cast<uint4*>(sums));
-  for (int e = threadIdx.x; e < hpc * DH; e += kBlockThreads) sums[e] /= sums[hpc * DH + e / DH];
+      hpc, t0 <= c.len && c.len < t1, p.scale * kLog2e, qkv, warp_states, mine + S.m_off, mine,
+      S.m_off, [] { __syncthreads(); });
+  gather_states();  // starts with a block barrier
+  merge_block_states<DH>(S, hpc, n, states, attn, kBlockThreads);
   __syncthreads();
 
   // 5. Output projection: this block's output columns of the group's W_o rows.
   block_gemv<T>(
-      sums, hpc * DH, wo, p.hidden, o_count,
+      attn, hpc * DH, wo, p.hidden, o_count,
       [&](int j) { return static_cast<int64_t>(o_first + j) * 8; }, red,
       [&](int j, int i, float v) { partial_row[(o_first + j) * 8 + i] = v; });
 

@@ -268,15 +268,7 @@ __device__ void block_row_state(const AttentionDecodeParams& p, int hpc, const f
                                 bool has_new, const float* warp_states, float* state,
                                 int stride) {
   __shared__ float s_new[kMaxH];
-  const float qscale = p.scale * kLog2e;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  for (int head = warp; head < hpc; head += kBlockWarps) {  // the new token's score per head
-    float d = 0.f;
-    for (int k = lane; k < DH; k += 32) d = fmaf(qkv[head * DH + k] * qscale, qkv[hpc * DH + k], d);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-    if (lane == 0) s_new[head] = has_new ? d : -INFINITY;
-  }
+  new_token_scores<DH, kBlockWarps>(hpc, has_new, p.scale * kLog2e, qkv, s_new);
   __syncthreads();
   for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
     const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry

@@ -224,6 +224,9 @@ def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     return int(choice), None, pipeline, 1
 
 
+KERNEL_VERSION = 8  # bump when the kernels change: cached choices are then re-measured
+
+
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
     jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two.
@@ -235,7 +238,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
-    key = (f"v7 {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
+    key = (f"v{KERNEL_VERSION} {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
            f"ctx{ctx} {jnp.dtype(dtype).name}")
 
     def measure(choice):
