@@ -59,7 +59,7 @@ def attention_decode(head_dims=None, pipelines=None):
                                         pipeline=pipeline, rows_per_cluster=rows,
                                         heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
                 err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-                assert err < 1e-2, (dh, n, dataflow, pipeline, err)
+                assert err < 1e-2, (dh, n, dataflow, pipeline, rows, err)
     print("attention_decode ok")
 
 
