@@ -1,13 +1,19 @@
 // Probe: the attention_decode kernels (kernels/attention_decode.cu, compiled in) timed
 // alone, without JAX: quick kernel experiments on the GPU machine without building the
-// package (the gemv_kernel.cu of attention_decode).
+// package (the gemv_kernel.cu of attention_decode), and the kernels under compute-sanitizer
+// (benchmarks/probes/sanitize_attention_kernels.sh: racecheck fails inside the tool when it
+// runs the package's kernels in a JAX process, session 16; alone they run, session 17).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/attention_kernel.cu -o /tmp/attention_kernel
-//   /tmp/attention_kernel D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma]
-// One decode step at lengths[b] = ctx - 1 (RMS norm, residual, fp16). Prints us per step
-// (best of 5 x 20 back-to-back steps, main + combine kernel) and the rate at which it
-// reads the roofline bytes (weights + KV cache). AK_DUMP=FILE writes y of one more step
-// (raw fp16), to compare two builds' outputs.
+//   (add -DAK_WITH_TILED cpp/kernels/attention_decode_tiled_f16.cu: the batch-tiled kernel)
+//   /tmp/attention_kernel D Hq Hkv Dh ctx batch cluster heads_per_cluster [VARIANT]
+// VARIANT: tma (or 1), split_head, rows=R (the batch-tiled kernel, R rows per cluster);
+// none: the register SplitToken kernel.
+// One decode step at lengths[b] = ctx - 1 (RMS norm, residual, fp16; AK_RAGGED=1: lengths
+// from 0 at row 0 to ctx - 1 at the last row). Prints us per step (best of 5 x 20
+// back-to-back steps, main + combine kernel; AK_STEPS=N: one rep of N steps, N=1 under
+// compute-sanitizer) and the rate at which it reads the roofline bytes (weights + KV
+// cache). AK_DUMP=FILE writes y of one more step (raw fp16), to compare two builds' outputs.
 // An experiment swaps a header: put a modified copy at DIR/kernels/<name>.cuh and pass
 // -IDIR before -Icpp. A copy that records phase timestamps into
 // `__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks]` (entry, then up to
@@ -15,6 +21,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #ifdef AD_PHASES
@@ -24,11 +31,13 @@ __device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks];
 #endif
 #include "kernels/attention_decode.cu"
 
-// The batch-tiled kernels live in their own files; this probe runs rows_per_cluster = 1.
+// The batch-tiled kernels live in their own files: compiled in with AK_WITH_TILED (fp16).
 namespace jax_cluster {
+#ifndef AK_WITH_TILED
 cudaError_t launch_attention_decode_tiled_f16(const AttentionDecodeParams&, cudaStream_t) {
   return cudaErrorNotSupported;
 }
+#endif
 cudaError_t launch_attention_decode_tiled_bf16(const AttentionDecodeParams&, cudaStream_t) {
   return cudaErrorNotSupported;
 }
@@ -65,7 +74,8 @@ T* alloc_filled(int64_t n, float scale, uint32_t seed) {
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 9) {
-    std::fprintf(stderr, "usage: %s D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma|split_head|rows=R]\n",
+                 argv[0]);
     return 2;
   }
   AttentionDecodeParams p{};
@@ -78,7 +88,10 @@ int main(int argc, char** argv) {
   p.batch = atoll(argv[6]);
   p.cluster_size = atoi(argv[7]);
   p.max_heads_per_cluster = atoi(argv[8]);
-  p.pipeline = argc > 9 && atoi(argv[9]) ? AttnPipeline::kTma : AttnPipeline::kRegisters;
+  const std::string variant = argc > 9 ? argv[9] : "";
+  p.pipeline = variant == "tma" || variant == "1" ? AttnPipeline::kTma : AttnPipeline::kRegisters;
+  if (variant == "split_head") p.dataflow = AttnDataflow::kSplitHead;
+  if (variant.rfind("rows=", 0) == 0) p.rows_per_cluster = std::atoi(variant.c_str() + 5);
   p.max_seq = ctx;
   p.rotary_dim = p.head_dim;
   p.rope_layout = RopeLayout::kHalf;
@@ -103,6 +116,11 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
   p.inv_freq = inv_freq;
   std::vector<int32_t> len(p.batch, static_cast<int32_t>(ctx - 1));
+  if (std::getenv("AK_RAGGED")) {  // 0 (the first token) at row 0 ... ctx - 1 at the last
+    for (int64_t b = 0; b < p.batch; ++b) {
+      len[b] = static_cast<int32_t>((ctx - 1) * b / std::max<int64_t>(1, p.batch - 1));
+    }
+  }
   int32_t* lengths;
   CHECK(cudaMalloc(&lengths, p.batch * 4));
   CHECK(cudaMemcpy(lengths, len.data(), p.batch * 4, cudaMemcpyHostToDevice));
@@ -111,28 +129,30 @@ int main(int argc, char** argv) {
 
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  for (int i = 0; i < 3; ++i) CHECK(launch_attention_decode(p, stream));
+  // AK_STEPS=N: N steps per timed rep and one rep (N=1 under compute-sanitizer).
+  const char* steps_env = std::getenv("AK_STEPS");
+  const int steps = steps_env ? std::max(1, atoi(steps_env)) : 20, reps = steps_env ? 1 : 5;
+  for (int i = 0; i < (steps_env ? 1 : 3); ++i) CHECK(launch_attention_decode(p, stream));
   CHECK(cudaStreamSynchronize(stream));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   float best = 1e30f;
-  constexpr int kSteps = 20;
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < reps; ++rep) {
     CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < kSteps; ++i) CHECK(launch_attention_decode(p, stream));
+    for (int i = 0; i < steps; ++i) CHECK(launch_attention_decode(p, stream));
     CHECK(cudaEventRecord(e1, stream));
     CHECK(cudaEventSynchronize(e1));
     float ms;
     CHECK(cudaEventElapsedTime(&ms, e0, e1));
     best = std::min(best, ms);
   }
-  const double us = 1000.0 * best / kSteps;
+  const double us = 1000.0 * best / steps;
   const double bytes = 2.0 * (d * qkv_cols + p.num_q_heads * dh * d + 2 * cache);
   std::printf("D%lld q%lld kv%lld dh%lld ctx%lld b%lld n%d:h%lld%s  %8.1f us  %6.0f GB/s\n",
               (long long)d, (long long)p.num_q_heads, (long long)p.num_kv_heads, (long long)dh,
               (long long)ctx, (long long)p.batch, p.cluster_size,
-              (long long)p.heads_per_cluster(), p.pipeline == AttnPipeline::kTma ? " tma" : "", us,
+              (long long)p.heads_per_cluster(), variant.empty() ? "" : (" " + variant).c_str(), us,
               bytes / us / 1e3);
   if (const char* path = std::getenv("AK_DUMP")) {  // y of one more step, raw fp16, to compare builds
     CHECK(launch_attention_decode(p, stream));

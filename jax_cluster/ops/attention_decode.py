@@ -224,7 +224,7 @@ def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     return int(choice), None, pipeline, 1
 
 
-KERNEL_VERSION = 8  # bump when the kernels change: cached choices are then re-measured
+KERNEL_VERSION = 9  # bump when the kernels change: cached choices are then re-measured
 
 
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:

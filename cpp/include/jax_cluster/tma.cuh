@@ -104,6 +104,9 @@ struct Ring {
 
   // One thread, before the block's first barrier (and a fence for cluster peers if any).
   __device__ void init(uint32_t consumer_warps) {
+#ifdef JC_RING_ARRIVE_PER_LANE
+    consumer_warps *= 32;  // see ring_release
+#endif
 #pragma unroll
     for (int s = 0; s < S; ++s) {
       ptx::mbarrier_init(&full[s], 1);
@@ -148,10 +151,18 @@ __device__ __forceinline__ void ring_wait(Ring<S>& ring, const RingCursor& cur) 
 
 // Consumer side: this warp is done reading the stage (call from all lanes after the
 // warp's last read of it).
+// JC_RING_ARRIVE_PER_LANE (sanitizer builds only): every lane arrives itself. racecheck
+// does not follow the __syncwarp that orders the other lanes' reads before lane 0's
+// arrive, and reports each stage's reuse as a WAR hazard (session 16-17); with per-lane
+// arrives it checks the rest of the kernel.
 template <int S>
 __device__ __forceinline__ void ring_release(Ring<S>& ring, const RingCursor& cur) {
+#ifdef JC_RING_ARRIVE_PER_LANE
+  ptx::mbarrier_arrive(&ring.empty[cur.stage]);
+#else
   __syncwarp();
   if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(&ring.empty[cur.stage]);
+#endif
 }
 
 }  // namespace jax_cluster
