@@ -365,14 +365,13 @@ __device__ __forceinline__ void new_token_scores(int hpc, bool has_new, float qs
 // A block's attention state per head after its warps attended over their tokens: the warp
 // states [warp][head (kWarpStride)][DH + 2] = (o..., m, l) merged in a fixed warp order with
 // the new token (score q . k_new, exp2 domain) where the block owns position len
-// (has_new), all rescaled to the block's max: sums[head * DH + i] = o, sums[hpc * DH +
-// head] = l, mx[head] = that max (-inf for heads >= hpc); sums zero up to sum_floats.
-// Threads [0, kThreads) take part; sync() (their barrier) ends it.
-template <int DH, int kThreads, int kWarps, int kWarpStride, typename Sync>
-__device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float qscale,
-                                                  const float* qkv, const float* warp_states,
-                                                  float* mx, float* sums, int sum_floats,
-                                                  Sync sync) {
+// (has_new), all rescaled to the block's max. Each merged entry goes to
+// store(head, i, value, max): i < DH an o entry, i == DH the l entry. Threads [0, kThreads)
+// take part; sync() is their barrier (s_new is written in between); the caller syncs after.
+template <int DH, int kThreads, int kWarps, int kWarpStride, typename Store, typename Sync>
+__device__ __forceinline__ void merge_warp_states_each(int hpc, bool has_new, float qscale,
+                                                       const float* qkv, const float* warp_states,
+                                                       Store store, Sync sync) {
   __shared__ float s_new[kMaxH];
   // Once per head, not once per merged entry (a 128-long serial dot product per thread
   // on the cluster's critical path).
@@ -383,13 +382,29 @@ __device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float q
     float mm;
     const float acc = merged_state_entry<DH, kWarps, kWarpStride>(
         warp_states, head, i, s_new[head], qkv + (hpc + 1) * DH, mm);
-    if (i < DH) {
-      sums[head * DH + i] = acc;
-    } else {
-      sums[hpc * DH + head] = acc;
-      mx[head] = mm;
-    }
+    store(head, i, acc, mm);
   }
+}
+
+// merge_warp_states_each into the layout the cluster's blocks exchange: sums[head * DH + i]
+// = o, sums[hpc * DH + head] = l, mx[head] = the block's max (-inf for heads >= hpc); sums
+// zero up to sum_floats. sync() ends it.
+template <int DH, int kThreads, int kWarps, int kWarpStride, typename Sync>
+__device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float qscale,
+                                                  const float* qkv, const float* warp_states,
+                                                  float* mx, float* sums, int sum_floats,
+                                                  Sync sync) {
+  merge_warp_states_each<DH, kThreads, kWarps, kWarpStride>(
+      hpc, has_new, qscale, qkv, warp_states,
+      [&](int head, int i, float acc, float mm) {
+        if (i < DH) {
+          sums[head * DH + i] = acc;
+        } else {
+          sums[hpc * DH + head] = acc;
+          mx[head] = mm;
+        }
+      },
+      sync);
   for (int e = threadIdx.x; e < kMaxH; e += kThreads) {
     if (e >= hpc) mx[e] = -INFINITY;
   }

@@ -267,22 +267,18 @@ template <int DH>
 __device__ void block_row_state(const AttentionDecodeParams& p, int hpc, const float* qkv,
                                 bool has_new, const float* warp_states, float* state,
                                 int stride) {
-  __shared__ float s_new[kMaxH];
-  new_token_scores<DH, kBlockWarps>(hpc, has_new, p.scale * kLog2e, qkv, s_new);
-  __syncthreads();
-  for (int e = threadIdx.x; e < hpc * (DH + 1); e += kBlockThreads) {
-    const int head = e / (DH + 1), i = e % (DH + 1);  // i == DH: the l entry
-    float mm;
-    const float acc = merged_state_entry<DH, kBlockWarps, kMaxH>(
-        warp_states, head, i, s_new[head], qkv + (hpc + 1) * DH, mm);
-    float* st = state + head * stride;
-    if (i < DH) {
-      st[i] = acc;
-    } else {
-      st[DH] = mm;
-      st[DH + 1] = acc;
-    }
-  }
+  merge_warp_states_each<DH, kBlockThreads, kBlockWarps, kMaxH>(
+      hpc, has_new, p.scale * kLog2e, qkv, warp_states,
+      [&](int head, int i, float acc, float mm) {
+        float* st = state + head * stride;
+        if (i < DH) {
+          st[i] = acc;
+        } else {
+          st[DH] = mm;
+          st[DH + 1] = acc;
+        }
+      },
+      [] { __syncthreads(); });
   __syncthreads();  // warp_states and s_new free for the next segment
 }
 
