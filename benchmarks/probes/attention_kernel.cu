@@ -87,6 +87,10 @@ int main(int argc, char** argv) {
   const int64_t ctx = atoll(argv[5]);
   p.batch = atoll(argv[6]);
   p.cluster_size = atoi(argv[7]);
+  if (!is_valid_cluster_size(p.cluster_size)) {  // 9-15 are untested (14 hung, session 17)
+    std::fprintf(stderr, "cluster size must be 1..8 or 16\n");
+    return 2;
+  }
   p.max_heads_per_cluster = atoi(argv[8]);
   const std::string variant = argc > 9 ? argv[9] : "";
   p.pipeline = variant == "tma" || variant == "1" ? AttnPipeline::kTma : AttnPipeline::kRegisters;
