@@ -93,6 +93,11 @@ int main(int argc, char** argv) {
   }
   p.max_heads_per_cluster = atoi(argv[8]);
   const std::string variant = argc > 9 ? argv[9] : "";
+  if (!variant.empty() && variant != "tma" && variant != "1" && variant != "split_head" &&
+      variant.rfind("rows=", 0) != 0) {  // a typo must not time the default kernel silently
+    std::fprintf(stderr, "unknown variant %s (tma, split_head, rows=R)\n", variant.c_str());
+    return 2;
+  }
   p.pipeline = variant == "tma" || variant == "1" ? AttnPipeline::kTma : AttnPipeline::kRegisters;
   if (variant == "split_head") p.dataflow = AttnDataflow::kSplitHead;
   if (variant.rfind("rows=", 0) == 0) p.rows_per_cluster = std::atoi(variant.c_str() + 5);
