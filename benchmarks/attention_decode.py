@@ -27,6 +27,10 @@ MODELS = {  # hidden, q heads, kv heads, head dim
     "llama3-8b": (4096, 32, 8, 128),
 }
 STEPS = 20
+CHAIN = "unrolled"  # steps_call: "unrolled" or "fori" (--chain)
+CHAIN_NOTE = ("parts up to session 17 ran them in a lax.fori_loop, whose loop counter and carried-x "
+              "copy added 2.3-4.5 us to every step (more to the custom calls, ours and Pallas', than "
+              "to jnp's); parts s18_* write the steps out, each step's y the next step's x")
 
 
 def rope(v, pos, inv_freq):
@@ -90,13 +94,21 @@ def steps_call(step, state, consts):
     """A call running STEPS decode steps in one jit, the caches carried and donated (each
     call continues from the last one's state); the weights are jit arguments (as constants
     captured by the trace they would be baked into every program: seconds of compile per
-    configuration)."""
+    configuration). CHAIN "unrolled": the steps written out one after another, each step's
+    y the next step's x; "fori": a lax.fori_loop, whose every iteration also runs the
+    loop's own counter add and a copy of the carried x: 4.2-4.4 us per step for our
+    kernel, 3.9-4.5 for Pallas, 2.3-2.6 for jnp (whose last fusion XLA can write into the
+    loop's buffer), none of it part of a step (H100, logs/session18)."""
     def run_steps(s, c):
         def body(i, s):
             x, kc, vc = s
             return step(x, c["w_qkv"], c["w_o"], c["nw"], kc, vc, c["lengths"], c["inv_freq"])
 
-        return jax.lax.fori_loop(0, STEPS, body, s)
+        if CHAIN == "fori":
+            return jax.lax.fori_loop(0, STEPS, body, s)
+        for i in range(STEPS):
+            s = body(i, s)
+        return s
 
     run = jax.jit(run_steps, donate_argnums=0)
     holder = [state]
@@ -154,6 +166,7 @@ def trace(spec, dtype=jnp.float16):
 
 
 def main(argv=None):
+    global CHAIN
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
@@ -171,10 +184,13 @@ def main(argv=None):
                         help="leave out the auto row (its tuning measures every candidate)")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
+    parser.add_argument("--chain", default=CHAIN, choices=("unrolled", "fori"),
+                        help="how the timed steps follow each other inside the jit (steps_call)")
     parser.add_argument("--trace", default=None,
                         help="no benchmark: the kernel timeline of each comma-listed spec "
                              "'model:batch:context:choice' (choice: jnp, pallas, auto or a tuner choice)")
     args = parser.parse_args(argv)
+    CHAIN = args.chain
     # the tuner's measured times of every candidate go to the log beside the rows
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("jax_cluster.tuning").setLevel(logging.INFO)
@@ -188,7 +204,7 @@ def main(argv=None):
     RESULT_NAME = f"parts/{args.part}" if args.part else "attention_decode"
     if args.merge:
         return merge_results("attention_decode", args.merge.split(","), columns=COLUMNS,
-                             notes=f"Per decode step inside one jit ({STEPS} steps in a fori_loop). " + EXPLAIN)
+                             notes=f"Per decode step inside one jit ({STEPS} steps; {CHAIN_NOTE}). " + EXPLAIN)
     bw = measure_bandwidth()
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
     dtypes = [jnp.float16] if args.quick else [jnp.dtype(t) for t in args.dtypes.split(",")]
@@ -307,7 +323,7 @@ def cluster_sweep(heads=(32, 64, 128), contexts=(4096, 16384), sizes=(1, 2, 4, 8
                           notes=(f"Fused kernel (dataflow split_token), batch 1, per decode step inside one jit "
                                  f"({STEPS} steps); hidden = heads x {dh}; nK_us = cluster size K. Roofline "
                                  f"from {bw / 1e12:.2f} TB/s measured in the same run."),
-                          extra={"bandwidth_bytes_per_s": bw})
+                          extra={"bandwidth_bytes_per_s": bw, "chain": CHAIN})
 
 
 RESULT_NAME = "attention_decode"
@@ -330,10 +346,10 @@ EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuni
 
 def save(rows, bw):
     write_results(RESULT_NAME, rows, columns=COLUMNS,
-                  notes=(f"Per decode step inside one jit ({STEPS} steps in a fori_loop). Roofline from "
+                  notes=(f"Per decode step inside one jit ({STEPS} steps, {CHAIN}: {CHAIN_NOTE}). Roofline from "
                          f"{bw / 1e12:.2f} TB/s measured in the same run (best of an XLA elementwise pass, "
                          "an XLA reduction and jax_cluster's stream_read kernel). " + EXPLAIN),
-                  extra={"bandwidth_bytes_per_s": bw})
+                  extra={"bandwidth_bytes_per_s": bw, "chain": CHAIN})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Does the timing loop itself cost time? Per-call seconds of swiglu variants measured two
-ways inside one jit: the benchmarks' fori_loop (jax_cluster.ops.swiglu.timing_loop) and the
-same chain of calls unrolled in Python (no XLA while loop: no per-iteration predicate
-round trip). Also the streaming-read probe both ways. Prints one line per case.
---trace: the kernel timeline of the timing loop instead; --sweep: only the benchmarks'
-timing loop, one line per spec (for choosing knobs, e.g. llama3-8b:1:gemv:ku=7:kd=41).
+"""Does the timing chain itself cost time? Per-call seconds measured several ways inside one
+jit, for swiglu specs 'model:M:variant[:knobs]' and attention_decode specs
+'attn:model:batch:context:choice':
+  swiglu: fori (lax.fori_loop, each output added into x: one XLA kernel per call), unrolled
+          (the same calls and adds written out) and direct (unrolled, y is the next x: the
+          benchmarks' chain from session 18 on);
+  attention_decode: fori (lax.fori_loop of steps) and unrolled (the benchmark's chain).
+Also the streaming-read probe both ways. Prints one line per case.
+--trace: the kernel timeline of a spec's chain (swiglu: fori and direct; attention: both);
+--sweep: only the swiglu benchmarks' chain, one line per spec (for choosing knobs, e.g.
+llama3-8b:1:gemv:ku=7:kd=41).
 
-    python3 benchmarks/loop_overhead.py llama3-8b:1:gemv llama3-8b:1:xla
+    python3 benchmarks/loop_overhead.py llama3-8b:1:gemv llama3-8b:1:xla attn:llama2-7b:1:4096:auto
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ CALLS = 24
 
 
 def unrolled(fn, inputs):
+    """The timing loop's calls and x updates written out (no XLA while loop)."""
     x0, weights, _ = inputs
     dtype = x0.dtype
 
@@ -55,14 +61,36 @@ def sweep_case(spec: str) -> None:
 
 def swiglu_case(spec: str) -> None:
     variant, m, d, f = parse_spec(spec)
-    inputs = sw.timing_inputs(m, d, f, "float16")
+    inputs = sw.timing_inputs(m, d, f, "float16", has_residual=True)
     fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
-    loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
-    t_loop = tuning.time_call(loop, *inputs) / calls
-    t_flat = tuning.time_call(unrolled(fn, inputs), *inputs) / CALLS
+    t = {}
+    for chain in ("fori", "direct"):
+        run, calls = sw.timing_loop(fn, inputs, calls=CALLS, chain=chain)
+        t[chain] = tuning.time_call(run, *inputs) / calls
+    t["unrolled"] = tuning.time_call(unrolled(fn, inputs), *inputs) / CALLS
     wbytes = 3 * d * f * 2
-    print(f"{spec:28s} fori {t_loop * 1e6:7.1f} us  unrolled {t_flat * 1e6:7.1f} us  "
-          f"({wbytes / t_flat / 1e12:.2f} TB/s unrolled)", flush=True)
+    print(f"{spec:28s} fori {t['fori'] * 1e6:7.1f} us  unrolled {t['unrolled'] * 1e6:7.1f} us  "
+          f"direct {t['direct'] * 1e6:7.1f} us  ({wbytes / t['direct'] / 1e12:.2f} TB/s direct)",
+          flush=True)
+
+
+def attention_call(spec: str, chain: str):
+    """(call, steps) of the attention benchmark's steps_call for 'attn:model:batch:ctx:choice'."""
+    import attention_decode as bench
+
+    _, model, batch, ctx, choice = spec.split(":", 4)
+    consts, fresh, _, shape = bench.make_case(model, jnp.float16, int(batch), int(ctx), jax.random.key(0))
+    bench.CHAIN = chain
+    return bench.steps_call(bench.step_for(choice, shape), fresh(), consts), bench.STEPS
+
+
+def attention_case(spec: str) -> None:
+    t = {}
+    for chain in ("fori", "unrolled"):
+        call, steps = attention_call(spec, chain)
+        t[chain] = tuning.steady_seconds(call) / steps
+    print(f"{spec:36s} fori {t['fori'] * 1e6:7.1f} us  unrolled {t['unrolled'] * 1e6:7.1f} us  "
+          f"(fori - unrolled {(t['fori'] - t['unrolled']) * 1e6:5.1f} us per step)", flush=True)
 
 
 def stream_read_case() -> None:
@@ -94,12 +122,18 @@ def stream_read_case() -> None:
 
 
 def trace_case(spec: str) -> None:
-    """Kernel timeline of the fori timing loop (common.print_timeline)."""
+    """Kernel timelines of a spec's chains (common.print_timeline)."""
+    if spec.startswith("attn:"):
+        for chain in ("fori", "unrolled"):
+            call, steps = attention_call(spec, chain)
+            print_timeline(f"{spec} {chain}", call, steps)
+        return
     variant, m, d, f = parse_spec(spec)
-    inputs = sw.timing_inputs(m, d, f, "float16")
+    inputs = sw.timing_inputs(m, d, f, "float16", has_residual=True)
     fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
-    loop, calls = sw.timing_loop(fn, inputs, calls=CALLS)
-    print_timeline(spec, lambda: loop(*inputs), calls)
+    for chain in ("fori", "direct"):
+        run, calls = sw.timing_loop(fn, inputs, calls=CALLS, chain=chain)
+        print_timeline(f"{spec} {chain}", lambda: run(*inputs), calls)
 
 
 if __name__ == "__main__":
@@ -110,4 +144,4 @@ if __name__ == "__main__":
     else:
         stream_read_case()
         for spec in args:
-            swiglu_case(spec)
+            (attention_case if spec.startswith("attn:") else swiglu_case)(spec)

@@ -34,7 +34,10 @@ COLUMNS = ["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction", "
            "config"]
 EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuning.steady_seconds; parts from "
            "session 12 on, named s12_*): earlier parts timed one synchronised call, which added 60-250 us "
-           "of host dispatch latency per timed call of 20-24 steps. "
+           "of host dispatch latency per timed call of 20-24 steps. Parts up to session 14 chained the calls "
+           "in a lax.fori_loop, each output added into x (one small XLA kernel and the loop's own per call: "
+           "1-2.5 us of every peer's time, session 18); parts s18_* chain them directly (written out, y is "
+           "the next x: only the op's kernels run). "
            "bytes = weights + x + residual + y. jnp = plain jnp under jax.jit. auto = the scheduler's "
            "pick (`pick`), tuned in the same run; auto_vs_best = its time / the best of the named "
            "variants and jnp (the scheduler also weighs XLA's dots, variant `xla`).")
@@ -72,8 +75,11 @@ def plain_jnp(x, w_gate, w_up, w_down, residual):
     return y + residual if residual is not None else y
 
 
+CHAIN = "direct"  # sw.timing_loop's chain (--chain)
+
+
 def time_us(fn, inputs) -> float:
-    run, calls = sw.timing_loop(fn, inputs)
+    run, calls = sw.timing_loop(fn, inputs, chain=CHAIN)
     return time_fn(run, *inputs) / calls * 1e6
 
 
@@ -86,6 +92,7 @@ def _describe(spec, m, d, f, sms):
 
 
 def main(argv=None):
+    global CHAIN
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a subset (< 2 minutes)")
     parser.add_argument("--keep-cache", action="store_true",
@@ -99,9 +106,12 @@ def main(argv=None):
                              "benchmarks/micro/gemv_locality.cu) instead of measure_bandwidth()")
     parser.add_argument("--no-auto", action="store_true",
                         help="time the named variants and jnp only (no scheduler pick: quicker)")
+    parser.add_argument("--chain", default=CHAIN, choices=("direct", "fori"),
+                        help="how the timed calls follow each other inside the jit (timing_loop)")
     parser.add_argument("--part", default=None, help="write results/parts/swiglu_PART (a grid run in parts)")
     parser.add_argument("--merge", default=None, help="no run: join parts a,b,... into results/swiglu")
     args = parser.parse_args(argv)
+    CHAIN = args.chain
     # the tuner's measured times of every candidate go to the log beside the rows
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("jax_cluster.tuning").setLevel(logging.INFO)
@@ -190,7 +200,7 @@ def save(rows, bw, args):
     notes = (f"Bandwidth {bw / 1e12:.2f} TB/s ({source}). {EXPLAIN} {GOALS}. Goals missed: "
              f"{'; '.join(misses) if misses else 'none'}.")
     write_results(f"parts/swiglu_{args.part}" if args.part else "swiglu", rows, notes=notes,
-                  extra={"bandwidth_bytes_per_s": bw}, columns=COLUMNS)
+                  extra={"bandwidth_bytes_per_s": bw, "chain": CHAIN}, columns=COLUMNS)
 
 
 if __name__ == "__main__":

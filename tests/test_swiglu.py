@@ -258,6 +258,27 @@ def test_cpu_auto_uses_heuristic_without_measuring(rng, tmp_path):
     assert sw.resolve_variant("auto", 1, 128, 192, jnp.float16, True) == "gemv"
 
 
+def test_timing_loop_chains():
+    """The scheduler's timing chain: "direct" feeds each output in as the next x (no
+    harness kernel between calls), "fori" adds it into x inside a fori_loop; both run
+    every call in order over the weight copies."""
+    x, weights, res = sw.timing_inputs(2, 64, 128, "float32", has_residual=True, l2_bytes=1 << 17)
+    assert len(weights) > 1
+    fn = lambda x, wg, wu, wd, r: reference.swiglu(x, wg, wu, wd, r)  # noqa: E731
+    run, calls = sw.timing_loop(fn, (x, weights, res), calls=4, chain="direct")
+    expect = x
+    for i in range(calls):
+        expect = fn(expect, *weights[i % len(weights)], res)
+    np.testing.assert_allclose(run(x, weights, res), expect, rtol=1e-5, atol=1e-6)
+    run, calls = sw.timing_loop(fn, (x, weights, res), calls=4, chain="fori")
+    expect = x
+    for i in range(calls):
+        expect = expect + 1e-3 * fn(expect, *weights[i % len(weights)], res)
+    np.testing.assert_allclose(run(x, weights, res), expect, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="chain"):
+        sw.timing_loop(fn, (x, weights, res), chain="while")
+
+
 def test_ffi_validation_errors():
     """The C++ decoder rejects malformed calls (last line of defence behind the wrapper)."""
     x, w = jnp.ones((2, 128), jnp.float16), jnp.ones((128, 128), jnp.float16)
