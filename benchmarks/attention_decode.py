@@ -2,7 +2,8 @@
 
 Peers: (a) plain jnp under jax.jit (the same math, native dtype, fp32
 accumulation); (b) Pallas' decode_attention (gqa) + XLA matmuls. Each step is
-timed inside one jit (a fori_loop of decode steps, caches carried in place).
+timed inside one jit (decode steps written out one after another, caches carried
+in place; --chain fori: the lax.fori_loop of earlier sessions).
 Roofline = (weights + KV cache bytes) / bandwidth measured in the same run.
 Run: python benchmarks/attention_decode.py [--quick]
 """
