@@ -91,21 +91,23 @@ def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster
                                rows_per_cluster=rows_per_cluster)
 
 
-def steps_call(step, state, consts):
+def steps_call(step, state, consts, chain=None):
     """A call running STEPS decode steps in one jit, the caches carried and donated (each
     call continues from the last one's state); the weights are jit arguments (as constants
     captured by the trace they would be baked into every program: seconds of compile per
-    configuration). CHAIN "unrolled": the steps written out one after another, each step's
+    configuration). chain (default CHAIN) "unrolled": the steps written out one after another, each step's
     y the next step's x; "fori": a lax.fori_loop, whose every iteration also runs the
     loop's own counter add and a copy of the carried x: 4.2-4.4 us per step for our
     kernel, 3.9-4.5 for Pallas, 2.3-2.6 for jnp (whose last fusion XLA can write into the
     loop's buffer), none of it part of a step (H100, logs/session18)."""
+    chain = chain or CHAIN  # fixed now, not when the call is first traced
+
     def run_steps(s, c):
         def body(i, s):
             x, kc, vc = s
             return step(x, c["w_qkv"], c["w_o"], c["nw"], kc, vc, c["lengths"], c["inv_freq"])
 
-        if CHAIN == "fori":
+        if chain == "fori":
             return jax.lax.fori_loop(0, STEPS, body, s)
         for i in range(STEPS):
             s = body(i, s)

@@ -80,8 +80,7 @@ def attention_call(spec: str, chain: str):
 
     _, model, batch, ctx, choice = spec.split(":", 4)
     consts, fresh, _, shape = bench.make_case(model, jnp.float16, int(batch), int(ctx), jax.random.key(0))
-    bench.CHAIN = chain
-    return bench.steps_call(bench.step_for(choice, shape), fresh(), consts), bench.STEPS
+    return bench.steps_call(bench.step_for(choice, shape), fresh(), consts, chain), bench.STEPS
 
 
 def attention_case(spec: str) -> None:
