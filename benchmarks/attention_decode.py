@@ -239,7 +239,7 @@ def main(argv=None):
                                if args.configs is None else
                                [int(c) if c.isdigit() else c for c in args.configs.split(",")])
                     for choice in choices:
-                        if choice == "xla":
+                        if choice in ("xla", "pallas"):  # the peers, timed above
                             continue
                         sweep[choice] = time_steps(step_for(choice, shape), fresh(), consts)
                     tiled = {c: v for c, v in sweep.items() if ad_op.parse_choice(c)[3] > 1}

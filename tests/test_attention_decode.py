@@ -94,6 +94,51 @@ def test_xla_impl_invalid_length_writes_nothing(rng):
     np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))
 
 
+PALLAS_CASES = [  # batch, hidden, hq, hkv, dh, max_seq, lengths, bias, rotary
+    (3, 128, 8, 2, 32, 256, [0, 255, 131], True, 16),
+    (1, 64, 2, 2, 16, 4096, [3000], False, None),
+    (2, 64, 4, 1, 64, 512, [17, 400], False, 32),
+]
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_path_in_interpreter(rng, case, dtype):
+    """The impl="pallas" step (Pallas' decode attention between XLA's ops), run by Pallas'
+    interpreter on CPU: the same step as the reference; the caches change only at lengths[b]."""
+    from jax_cluster.ops.attention_decode_xla import attention_decode_pallas
+    batch, hidden, hq, hkv, dh, max_seq, lengths, bias, rot = case
+    args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=max_seq,
+                           dtype=dtype, lengths=lengths, bias=bias, rotary_dim=rot)
+    kw.update(residual=True, rope_layout="half", norm_bias=None, eps=1e-6, scale=dh ** -0.5,
+              qkv_bias=kw.get("qkv_bias"), o_bias=kw.get("o_bias"))
+    y, k, v = jax.jit(lambda a: attention_decode_pallas(**a, **kw, interpret=True))(args)
+    ry, rk, rv = reference.attention_decode(**args, **kw)
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    assert rel_l2(y, ry) <= tol, rel_l2(y, ry)
+    np.testing.assert_array_equal(_except_new(k, args), _except_new(args["k_cache"], args))
+    np.testing.assert_array_equal(_except_new(v, args), _except_new(args["v_cache"], args))
+    assert rel_l2(k, rk) <= tol and rel_l2(v, rv) <= tol
+
+
+def test_pallas_supported_shapes_and_errors(rng):
+    from jax_cluster.ops.attention_decode_xla import pallas_supported
+    assert pallas_supported(128, 4096) and pallas_supported(64, 256) and pallas_supported(128, 1024)
+    assert not pallas_supported(80, 4096)     # Triton blocks: a power-of-two head_dim
+    assert not pallas_supported(128, 5000)    # not 16 equal splits
+    assert not pallas_supported(128, 128)     # splits of 8 tokens (< 16)
+    assert not pallas_supported(128, 16 * 200)  # splits of 200: not whole 128-token blocks
+    args, kw = make_inputs(rng, batch=1, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="impl='pallas' runs Pallas' GPU kernel"):
+            jc.attention_decode(**args, **kw, impl="pallas")
+    from jax_cluster.ops.attention_decode_xla import attention_decode_pallas
+    kw.update(norm_bias=None, eps=1e-6, scale=0.25, qkv_bias=None, o_bias=None, residual=False,
+              rope_layout="half")
+    with pytest.raises(ValueError, match="needs a power-of-two head_dim and S_max"):
+        attention_decode_pallas(**args, **kw)
+
+
 def test_first_and_last_token_cpu(rng):
     args, kw = make_inputs(rng, batch=3, hidden=64, hq=4, hkv=2, dh=16, max_seq=7,
                            dtype="float32", lengths=[0, 6, 3])
@@ -149,21 +194,22 @@ def test_tuner_candidates_and_choices():
     from jax_cluster.ops import attention_decode as ad
     # MHA: nothing to spread; each pipeline
     # (one cluster: 7 is the one-wave size that is not a power of two)
-    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", 7, "tma:2", "tma:4", "tma:8", "tma:7")
+    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "pallas", 7, "tma:2", "tma:4", "tma:8",
+                                       "tma:7")
     gqa = ad._tuner_candidates(4)
     assert {"n8:h2", "n4:h1", "tma:n8:h2", "tma:4"} <= set(gqa) and "n8:h4" not in gqa
     # 32 clusters (Llama-2-7B b1; Llama-3-8B b1 at one query head per cluster) fit an H100
     # in one wave at cluster size 3, not 4; 16 clusters at 7
     assert {3, "tma:3"} <= set(ad._tuner_candidates(1, 1, 32))
     assert {"n3:h1", "n7:h2", "tma:n3:h1", "tma:n7:h2"} <= set(ad._tuner_candidates(4, 1, 8))
-    assert not [c for c in ad._tuner_candidates(1, 16, 32) if ad.parse_choice(c) != "xla"
+    assert not [c for c in ad._tuner_candidates(1, 16, 32) if not isinstance(ad.parse_choice(c), str)
                 and ad.parse_choice(c)[0] & (ad.parse_choice(c)[0] - 1)]  # 512 clusters: none
     assert ad.parse_choice("n3:h1") == (3, 1, "registers", 1) and ad.parse_choice("tma:3") == (3, None, "tma", 1)
     assert ad.parse_choice("n8:h2") == (8, 2, "registers", 1) and ad.parse_choice(4) == (4, None, "registers", 1)
     assert ad.parse_choice("tma:n4:h1") == (4, 1, "tma", 1) and ad.parse_choice("tma:8") == (8, None, "tma", 1)
     assert ad.parse_choice("n4:r8") == (4, None, "registers", 8)
     assert ad.parse_choice("n8:h2:r4") == (8, 2, "registers", 4)
-    assert ad.parse_choice("xla") == "xla"
+    assert ad.parse_choice("xla") == "xla" and ad.parse_choice("pallas") == "pallas"
     assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
 
 
@@ -358,6 +404,37 @@ def test_gpu_xla_impl_and_auto(rng, dtype, tmp_path, monkeypatch):
     check(args, kw, _gpu(), impl="xla")
     check(args, kw, _gpu(), impl="auto")
     assert (tmp_path / "tuning.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(3, 512, 8, 2, 128, 512, [0, 511, 157]),
+                                   (2, 1024, 16, 16, 64, 4096, [4095, 1000]),
+                                   (1, 4096, 32, 8, 128, 16384, [16000])])
+def test_gpu_pallas_impl(rng, dtype, shape):
+    """impl="pallas" (a tuner candidate): Pallas' decode kernel between XLA's ops computes
+    the same step, GQA and MHA, first and last slot."""
+    batch, hidden, hq, hkv, dh, max_seq, lengths = shape
+    args, kw = make_inputs(rng, batch=batch, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=max_seq,
+                           dtype=dtype, lengths=lengths, bias=batch == 3)
+    kw["residual"] = True
+    check(args, kw, _gpu(), impl="pallas")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_pallas_pick_and_falls_back(rng, tmp_path, monkeypatch):
+    """A cached "pallas" pick runs Pallas' path; at an S_max Pallas cannot take (timed at
+    the power-of-two bucket) the step runs XLA's ops instead; both compute the step."""
+    from jax_cluster import tuning
+    from jax_cluster.ops import attention_decode as ad
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    key = f"v{ad.KERNEL_VERSION} {tuning.device_name()} b2 d512 hq8 hkv2 dh128 ctx512 float16"
+    tuning.record("attention_decode", key, "pallas")
+    for max_seq in (512, 500):
+        args, kw = make_inputs(rng, batch=2, hidden=512, hq=8, hkv=2, dh=128, max_seq=max_seq,
+                               dtype="float16", lengths=[max_seq - 1, 7])
+        assert ad.autotune(2, 512, 8, 2, max_seq, 128, jnp.float16) == "pallas"
+        check(args, kw, _gpu(), impl="auto")
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@
 
 On a Hopper GPU this is ONE cluster kernel (ClusterFusion Alg. 3) plus a tiny
 deterministic combine; shapes it does not cover run XLA's ops (impl="xla") with a
-one-time warning, and the tuner picks "xla" where it measures faster than the kernel.
+one-time warning, and the tuner picks "xla" (XLA's ops) or "pallas" (Pallas' decode
+attention between XLA's matmuls) where it measures one faster than the kernel.
 Donate the caches (jax.jit(..., donate_argnums=...)) so the update happens in place.
 """
 
@@ -26,7 +27,8 @@ from jax.core import ShapedArray
 
 from jax_cluster import reference
 from jax_cluster.ops._primitive import ffi_primitive
-from jax_cluster.ops.attention_decode_xla import attention_decode_xla
+from jax_cluster.ops.attention_decode_xla import (attention_decode_pallas, attention_decode_xla,
+                                                  pallas_supported)
 
 NORMS = {None: 0, "rms": 1, "layer": 2}
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
@@ -38,7 +40,7 @@ ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 # powers of two.
 CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 POW2_CLUSTER_SIZES = (1, 2, 4, 8, 16)
-IMPLS = ("auto", "kernel", "xla", "reference")
+IMPLS = ("auto", "kernel", "xla", "pallas", "reference")
 DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/attention_decode.h
 # How SplitToken streams weights and KV (AttnPipeline): "registers" = every thread loads
 # straight into registers; "tma" = a producer warp feeds a ring of shared-memory stages
@@ -166,7 +168,7 @@ def _one_wave_size(clusters: int, num_sms: int) -> int | None:
 
 def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden: int | None = None,
                       head_dim: int | None = None, num_sms: int = 132) -> tuple:
-    """Cluster sizes (default heads per cluster), "xla", and for GQA fewer heads per
+    """Cluster sizes (default heads per cluster), "xla", "pallas", and for GQA fewer heads per
     cluster ("n8:h2": cluster 8, <= 2 query heads each): more clusters per KV head; each
     cluster configuration with the register pipeline, and the TMA pipeline ("tma:" prefix)
     at the sizes that fill an H100 at small batch (2, 4, 8). Per heads-per-cluster choice
@@ -183,7 +185,7 @@ def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden:
     tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(odd)
                 + tuple(c for c in spread if not c.startswith("n2")))
     tiled = _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms)
-    return POW2_CLUSTER_SIZES + ("xla",) + tuple(odd) + spread + tma + tiled
+    return POW2_CLUSTER_SIZES + ("xla", "pallas") + tuple(odd) + spread + tma + tiled
 
 
 def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132) -> tuple:
@@ -211,10 +213,11 @@ def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132)
 
 def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline, rows per
-    cluster) or "xla". Choices: a cluster size (4), "n8:h2" (cluster 8, <= 2 query heads per
-    cluster), "n4:r8" (cluster 4, tiles of 8 batch rows), a "tma:" prefix (the TMA pipeline)."""
-    if choice == "xla":
-        return "xla"
+    cluster), or "xla" / "pallas" (no kernel). Choices: a cluster size (4), "n8:h2" (cluster
+    8, <= 2 query heads per cluster), "n4:r8" (cluster 4, tiles of 8 batch rows), a "tma:"
+    prefix (the TMA pipeline)."""
+    if choice in ("xla", "pallas"):
+        return choice
     pipeline = "registers"
     if isinstance(choice, str) and choice.startswith("tma:"):
         pipeline, choice = "tma", choice[4:]
@@ -224,13 +227,14 @@ def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     return int(choice), None, pipeline, 1
 
 
-KERNEL_VERSION = 10  # bump when the kernels (or how they are timed) change: cached choices are re-measured
+KERNEL_VERSION = 11  # bump when the kernels (or how they are timed) change: cached choices are re-measured
 
 
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
     jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two.
-    Candidates: the kernel's cluster sizes and "xla" (XLA's own ops, attention_decode_xla)."""
+    Candidates: the kernel's configurations, "xla" (XLA's own ops, attention_decode_xla) and
+    "pallas" (attention_decode_pallas; where Pallas takes the bucketed shape)."""
     sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
     heuristic = default_cluster_size(batch, hkv, hq // hkv, sms)
     if not on_gpu:
@@ -243,7 +247,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
 
     def measure(choice):
         parsed = parse_choice(choice)
-        n, heads, pipeline, rows = (None, None, None, 1) if parsed == "xla" else parsed
+        n, heads, pipeline, rows = (None, None, None, 1) if isinstance(parsed, str) else parsed
         # drawn on the device: numpy took seconds per candidate for a batch-16 cache
         keys = iter(jax.random.split(jax.random.key(0), 8))
         f = lambda *s, sc=1.0: (jax.random.normal(next(keys), s, jnp.float32) * sc).astype(dtype)  # noqa: E731
@@ -265,7 +269,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
                                         num_q_heads=hq, num_kv_heads=hkv, norm_weight=nw,
                                         residual=True, cluster_size=n, heads_per_cluster=heads,
                                         pipeline=pipeline, rows_per_cluster=rows,
-                                        impl="xla" if parsed == "xla" else "kernel")
+                                        impl=parsed if isinstance(parsed, str) else "kernel")
 
             # written out, not a fori_loop: the loop's own kernels cost custom calls ~2 us
             # more per step than XLA's ops (H100, benchmarks/results/logs/session18)
@@ -275,7 +279,8 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
 
         return tuning.time_carried(lambda state: loop(state, consts), (f(batch, hidden), kc, vc)) / 10
 
-    candidates = _tuner_candidates(hq // hkv, batch, hkv, hidden, head_dim, sms)
+    candidates = [c for c in _tuner_candidates(hq // hkv, batch, hkv, hidden, head_dim, sms)
+                  if c != "pallas" or pallas_supported(head_dim, ctx)]
     return tuning.pick("attention_decode", key, candidates, measure, heuristic=heuristic)
 
 
@@ -284,7 +289,7 @@ def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_s
     """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
     impl="auto" will run for it: a cluster size of the kernel, "n<size>:h<heads>" (cluster
     size and at most that many query heads per cluster), either with a "tma:" prefix (the
-    TMA pipeline), "n<size>:r<rows>" (the batch-tiled kernel), or "xla"."""
+    TMA pipeline), "n<size>:r<rows>" (the batch-tiled kernel), "xla" or "pallas"."""
     return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
                                 num_kv_heads, max_seq, head_dim, dtype)
 
@@ -320,11 +325,13 @@ def attention_decode(
 
     x [B, D]; w_qkv [D, (Hq + 2 Hkv) Dh]; w_o [Hq Dh, D]; caches [B, Hkv, S_max, Dh];
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim // 2].
-    impl: "auto" (on a GPU the tuner's pick among the kernel's cluster sizes and "xla";
-    shapes without a kernel run "xla" with a one-time warning), "kernel" (the FFI op; an
-    error where unsupported; where the tuner picked "xla" it runs the heuristic cluster
-    size), "xla" (XLA's own ops in the input dtype, fp32 accumulation), "reference"
-    (plain jnp, fp32 math).
+    impl: "auto" (on a GPU the tuner's pick among the kernel's configurations, "xla" and
+    "pallas"; shapes without a kernel run "xla" with a one-time warning), "kernel" (the FFI
+    op; an error where unsupported; where the tuner picked "xla" or "pallas" it runs the
+    heuristic cluster size), "xla" (XLA's own ops in the input dtype, fp32 accumulation),
+    "pallas" (XLA's ops around Pallas' split-K decode attention kernel; GPU only, a
+    power-of-two head_dim and S_max a multiple of 16 with splits of whole 128-token blocks:
+    attention_decode_xla.pallas_supported), "reference" (plain jnp, fp32 math).
     """
     if x.ndim != 2:
         raise ValueError(f"attention_decode: x must be [B, D], got shape {x.shape}")
@@ -409,8 +416,13 @@ def attention_decode(
         return reference.attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
     if impl == "xla":
         return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
-
     on_gpu = jax.default_backend() == "gpu"
+    if impl == "pallas":
+        if not on_gpu:
+            raise ValueError("attention_decode: impl='pallas' runs Pallas' GPU kernel; the backend "
+                             f"is {jax.default_backend()!r}")
+        return attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+
     if on_gpu and (head_dim not in CUDA_HEAD_DIMS or hidden % 64 or jnp.dtype(dt) == jnp.float32):
         if impl == "kernel":
             raise ValueError(f"attention_decode: no CUDA kernel for head_dim={head_dim}, hidden={hidden}, "
@@ -424,8 +436,12 @@ def attention_decode(
     if cluster_size is None:
         choice = parse_choice(_choose_cluster_size(on_gpu, batch, hidden, num_q_heads,
                                                    num_kv_heads, max_seq, head_dim, dt))
-        if choice == "xla":  # measured faster than every kernel configuration for this shape
+        if isinstance(choice, str):  # "xla" / "pallas": measured faster than every kernel configuration
             if impl != "kernel":
+                if choice == "pallas" and pallas_supported(head_dim, max_seq):
+                    return attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq,
+                                                   **kwargs)
+                # (Pallas was timed at the power-of-two context bucket; this S_max it cannot take)
                 return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
             choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None,
                       "registers", 1)

@@ -1,13 +1,19 @@
 """attention_decode with XLA's own ops: the same step as the fused kernel, in the input
 dtype with fp32 accumulation (no fp32 copies of weights or caches, unlike the reference).
+attention_decode_pallas is the same step with its attention done by Pallas' split-K
+decode kernel (jax.experimental.pallas.ops.gpu.decode_attention).
 
-The tuner weighs it against the kernel's cluster sizes, so ``impl="auto"`` is never slower
-than plain XLA where the kernel loses (batch 16 and GQA on H100: see
-benchmarks/results/attention_decode.md). Same contract as the kernel: the caches change only
-at slot lengths[b]; rows with lengths outside [0, S_max) give NaN and write nothing.
+The tuner weighs both against the kernel's cluster sizes, so ``impl="auto"`` is never
+slower than plain XLA where the kernel loses (batch 16 and GQA on H100: see
+benchmarks/results/attention_decode.md; Pallas' attention streams the cache at the HBM
+roofline at batch 16, where XLA's einsums reach 88-96% of it). Same contract as the
+kernel: the caches change only at slot lengths[b]; rows with lengths outside [0, S_max)
+give NaN and write nothing.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +30,45 @@ def _write_slot(cache, new, pos, valid):
     return jax.vmap(one)(cache, new.astype(cache.dtype), pos, valid)
 
 
-def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
-                         num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
-                         residual, rotary_dim, rope_layout, scale):
+def _attend_einsum(qg, k_cache, v_cache, pos):
+    """o [B, Hkv, G, Dh] (fp32) of the pre-scaled queries qg [B, Hkv, G, Dh] over cache
+    slots 0..pos[b]: XLA's einsums and softmax."""
+    f32 = jnp.float32
+    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache, preferred_element_type=f32)
+    s = jnp.where(jnp.arange(k_cache.shape[2]) <= pos[:, None, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(qg.dtype)
+    return jnp.einsum("bhgs,bhsd->bhgd", p, v_cache, preferred_element_type=f32)
+
+
+# Pallas' decode kernel splits S_max into this many equal parts of whole key blocks (its
+# defaults, as the benchmark's Pallas peer runs it).
+PALLAS_K_SPLITS, PALLAS_BLOCK_K = 16, 128
+
+
+def pallas_supported(head_dim: int, max_seq: int) -> bool:
+    """Whether Pallas' decode kernel takes these shapes: a power-of-two head_dim (Triton
+    block shapes) and S_max in 16 equal splits of >= 16 tokens that whole key blocks tile."""
+    split = max_seq // PALLAS_K_SPLITS
+    return (head_dim in (16, 32, 64, 128, 256) and max_seq % PALLAS_K_SPLITS == 0 and split >= 16
+            and split % min(PALLAS_BLOCK_K, split) == 0)
+
+
+def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
+    """_attend_einsum's result from Pallas' GQA decode kernel (kv_seq_len = pos + 1). The
+    kernel takes the caches [B, S, Hkv, Dh] and swaps them back to [B, Hkv, S, Dh] itself:
+    the two transposes cancel in XLA, no copy of the cache is made."""
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    b, hkv, group, dh = qg.shape
+    o = decode_attention.gqa(qg.reshape(b, hkv * group, dh), jnp.swapaxes(k_cache, 1, 2),
+                             jnp.swapaxes(v_cache, 1, 2), kv_seq_len=pos + 1, sm_scale=1.0,
+                             k_splits=PALLAS_K_SPLITS, block_k=PALLAS_BLOCK_K, interpret=interpret)
+    return o.reshape(b, hkv, group, dh).astype(jnp.float32)
+
+
+def _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
+                 num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias, residual,
+                 rotary_dim, rope_layout, scale, attend):
     f32, dt = jnp.float32, x.dtype
     batch = x.shape[0]
     _, hkv, max_seq, dh = k_cache.shape
@@ -44,10 +86,7 @@ def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, 
     k_cache = _write_slot(k_cache, k, pos, valid)
     v_cache = _write_slot(v_cache, v, pos, valid)
     qg = (q * scale).astype(dt).reshape(batch, hkv, group, dh)
-    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache, preferred_element_type=f32)
-    s = jnp.where(jnp.arange(max_seq) <= pos[:, None, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(dt)
-    o = jnp.einsum("bhgs,bhsd->bhgd", p, v_cache, preferred_element_type=f32)
+    o = attend(qg, k_cache, v_cache, pos)
     y = jnp.dot(o.reshape(batch, hq * dh).astype(dt), w_o, preferred_element_type=f32)
     if o_bias is not None:
         y = y + o_bias.astype(f32)
@@ -55,3 +94,23 @@ def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, 
         y = y + x.astype(f32)
     y = jnp.where(valid[:, None], y, jnp.nan)
     return y.astype(dt), k_cache, v_cache
+
+
+def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs):
+    """The decode step with XLA's ops throughout (keyword arguments: attention_decode's)."""
+    return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=_attend_einsum,
+                        **kwargs)
+
+
+def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
+                            interpret=False, **kwargs):
+    """The decode step with Pallas' decode kernel for the attention and XLA's ops around it.
+    A GPU op (interpret=True runs Pallas' interpreter, for tests on CPU); the shapes must
+    pass pallas_supported."""
+    if not pallas_supported(k_cache.shape[3], k_cache.shape[2]):
+        raise ValueError(f"attention_decode: impl='pallas' needs a power-of-two head_dim and S_max "
+                         f"a multiple of {PALLAS_K_SPLITS} whose {PALLAS_K_SPLITS} splits are whole "
+                         f"blocks of {PALLAS_BLOCK_K} (or <= {PALLAS_BLOCK_K}, >= 16); got head_dim "
+                         f"{k_cache.shape[3]}, S_max {k_cache.shape[2]}")
+    attend = functools.partial(_attend_pallas, interpret=interpret)
+    return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=attend, **kwargs)
