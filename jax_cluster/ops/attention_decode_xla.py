@@ -14,6 +14,7 @@ give NaN and write nothing.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -45,22 +46,35 @@ def _attend_einsum(qg, k_cache, v_cache, pos):
 PALLAS_K_SPLITS, PALLAS_BLOCK_K = 16, 128
 
 
+@functools.cache
+def _pallas_decode_attention():
+    """Pallas' decode attention module, or None where this JAX has none. jax 0.11 deprecates
+    it with Pallas' Triton backend (a DeprecationWarning at import, silenced here); once it
+    is gone the tuner stops weighing "pallas" and impl="pallas" raises."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import decode_attention
+    except ImportError:
+        return None
+    return decode_attention
+
+
 def pallas_supported(head_dim: int, max_seq: int) -> bool:
-    """Whether Pallas' decode kernel takes these shapes: a power-of-two head_dim (Triton
-    block shapes) and S_max in 16 equal splits of >= 16 tokens that whole key blocks tile."""
+    """Whether Pallas' decode kernel is there and takes these shapes: a power-of-two
+    head_dim (Triton block shapes) and S_max in 16 equal splits of >= 16 tokens that whole
+    key blocks tile."""
     split = max_seq // PALLAS_K_SPLITS
     return (head_dim in (16, 32, 64, 128, 256) and max_seq % PALLAS_K_SPLITS == 0 and split >= 16
-            and split % min(PALLAS_BLOCK_K, split) == 0)
+            and split % min(PALLAS_BLOCK_K, split) == 0 and _pallas_decode_attention() is not None)
 
 
 def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
     """_attend_einsum's result from Pallas' GQA decode kernel (kv_seq_len = pos + 1). The
     kernel takes the caches [B, S, Hkv, Dh] and swaps them back to [B, Hkv, S, Dh] itself:
     the two transposes cancel in XLA, no copy of the cache is made."""
-    from jax.experimental.pallas.ops.gpu import decode_attention
-
     b, hkv, group, dh = qg.shape
-    o = decode_attention.gqa(qg.reshape(b, hkv * group, dh), jnp.swapaxes(k_cache, 1, 2),
+    o = _pallas_decode_attention().gqa(qg.reshape(b, hkv * group, dh), jnp.swapaxes(k_cache, 1, 2),
                              jnp.swapaxes(v_cache, 1, 2), kv_seq_len=pos + 1, sm_scale=1.0,
                              k_splits=PALLAS_K_SPLITS, block_k=PALLAS_BLOCK_K, interpret=interpret)
     return o.reshape(b, hkv, group, dh).astype(jnp.float32)
@@ -107,6 +121,9 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
     """The decode step with Pallas' decode kernel for the attention and XLA's ops around it.
     A GPU op (interpret=True runs Pallas' interpreter, for tests on CPU); the shapes must
     pass pallas_supported."""
+    if _pallas_decode_attention() is None:
+        raise ValueError("attention_decode: impl='pallas' needs Pallas' decode attention "
+                         "(jax.experimental.pallas.ops.gpu.decode_attention), which this JAX lacks")
     if not pallas_supported(k_cache.shape[3], k_cache.shape[2]):
         raise ValueError(f"attention_decode: impl='pallas' needs a power-of-two head_dim and S_max "
                          f"a multiple of {PALLAS_K_SPLITS} whose {PALLAS_K_SPLITS} splits are whole "
