@@ -150,12 +150,14 @@ def make_case(model, dtype, batch, ctx, key):
 
 
 def step_for(choice, shape):
-    """The step function of a peer ('jnp', 'pallas'), 'auto', or a tuner choice ('3', 'n8:h2')."""
+    """The step function of a peer ('jnp', 'pallas'), 'auto', an impl of ours ('impl=xla',
+    'impl=pallas'), or a tuner choice ('3', 'n8:h2')."""
     if choice in ("jnp", "pallas"):
         step = plain_jnp_step if choice == "jnp" else pallas_step
         return lambda *a: step(*a, *shape)
-    if choice == "auto":
-        return lambda *a: ours_step(*a, *shape, impl="auto")
+    if choice == "auto" or choice.startswith("impl="):
+        impl = choice.removeprefix("impl=")
+        return lambda *a: ours_step(*a, *shape, impl=impl)
     n, h, pipe, r = ad_op.parse_choice(int(choice) if str(choice).isdigit() else choice)
     return lambda *a: ours_step(*a, *shape, cluster_size=n, heads_per_cluster=h, pipeline=pipe,
                                 rows_per_cluster=r)
@@ -191,7 +193,8 @@ def main(argv=None):
                         help="how the timed steps follow each other inside the jit (steps_call)")
     parser.add_argument("--trace", default=None,
                         help="no benchmark: the kernel timeline of each comma-listed spec "
-                             "'model:batch:context:choice' (choice: jnp, pallas, auto or a tuner choice)")
+                             "'model:batch:context:choice' (choice: jnp, pallas, auto, impl=xla, impl=pallas or a "
+                             "tuner choice)")
     args = parser.parse_args(argv)
     CHAIN = args.chain
     # the tuner's measured times of every candidate go to the log beside the rows

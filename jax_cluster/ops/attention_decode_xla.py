@@ -23,17 +23,17 @@ from jax_cluster.reference import _norm_f32, _rope
 
 
 def _write_slot(cache, new, pos, valid):
-    """cache [B, H, S, D] with new [B, H, D] at slot pos[b] where valid[b] (in place when
-    donated: one dynamic_update_slice per row; an invalid row rewrites the slot's own value)."""
-    def one(c, n, p, ok):
-        cur = jax.lax.dynamic_slice(c, (0, p, 0), (c.shape[0], 1, c.shape[2]))[:, 0]
-        return jax.lax.dynamic_update_slice(c, jnp.where(ok, n, cur)[:, None], (0, p, 0))
-    return jax.vmap(one)(cache, new.astype(cache.dtype), pos, valid)
+    """cache [B, H, S, D] with new [B, H, D] at slot pos[b] where valid[b]: one scatter
+    (in place when donated) whose invalid rows point past S_max and are dropped."""
+    batch, heads = new.shape[:2]
+    slot = jnp.where(valid, pos, cache.shape[2])[:, None]
+    return cache.at[jnp.arange(batch)[:, None], jnp.arange(heads)[None, :], slot].set(
+        new.astype(cache.dtype), mode="drop")
 
 
 def _attend_einsum(qg, k_cache, v_cache, pos):
-    """o [B, Hkv, G, Dh] (fp32) of the pre-scaled queries qg [B, Hkv, G, Dh] over cache
-    slots 0..pos[b]: XLA's einsums and softmax."""
+    """o [B, Hkv, G, Dh] (fp32; _decode_step casts it to the input dtype) of the pre-scaled
+    queries qg [B, Hkv, G, Dh] over cache slots 0..pos[b]: XLA's einsums and softmax."""
     f32 = jnp.float32
     s = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache, preferred_element_type=f32)
     s = jnp.where(jnp.arange(k_cache.shape[2]) <= pos[:, None, None, None], s, -jnp.inf)
@@ -70,14 +70,16 @@ def pallas_supported(head_dim: int, max_seq: int) -> bool:
 
 
 def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
-    """_attend_einsum's result from Pallas' GQA decode kernel (kv_seq_len = pos + 1). The
-    kernel takes the caches [B, S, Hkv, Dh] and swaps them back to [B, Hkv, S, Dh] itself:
-    the two transposes cancel in XLA, no copy of the cache is made."""
+    """_attend_einsum's result, in the queries' dtype (no fp32 round trip before W_o), from
+    Pallas' GQA decode kernel (kv_seq_len = pos + 1). The kernel takes the caches
+    [B, S, Hkv, Dh] and swaps them back to [B, Hkv, S, Dh] itself: the two transposes
+    cancel in XLA, no copy of the cache is made."""
     b, hkv, group, dh = qg.shape
-    o = _pallas_decode_attention().gqa(qg.reshape(b, hkv * group, dh), jnp.swapaxes(k_cache, 1, 2),
-                             jnp.swapaxes(v_cache, 1, 2), kv_seq_len=pos + 1, sm_scale=1.0,
-                             k_splits=PALLAS_K_SPLITS, block_k=PALLAS_BLOCK_K, interpret=interpret)
-    return o.reshape(b, hkv, group, dh).astype(jnp.float32)
+    o = _pallas_decode_attention().gqa(
+        qg.reshape(b, hkv * group, dh), jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2),
+        kv_seq_len=pos + 1, sm_scale=1.0, k_splits=PALLAS_K_SPLITS, block_k=PALLAS_BLOCK_K,
+        interpret=interpret)
+    return o.reshape(b, hkv, group, dh)
 
 
 def _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
