@@ -234,7 +234,9 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
     jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two.
     Candidates: the kernel's configurations, "xla" (XLA's own ops, attention_decode_xla) and
-    "pallas" (attention_decode_pallas; where Pallas takes the bucketed shape)."""
+    "pallas" (attention_decode_pallas) where Pallas takes this S_max (then it also takes the
+    bucket it is timed at); an S_max it does not take is a key of its own ("nopallas"), so
+    those shapes get the best of the other candidates."""
     sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
     heuristic = default_cluster_size(batch, hkv, hq // hkv, sms)
     if not on_gpu:
@@ -242,8 +244,9 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     from jax_cluster import tuning
 
     ctx = 1 << max(0, (max_seq - 1).bit_length())
+    with_pallas = pallas_supported(head_dim, max_seq)
     key = (f"v{KERNEL_VERSION} {tuning.device_name()} b{batch} d{hidden} hq{hq} hkv{hkv} dh{head_dim} "
-           f"ctx{ctx} {jnp.dtype(dtype).name}")
+           f"ctx{ctx} {jnp.dtype(dtype).name}" + ("" if with_pallas else " nopallas"))
 
     def measure(choice):
         parsed = parse_choice(choice)
@@ -280,7 +283,7 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
         return tuning.time_carried(lambda state: loop(state, consts), (f(batch, hidden), kc, vc)) / 10
 
     candidates = [c for c in _tuner_candidates(hq // hkv, batch, hkv, hidden, head_dim, sms)
-                  if c != "pallas" or pallas_supported(head_dim, ctx)]
+                  if c != "pallas" or with_pallas]
     return tuning.pick("attention_decode", key, candidates, measure, heuristic=heuristic)
 
 
@@ -438,10 +441,9 @@ def attention_decode(
                                                    num_kv_heads, max_seq, head_dim, dt))
         if isinstance(choice, str):  # "xla" / "pallas": measured faster than every kernel configuration
             if impl != "kernel":
-                if choice == "pallas" and pallas_supported(head_dim, max_seq):
+                if choice == "pallas":  # only a candidate where Pallas takes this S_max
                     return attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq,
                                                    **kwargs)
-                # (Pallas was timed at the power-of-two context bucket; this S_max it cannot take)
                 return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
             choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None,
                       "registers", 1)
