@@ -257,8 +257,10 @@ def test_attention_decode_tuner_measures_with_carried_caches(tmp_path, monkeypat
     monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
     tuning.clear_memory_cache()
     pick = ad._choose_cluster_size(True, 1, 64, 2, 1, 16, 64, jnp.float32)
-    assert pick in ad._tuner_candidates(2)
+    # S_max 16 is no shape for Pallas' kernel: every candidate but "pallas"
+    candidates = [c for c in ad._tuner_candidates(2) if c != "pallas"]
+    assert pick in candidates
     (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
-    assert entry["winner"] == pick and set(entry["times_us"]) == set(map(str, ad._tuner_candidates(2)))
+    assert entry["winner"] == pick and set(entry["times_us"]) == set(map(str, candidates))
     assert all(0 < t < 1e7 for t in entry["times_us"].values())  # every candidate ran
     tuning.clear_memory_cache()
