@@ -94,12 +94,14 @@ def measure_bandwidth(gib: float = 1.0) -> float:
     return best
 
 
-def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2) -> None:
+def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2,
+                   top: int = 8) -> None:
     """Kernel timeline of `repeat` back-to-back run() (each one jitted call doing `calls`
     steps), from CUPTI through jax.profiler: per-kernel time per step, idle gaps between
     kernels on the busiest GPU stream, the steady step period (median spacing of a kernel
     that runs once per step; the largest spacing shows the gap between calls) and the first
-    `first` kernels. run is called once before the traced calls (compilation, tuning)."""
+    `first` kernels; the `top` kernels by time per step. run is called once before the traced
+    calls (compilation, tuning)."""
     import glob
     import tempfile
     from collections import defaultdict
@@ -131,7 +133,7 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
         spacing = np.diff(starts[marker]) / 1e3
         print(f"    steady period {np.median(spacing):.1f} us per step (spacing of {marker[:40]}; "
               f"largest {spacing.max():.1f} us)", flush=True)
-    for name, dur in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
+    for name, dur in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {dur / steps / 1e3:8.1f} us/step  {name}", flush=True)
     for s0, dur, name in evs[:first]:
         print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)

@@ -37,7 +37,7 @@ except ImportError:  # running from a source checkout: the repo root, after inst
 import common  # noqa: E402
 from jax_cluster.tuning import steady_seconds  # noqa: E402
 from flax_models import ops  # noqa: E402
-from flax_models.engine import Engine  # noqa: E402
+from flax_models.engine import Engine, cache_slots  # noqa: E402
 from flax_models.loading import parse_dtype  # noqa: E402
 from flax_models.presets import PRESETS, random_model  # noqa: E402
 
@@ -83,7 +83,10 @@ def time_decode(model, impl, batch, ctx, steps, trials):
         return loop(state, tok, cache, key)
 
     run = jax.jit(run, donate_argnums=(2,))
-    cache = random_cache(model, batch, ctx + steps, ctx)
+    # slots for ctx + steps, rounded as the engine allocates them (XLA pads a cache whose
+    # length is not a multiple of 32: a copy of it every step; parts before session 19 had
+    # ctx + steps slots, 4112 at ctx 4096)
+    cache = random_cache(model, batch, cache_slots(ctx + steps), ctx)
     state = [jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size, cache, jax.random.key(1)]
     del cache
 

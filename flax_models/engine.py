@@ -27,6 +27,18 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+# Cache slots are allocated in multiples of this. XLA's attention matmuls contract over the
+# cache length and, for a length that is not a multiple of 32, pad a copy of the whole
+# V cache on every step (H100, session 19: Llama-3-8B b16, 4112 slots: 245 us per
+# attention layer against 145 at 4096 or 4160).
+CACHE_MULTIPLE = 128
+
+
+def cache_slots(tokens: int) -> int:
+    """Cache length for `tokens` slots: rounded up to CACHE_MULTIPLE."""
+    return _round_up(tokens, CACHE_MULTIPLE)
+
+
 def _prefill(graphdef, sampling, state, tokens, lengths, cache, key):
     model = nnx.merge(graphdef, state)
     logits, cache = model.prefill(tokens, lengths, cache)
@@ -131,7 +143,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         raise ValueError("max_new_tokens must be >= 1")
     tokens, lengths = pad_prompts(prompts, pad_multiple)
     b, t = tokens.shape
-    cache = model.init_cache(b, _round_up(t + max_new_tokens, pad_multiple))
+    cache = model.init_cache(b, cache_slots(t + max_new_tokens))
     engine = Engine.for_model(model, sampling, impl)
     key = jax.random.key(seed)
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)

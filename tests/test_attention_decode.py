@@ -213,6 +213,27 @@ def test_tuner_candidates_and_choices():
     assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
 
 
+def test_tuner_keys_cache_alignment_and_pallas(monkeypatch):
+    """The tuning key buckets the context to a power of two; a cache length XLA would pad (not
+    a multiple of 32) and one Pallas does not take are keys of their own, and "pallas" is a
+    candidate only where Pallas takes the shape."""
+    from jax_cluster import tuning
+    from jax_cluster.ops import attention_decode as ad
+    seen = {}
+
+    def fake_pick(op, key, candidates, measure, heuristic):
+        seen[key.split(" ", 2)[2]] = candidates
+        return candidates[0]
+
+    monkeypatch.setattr(tuning, "pick", fake_pick)
+    for max_seq in (4096, 4112, 4160):
+        ad._choose_cluster_size(True, 2, 512, 8, 2, max_seq, 128, jnp.float16)
+    assert set(seen) == {"b2 d512 hq8 hkv2 dh128 ctx4096 float16",
+                         "b2 d512 hq8 hkv2 dh128 ctx8192 float16 nopallas unaligned",
+                         "b2 d512 hq8 hkv2 dh128 ctx8192 float16 nopallas"}
+    assert [("pallas" in c) for k, c in sorted(seen.items())] == [True, False, False]
+
+
 def test_tuner_batch_tiled_candidates():
     """batch > 1 adds the batch-tiled kernel: per tile size, the cluster sizes whose grid
     holds 0.5-2 blocks per SM (shared memory permitting); batch 1 adds nothing."""
@@ -423,16 +444,17 @@ def test_gpu_pallas_impl(rng, dtype, shape):
 
 @pytest.mark.gpu
 def test_gpu_auto_runs_pallas_pick_and_falls_back(rng, tmp_path, monkeypatch):
-    """A cached "pallas" pick runs Pallas' path. An S_max Pallas does not take has a tuning
-    key of its own whose candidates leave "pallas" out (a "pallas" entry there is stale:
-    ignored with a warning, re-measured). Every path computes the step."""
+    """A cached "pallas" pick runs Pallas' path. An S_max Pallas does not take (4160: 16
+    splits of 260 tokens) has a tuning key of its own whose candidates leave "pallas" out
+    (a "pallas" entry there is stale: ignored with a warning, re-measured). Every path
+    computes the step."""
     from jax_cluster import tuning
     from jax_cluster.ops import attention_decode as ad
     monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    key = f"v{ad.KERNEL_VERSION} {tuning.device_name()} b2 d512 hq8 hkv2 dh128 ctx512 float16"
-    tuning.record("attention_decode", key, "pallas")
-    tuning.record("attention_decode", key + " nopallas", "pallas")
-    for max_seq in (512, 500):
+    key = f"v{ad.KERNEL_VERSION} {tuning.device_name()} b2 d512 hq8 hkv2 dh128 ctx{{}} float16"
+    tuning.record("attention_decode", key.format(512), "pallas")
+    tuning.record("attention_decode", key.format(8192) + " nopallas", "pallas")
+    for max_seq in (512, 4160):
         args, kw = make_inputs(rng, batch=2, hidden=512, hq=8, hkv=2, dh=128, max_seq=max_seq,
                                dtype="float16", lengths=[max_seq - 1, 7])
         if max_seq == 512:
