@@ -128,6 +128,8 @@ def test_pallas_supported_shapes_and_errors(rng):
     assert not pallas_supported(128, 5000)    # not 16 equal splits
     assert not pallas_supported(128, 128)     # splits of 8 tokens (< 16)
     assert not pallas_supported(128, 16 * 200)  # splits of 200: not whole 128-token blocks
+    assert not pallas_supported(128, 1152)    # splits of 72: one block, not a power of two
+    assert pallas_supported(128, 16 * 384) and pallas_supported(64, 16 * 32)
     args, kw = make_inputs(rng, batch=1, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="impl='pallas' runs Pallas' GPU kernel"):

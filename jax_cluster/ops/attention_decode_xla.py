@@ -61,12 +61,14 @@ def _pallas_decode_attention():
 
 
 def pallas_supported(head_dim: int, max_seq: int) -> bool:
-    """Whether Pallas' decode kernel is there and takes these shapes: a power-of-two
-    head_dim (Triton block shapes) and S_max in 16 equal splits of >= 16 tokens that whole
-    key blocks tile."""
+    """Whether Pallas' decode kernel is there and takes these shapes: S_max in 16 equal
+    splits of >= 16 tokens, each split whole key blocks of min(128, split) tokens, and
+    head_dim and that block a power of two (Triton's block shapes: 1152 slots, splits of 72,
+    fail to lower)."""
     split = max_seq // PALLAS_K_SPLITS
+    block = min(PALLAS_BLOCK_K, split)
     return (head_dim in (16, 32, 64, 128, 256) and max_seq % PALLAS_K_SPLITS == 0 and split >= 16
-            and split % min(PALLAS_BLOCK_K, split) == 0 and _pallas_decode_attention() is not None)
+            and split % block == 0 and block & (block - 1) == 0 and _pallas_decode_attention() is not None)
 
 
 def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
@@ -128,8 +130,8 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
                          "(jax.experimental.pallas.ops.gpu.decode_attention), which this JAX lacks")
     if not pallas_supported(k_cache.shape[3], k_cache.shape[2]):
         raise ValueError(f"attention_decode: impl='pallas' needs a power-of-two head_dim and S_max "
-                         f"a multiple of {PALLAS_K_SPLITS} whose {PALLAS_K_SPLITS} splits are whole "
-                         f"blocks of {PALLAS_BLOCK_K} (or <= {PALLAS_BLOCK_K}, >= 16); got head_dim "
-                         f"{k_cache.shape[3]}, S_max {k_cache.shape[2]}")
+                         f"in {PALLAS_K_SPLITS} equal splits that are whole {PALLAS_BLOCK_K}-token "
+                         f"blocks or one power-of-two block of 16-64 tokens (pallas_supported); got "
+                         f"head_dim {k_cache.shape[3]}, S_max {k_cache.shape[2]}")
     attend = functools.partial(_attend_pallas, interpret=interpret)
     return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=attend, **kwargs)
