@@ -436,6 +436,21 @@ def test_gpu_deterministic(rng, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["tma", "tma:rt=2", "tma:wg=1", "tma:c=7"])
+def test_gpu_tma_split_tile_sums(rng, spec):
+    """The tma kernels' split tiles summed by every block ending in them, after a wait on
+    the tile's counter (session 20): at M = 64 a down tile spans ~8 blocks, an up tile 2-3;
+    with 7 blocks one block holds many whole tiles and one split tile mid-range. Correct,
+    and bitwise equal over repeated calls."""
+    inputs = [jax.device_put(a, _gpu()) for a in _inputs(rng, 64, 4096, 11008, "float16")]
+    fn = jax.jit(lambda *a: jc.swiglu(*a, variant=spec))
+    first = np.asarray(fn(*inputs))
+    _check(first, *inputs)
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(fn(*inputs)), first)
+
+
+@pytest.mark.gpu
 def test_gpu_auto_tunes_once_and_caches(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
     inputs = [jax.device_put(a, _gpu()) for a in _inputs(rng, 3, 512, 1024, "float16")]

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -42,6 +43,29 @@ inline cudaError_t configure_kernel_once(const void* kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   done.insert({device, kernel});
   return cudaSuccess;
+}
+
+// How many blocks of `kernel` (threads, dynamic shared memory smem) the current device holds
+// at once: the largest grid whose blocks may wait on each other (a persistent kernel whose
+// blocks spin on other blocks' counters). Queried once per (device, kernel).
+inline cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> known;
+  int device = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find({device, kernel});
+  if (it == known.end()) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(kernel));
+    int per_sm = 0, sms = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    it = known.emplace(std::make_pair(device, kernel), per_sm * sms).first;
+  }
+  *blocks = it->second;
+  return *blocks > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
 // One launch through cudaLaunchKernelEx with the given launch attributes (after the

@@ -17,16 +17,19 @@
 //    A box (x or A2: 16 MT rows x 64 K, rows past M zero-filled by the copy engine).
 //
 // Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
-// kStages stages (~200 KB):
+// kStages stages (~80 KB):
 //  * the producer (one thread) waits for a free stage, announces its bytes and issues the
 //    five boxes (weights with an L2 evict-first hint when read once), running up to
 //    kStages units ahead, across tile boundaries and through the consumers' epilogues;
 //  * the consumers multiply each stage (mma.sync or wgmma: the tile policies below);
-//  * at the end of a work tile's K range (or of its own units) a block that owned the
-//    whole tile writes the output directly; otherwise it writes its fp32 partial to slot
-//    (b + tile) of the workspace, and the tile's last block to arrive (integer counter)
-//    sums the slots in block order (deterministic; all consumer threads, several slots'
-//    loads in flight: reduce_tile) and writes A2 / y.
+//  * at the end of a work tile's K range a block that owned the whole tile writes the
+//    output directly; otherwise it writes its fp32 partial to slot (b + tile) of the
+//    workspace and bumps the tile's integer counter. A split tile is summed, in block
+//    order (deterministic), by the blocks whose ranges end in it, once its counter says
+//    every partial is in: they all end at the kernel's end, together, so they share the
+//    sum instead of leaving it to the last block to arrive (which took up to 25 us of a
+//    150 us call at M = 64, the other blocks idle; session 20). The blocks wait on each
+//    other: the launcher never starts more blocks than the GPU holds at once.
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
 // launch at once; a down block issues its first kStages units' weight boxes (independent
@@ -36,6 +39,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "jax_cluster/activation.cuh"
@@ -48,6 +52,11 @@
 #include "kernels/launch.cuh"
 #include "kernels/swiglu_launch.h"
 #include "kernels/tma_host.h"
+
+// Per-block phase timestamps for benchmarks/probes/tma_kernel.cu; nothing in the package.
+#ifndef SWIGLU_TMA_MARK
+#define SWIGLU_TMA_MARK(up, phase)
+#endif
 
 namespace jax_cluster {
 namespace {
@@ -62,15 +71,18 @@ constexpr uint32_t kBoxBytes = kKRows * kBoxCols * 2;
 constexpr uint32_t kConsumerBarrier = 1;   // named barrier of the consumer warps
 constexpr int kSlotCols = static_cast<int>(kSwigluTmaSlotCols);
 
-// Stages per block: as many as ~220 KB of shared memory hold, at most 6 (~200 KB of
-// weights in flight per SM; ~100 KB sustained ~3.05 TB/s in benchmarks/micro/gemv_locality).
+// Stages per block: 2 (~70-80 KB in flight per SM). 5-6 stages (~200 KB) were slower at
+// every M on H100 (session 20, benchmarks/probes/tma_kernel.cu): 26 MB in flight across
+// the GPU queue ~9 us deep at 3 TB/s, so each L2 round trip of a tile end (fence, counter,
+// partial sums) cost microseconds, and blocks with equal shares of the stream ended up to
+// 30 us apart (llama2-7b M = 64: up streams ended at 45-77 us; with 2 stages, 62-69 us).
 template <int MT>
-constexpr int kStages = MT == 4 ? 5 : 6;
+constexpr int kStages = 2;
 template <int MT>
 constexpr uint32_t kStageBytes = kBoxes * kBoxBytes + MT * 16 * 128;  // multiple of 1024
 template <int MT>
 constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(kStages<MT>) * kStageBytes<MT>;
-static_assert(kSmemBytes<2> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024, "shared memory");
+static_assert(kSmemBytes<4> <= 227 * 1024, "shared memory");
 
 struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
@@ -358,46 +370,68 @@ struct WgmmaTile {
   }
 };
 
-// The tile's last block to arrive: sums the `count` partial slots of a split tile in block
-// order (deterministic) and writes A2 = SiLU(gate) * up or y (+ residual), with every
-// consumer thread on 4 columns at a time and kBatch slots' loads in flight: the slots were
-// read one after another before (one L2 round trip each, several microseconds under the
-// weight stream; ~8 slots per down tile), which stalled the ring at every tile end.
-template <typename T>
-__device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* slot0, int64_t count,
-                                            int64_t tile, int64_t row0, int rows, int tid) {
-  constexpr int kBatch = 4;
+// Sums the `count` partial slots of a split tile in block order (deterministic) and
+// writes A2 = SiLU(gate) * up or y (+ residual) for share `part` of `parts` of the tile's
+// (row, 4-column group) elements. Every block whose range ends in the tile sums a share
+// once all partials are in (they end together): one block summing a whole down tile at
+// M = 64 (~9 slots of 64 KB) took ~15 us with the other blocks idle (session 20). The
+// sum is latency-bound: each consumer thread loads kSlots slots of kElems elements per L2
+// round trip (16 float4 loads in flight).
+template <typename T, bool kUp>
+__device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* slot0, int count,
+                                            int64_t tile, int64_t row0, int rows, int part,
+                                            int parts, int tid) {
+  constexpr int kElems = 4, kSlots = kUp ? 2 : 4;
+  constexpr int kQuads = kUp ? kSlotCols / 8 : kSlotCols / 4;  // output columns / 4
   const int64_t slot_floats = g.slot_rows * kSlotCols;
-  const int quads = g.up ? kSlotCols / 8 : kSlotCols / 4;  // output columns / 4
-  for (int e = tid; e < rows * quads; e += kConsumers) {
-    const int row = e / quads, q = e - row * quads;
-    const float* src = slot0 + row * kSlotCols + 4 * q;
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;  // up: gate, up; down: y
-    for (int64_t i0 = 0; i0 < count; i0 += kBatch) {
-      float4 va[kBatch], vb[kBatch];
+  const int total = rows * kQuads;
+  const int lo = total * part / parts, hi = total * (part + 1) / parts;
+  for (int e0 = lo + tid; e0 < hi; e0 += kElems * kConsumers) {
+    float4 a[kElems], b[kElems];  // up: gate, up; down: y
+    const float* src[kElems];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (i0 + j >= count) break;
-        const float* p = src + (i0 + j) * slot_floats;
-        va[j] = __ldcg(reinterpret_cast<const float4*>(p));
-        if (g.up) vb[j] = __ldcg(reinterpret_cast<const float4*>(p + kSlotCols / 2));
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (i0 + j >= count) break;
-        a.x += va[j].x, a.y += va[j].y, a.z += va[j].z, a.w += va[j].w;
-        if (g.up) b.x += vb[j].x, b.y += vb[j].y, b.z += vb[j].z, b.w += vb[j].w;
-      }
+    for (int j = 0; j < kElems; ++j) {
+      a[j] = b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      const int e = min(e0 + j * kConsumers, hi - 1);  // past hi: a duplicate, not stored
+      src[j] = slot0 + (e / kQuads) * kSlotCols + 4 * (e % kQuads);
     }
-    const int64_t col = tile * g.tile_cols + 4 * q;
-    if (col >= g.out_cols) continue;  // columns past F / D of a last tile
-    const int64_t base = (row0 + row) * g.out_cols;
-    if (g.up) {
-      store_up<T>(g, base, col, a.x, a.y, b.x, b.y);
-      store_up<T>(g, base, col + 2, a.z, a.w, b.z, b.w);
-    } else {
-      store_down<T>(g, base, col, a.x, a.y);
-      store_down<T>(g, base, col + 2, a.z, a.w);
+    for (int i0 = 0; i0 < count; i0 += kSlots) {
+      float4 va[kSlots][kElems], vb[kSlots][kElems];
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if (i0 + s >= count) break;
+          const float* p = src[j] + (i0 + s) * slot_floats;
+          va[s][j] = __ldcg(reinterpret_cast<const float4*>(p));
+          if (kUp) vb[s][j] = __ldcg(reinterpret_cast<const float4*>(p + kSlotCols / 2));
+        }
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)  // in slot order
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if (i0 + s >= count) break;
+          a[j].x += va[s][j].x, a[j].y += va[s][j].y, a[j].z += va[s][j].z, a[j].w += va[s][j].w;
+          if (kUp) {
+            b[j].x += vb[s][j].x, b[j].y += vb[s][j].y, b[j].z += vb[s][j].z, b[j].w += vb[s][j].w;
+          }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      const int e = e0 + j * kConsumers;
+      if (e >= hi) break;
+      const int row = e / kQuads, q = e % kQuads;
+      const int64_t col = tile * g.tile_cols + 4 * q;
+      if (col >= g.out_cols) continue;  // columns past F / D of a last tile
+      const int64_t base = (row0 + row) * g.out_cols;
+      if (kUp) {
+        store_up<T>(g, base, col, a[j].x, a[j].y, b[j].x, b[j].y);
+        store_up<T>(g, base, col + 2, a[j].z, a[j].w, b[j].z, b[j].w);
+      } else {
+        store_down<T>(g, base, col, a[j].x, a[j].y);
+        store_down<T>(g, base, col + 2, a[j].z, a[j].w);
+      }
     }
   }
 }
@@ -412,7 +446,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int S = kStages<MT>, R = 16 * MT;
   extern __shared__ uint8_t smem_raw[];
   __shared__ Ring<S> ring;
-  __shared__ int tile_done;  // this block arrived last at the tile it just ended
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // 128B-swizzled boxes need 1024-byte aligned destinations
   uint8_t* stages = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -433,10 +466,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers
   const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
+  SWIGLU_TMA_MARK(g.up, 0);
   if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
+  SWIGLU_TMA_MARK(g.up, 1);
   const uint32_t stages_addr = ptx::smem_addr(stages);
+  const int64_t slot_floats = g.slot_rows * kSlotCols;
   ConsumerTile<T, MT, kWgmma> tile_acc(g.up, warp, lane);
   tile_acc.zero();
+  // Where work tile w ends its K range: rows, and the blocks owning its first and last unit.
+  auto tile_end = [&](int64_t w, int64_t& tile, int64_t& row0, int& rows, int64_t& first,
+                      int64_t& last) {
+    tile = w / g.row_groups;
+    row0 = (w - tile * g.row_groups) * R;
+    rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
+    first = owner(w * K, units, blocks);
+    last = owner(w * K + K - 1, units, blocks);
+  };
+  // A split tile this block ended mid-range (only ever its first tile, of which it is the
+  // `last` owner): its partial is stored at once, its counter bumped with the final tile's,
+  // so the stream does not stall on a fence and an atomic round trip (~3 us under load).
+  int64_t pending = -1;
   RingCursor cur;
   for (int i = 0; i < n; ++i) {
     ring_wait(ring, cur);
@@ -444,29 +493,60 @@ __global__ void __launch_bounds__(kThreads, 1)
     ring_release(ring, cur);
     cur.advance<S>();
     const int64_t u = u0 + i, w = u / K;
-    if (u - w * K != K - 1 && i != n - 1) continue;
-    // ---- end of this block's segment of work tile w
-    const int64_t tile = w / g.row_groups, row0 = (w - tile * g.row_groups) * R;
-    const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
-    const int64_t first = owner(w * K, units, blocks), last = owner(w * K + K - 1, units, blocks);
+    if (i == n - 1 || u - w * K != K - 1) continue;  // the final tile end is after the loop
+    int64_t tile, row0, first, last;
+    int rows;
+    tile_end(w, tile, row0, rows, first, last);
     if (first == last) {
       tile_acc.emit(g, tile, row0, rows);
-      tile_acc.zero();
-      continue;
+    } else {
+      tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
+      pending = w;
     }
-    const int64_t slot_floats = g.slot_rows * kSlotCols;
-    tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
     tile_acc.zero();
-    __threadfence();
-    group_sync.sync();
-    if (tid == 0) {
-      tile_done = atomicAdd(g.counters + w, 1u) == static_cast<unsigned int>(last - first);
-    }
-    group_sync.sync();
-    if (!tile_done) continue;
-    __threadfence();
-    reduce_tile<T>(g, g.slots + (first + w) * slot_floats, last - first + 1, tile, row0, rows, tid);
   }
+  SWIGLU_TMA_MARK(g.up, 2);
+
+  // ---- the final tile end (tile w): a whole tile is written directly. A split one waits
+  // for every block's partial; then the blocks whose ranges end in it (all but `last`
+  // when its range runs on into the next tile) sum a share each. No block waits before
+  // its own increments, so the waits cannot form a cycle (the launcher keeps every block
+  // resident). Tried and not kept (session 20, no measurable gain): the one summing block
+  // of a 2-block tile adding the other's partial to its own accumulators (its partial
+  // never through L2), and writing finished tiles through shared memory in 16-byte rows.
+  const int64_t w = (u0 + n - 1) / K;
+  int64_t tile, row0, first, last;
+  int rows;
+  tile_end(w, tile, row0, rows, first, last);
+  const int count = static_cast<int>(last - first + 1);
+  const bool split = count > 1;
+  if (split) tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
+  else tile_acc.emit(g, tile, row0, rows);
+  if (split || pending >= 0) {
+    __threadfence();  // the partials are visible before the counters say they are there
+    group_sync.sync();
+    SWIGLU_TMA_MARK(g.up, 4);
+    if (tid == 0) {
+      if (pending >= 0) atomicAdd(g.counters + pending, 1u);
+      if (split) {
+        atomicAdd(g.counters + w, 1u);
+        ptx::wait_counter_at_least(g.counters + w, static_cast<unsigned int>(count));
+      }
+    }
+    if (split) {
+      group_sync.sync();
+      SWIGLU_TMA_MARK(g.up, 5);
+      const float* slot0 = g.slots + (first + w) * slot_floats;
+      const bool last_sums = (last + 1) * units / blocks == (w + 1) * K;
+      const int part = static_cast<int>(b - first), parts = last_sums ? count : count - 1;
+      if (g.up) {
+        reduce_tile<T, true>(g, slot0, count, tile, row0, rows, part, parts, tid);
+      } else {
+        reduce_tile<T, false>(g, slot0, count, tile, row0, rows, part, parts, tid);
+      }
+    }
+  }
+  SWIGLU_TMA_MARK(g.up, 3);
 }
 
 // ------------------------------------------------------------------ launcher
@@ -526,9 +606,13 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.wait_prior = p.pdl;
       a.trigger = false;
     }
-    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it).
+    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it);
+    // at most the blocks the GPU holds at once: they wait on each other's partials.
     const int64_t units = a.col_tiles * groups * a.k_blocks;
-    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
+    int resident = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(resident_blocks(reinterpret_cast<const void*>(kernel),
+                                                     kThreads, kSmemBytes<MT>, &resident));
+    const int64_t blocks = std::min<int64_t>({p.num_clusters, units, resident});
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
         kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
         a.wait_prior, stream, a));

@@ -66,6 +66,19 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Spins until the global counter reaches `target` (gpu-scope acquire: what the writers
+// released before their increments is visible to this thread afterwards; a CTA barrier
+// after it extends that to the block). Only for blocks that are all resident at once.
+__device__ __forceinline__ void wait_counter_at_least(const unsigned int* counter,
+                                                      unsigned int target) {
+  for (;;) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    if (v >= target) return;
+    __nanosleep(64);
+  }
+}
+
 // 16-byte shared-memory load (one LDS.128; the address must be 16-byte aligned).
 __device__ __forceinline__ uint4 lds128(const void* p) {
   uint4 v;

@@ -1,0 +1,153 @@
+// Probe: swiglu's tma kernels (kernels/swiglu_tma.cu, compiled in) timed alone, without
+// JAX, with each block's phase times: quick kernel experiments on the GPU machine without
+// building the package.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -Icpp -Icpp/include benchmarks/probes/tma_kernel.cu -o /tmp/tma_kernel
+//   /tmp/tma_kernel M D F [row_tiles wgmma pdl blocks]
+// Prints us per call (best of 5 x 20 back-to-back calls) and the weight read rate, for the
+// whole call and for the up kernel alone; then, from one more call, when each kernel's
+// blocks reached their phases (%globaltimer, us after the up kernel's first block):
+// consumer start, past the PDL wait, last unit multiplied, its partial stored (a split
+// last tile), its tile counter complete, done (after its share of the tile sum).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+__device__ unsigned long long g_marks[2][1024][6];  // [down, up][block][phase]
+
+#define SWIGLU_TMA_MARK(up, phase)                                                  \
+  do {                                                                              \
+    if (threadIdx.x == 0 && blockIdx.x < 1024) {                                    \
+      unsigned long long t_;                                                        \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
+      g_marks[(up) ? 1 : 0][blockIdx.x][phase] = t_;                                \
+    }                                                                               \
+  } while (0)
+
+#ifndef TMA_SRC
+#define TMA_SRC "kernels/swiglu_tma.cu"
+#endif
+#include TMA_SRC
+
+namespace {
+
+void* g_marks_ptr() {
+  void* p = nullptr;
+  cudaGetSymbolAddress(&p, g_marks);
+  return p;
+}
+
+float time_calls(const jax_cluster::SwigluParams& p) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  float best = 1e30f;
+  for (int r = 0; r < 6; ++r) {
+    cudaEventRecord(a);
+    for (int i = 0; i < 20; ++i) jax_cluster::launch_swiglu_tma(p, 0);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    if (r > 0) best = std::min(best, ms);
+  }
+  return best * 1e3f / 20;
+}
+
+double pct(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * (v.size() - 1))];
+}
+
+void print_phases(int blocks) {
+  static unsigned long long marks[2][1024][6];
+  cudaMemcpyFromSymbol(marks, g_marks, sizeof(marks));
+  const unsigned long long t0 = marks[1][0][0];
+  unsigned long long origin = t0;
+  for (int b = 0; b < blocks; ++b) origin = std::min(origin, marks[1][b][0]);
+  const char* names[6] = {"start", "waited", "streamed", "done", "stored", "counted"};
+  for (int up = 1; up >= 0; --up) {
+    printf("  %s kernel, us (min / median / p90 / max over %d blocks):\n", up ? "up" : "down",
+           blocks);
+    for (int ph : {0, 1, 2, 4, 5, 3}) {
+      std::vector<double> v;
+      for (int b = 0; b < blocks; ++b) {
+        if (marks[up][b][ph] != 0) v.push_back((marks[up][b][ph] - origin) * 1e-3);
+      }
+      if (v.empty()) continue;
+      printf("    %-9s %7.1f %7.1f %7.1f %7.1f  (%zu blocks)\n", names[ph], pct(v, 0), pct(v, 0.5),
+             pct(v, 0.9), pct(v, 1), v.size());
+    }
+    // the blocks that ended last: their stream end and done
+    std::vector<std::pair<double, int>> ends;
+    for (int b = 0; b < blocks; ++b) ends.push_back({(marks[up][b][3] - origin) * 1e-3, b});
+    std::sort(ends.rbegin(), ends.rend());
+    printf("    last to finish (block: streamed -> done):");
+    for (int i = 0; i < 6 && i < blocks; ++i) {
+      const int b = ends[i].second;
+      printf(" %d: %.1f -> %.1f;", b, (marks[up][b][2] - origin) * 1e-3, ends[i].first);
+    }
+    printf("\n");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace jax_cluster;
+  if (argc < 4) {
+    fprintf(stderr, "usage: %s M D F [row_tiles wgmma pdl blocks]\n", argv[0]);
+    return 2;
+  }
+  const int64_t m = atoll(argv[1]), d = atoll(argv[2]), f = atoll(argv[3]);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  SwigluParams p{};
+  p.dtype = DType::kF16;
+  p.variant = SwigluVariant::kTma;
+  p.m = m;
+  p.d = d;
+  p.f = f;
+  p.row_tiles = argc > 4 ? atoi(argv[4]) : (m <= 16 ? 1 : m <= 32 ? 2 : 4);
+  p.wgmma = argc > 5 && atoi(argv[5]) != 0;
+  p.pdl = argc > 6 ? atoi(argv[6]) != 0 : true;
+  p.num_clusters = argc > 7 ? atoi(argv[7]) : sms;
+  p.has_residual = false;
+  const size_t wbytes = static_cast<size_t>(d) * f * 2;
+  void *x, *wg, *wu, *wd, *out, *ws;
+  cudaMalloc(&x, m * std::max(d, f) * 2);
+  cudaMalloc(&wg, wbytes);
+  cudaMalloc(&wu, wbytes);
+  cudaMalloc(&wd, wbytes);
+  cudaMalloc(&out, m * std::max(d, f) * 2);
+  cudaMemset(x, 0, m * std::max(d, f) * 2);
+  for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);  // not zeros: no compression
+  p.x = x;
+  p.w_gate = wg;
+  p.w_up = wu;
+  p.w_down = wd;
+  p.out = out;
+  for (int up_only = 0; up_only < 2; ++up_only) {
+    p.has_down = !up_only;
+    cudaMalloc(&ws, swiglu_tma_layout(p).total);
+    p.workspace = ws;
+    const float us = time_calls(p);
+    const double bytes = (up_only ? 2.0 : 3.0) * wbytes;
+    printf("M %lld D %lld F %lld rt %d wgmma %d pdl %d blocks %d %s: %.1f us, %.2f TB/s\n",
+           static_cast<long long>(m), static_cast<long long>(d), static_cast<long long>(f),
+           p.row_tiles, p.wgmma ? 1 : 0, p.pdl ? 1 : 0, p.num_clusters,
+           up_only ? "up only " : "up+down ", us, bytes / us / 1e6);
+    if (!up_only) {
+      cudaDeviceSynchronize();
+      cudaMemset(g_marks_ptr(), 0, sizeof(g_marks));
+      launch_swiglu_tma(p, 0);
+      cudaDeviceSynchronize();
+      print_phases(p.num_clusters);
+    }
+    cudaFree(ws);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) printf("CUDA error %s\n", cudaGetErrorString(e));
+  return 0;
+}
