@@ -254,7 +254,8 @@ def test_cpu_auto_uses_heuristic_without_measuring(rng, tmp_path):
     jc.swiglu(*inputs)
     assert not (tmp_path / "tuning.json").exists()
     assert sw.resolve_variant("auto", 4, 128, 192, jnp.float16, True) == "gemv"
-    assert sw.resolve_variant("auto", 64, 128, 192, jnp.float16, True) == "split"
+    assert sw.resolve_variant("auto", 64, 128, 192, jnp.float16, True) == "tma"
+    assert sw.resolve_variant("auto", 16, 128, 192, jnp.float16, True) == "tma"
     assert sw.resolve_variant("auto", 1, 128, 192, jnp.float16, True) == "gemv"
 
 
@@ -473,7 +474,7 @@ def test_gpu_auto_tunes_once_and_caches(rng, tmp_path, monkeypatch):
 def test_gpu_tuning_disabled_uses_heuristic(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_CLUSTER_TUNING", "0")
     assert sw.resolve_variant("auto", 4, 512, 1024, jnp.float16, True) == "gemv"
-    assert sw.resolve_variant("auto", 17, 512, 1024, jnp.float16, True) == "split"
+    assert sw.resolve_variant("auto", 17, 512, 1024, jnp.float16, True) == "tma"
     assert not (tmp_path / "tuning.json").exists()
 
 

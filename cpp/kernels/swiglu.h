@@ -38,17 +38,17 @@
 //  * kTma (any M; kernels/swiglu_tma.cu): the split form's two GEMMs as persistent
 //    stream-K kernels (one block per SM) fed by the bulk tensor copy engine: one producer
 //    thread streams 64 x 64 128B-swizzled weight boxes (4 per unit: 128 columns of w_gate
-//    and of w_up, or 256 of w_down, x 64 K rows) plus the x / A2 box into a 5-6 stage Ring
-//    (~200 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
-//    of the (work tile, K block) units per block, partial tiles summed in block order by
-//    the tile's last block (deterministic); the down kernel launched programmatically (PDL).
-//    Measured on H100 (benchmarks/results/swiglu.md, part s13_tma_f16): 0.80-0.94x plain
-//    jnp, and `wgmma` consumers (two warpgroups, both operands from the stage) are no
-//    faster (0.91-1.02x the mma.sync form): the math is not what limits it. ncu
-//    (logs/session13): SMs are active only 82% (up) and 74% (down) of the kernel time at
-//    M = 1, and 80% / 50% at M = 64: blocks with equal unit shares end far apart. Open:
-//    why (a queue of smaller work items was slower; summing a split tile's partials with
-//    all threads instead of one slot after another gained ~2%).
+//    and of w_up, or 256 of w_down, x 64 K rows) plus the x / A2 box into a 2-stage Ring
+//    (~80 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
+//    of the (work tile, K block) units per block. A split tile is summed in block order
+//    (deterministic) by the blocks whose ranges end in it, a share each, after a wait on
+//    the tile's counter (the launcher keeps the grid resident). The down kernel is
+//    launched programmatically (PDL) and pulls its first units into L2 before its wait.
+//    Session 20 (H100, benchmarks/probes/tma_kernel.cu per-block phase times): 5-6 stages
+//    (~200 KB in flight per SM) queued the memory system ~9 us deep, so blocks with equal
+//    shares ended up to 30 us apart and every tile-end round trip cost microseconds; and
+//    the last block to arrive at a down tile summed ~9 partials alone. Llama-2-7B M = 64
+//    went from 155 to 116 us (1.07x plain jnp); see benchmarks/results/swiglu.md.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds

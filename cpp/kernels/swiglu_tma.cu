@@ -107,6 +107,13 @@ __device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t block
 }
 
 // ------------------------------------------------------------------ producer
+// Units past the ring's stages whose weights a programmatically launched (down) kernel
+// pulls into L2 before it waits for the previous grid. H100 (session 20, down kernel
+// alone at 0/4/8/16 units): 8 units gave 3-5% at M <= 16, 4 units 1-3% at M = 32-64
+// (where 8 gave nothing: more bytes than the wait leaves idle time for).
+template <int MT>
+constexpr int kPrefetchUnits = MT == 4 ? 4 : 8;
+
 template <int MT>
 __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>& ring,
                                         uint8_t* stages, int64_t u0, int n) {
@@ -138,12 +145,25 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>&
     where(u, k, col, row);
     ptx::tma_load_2d(st + kBoxes * kBoxBytes, &g.a_map, k, row, bar, a_policy);
   };
+  // Into L2 only: the weight boxes of unit u.
+  auto prefetch_b = [&](int64_t u) {
+    int32_t k, col, row;
+    where(u, k, col, row);
+    ptx::tma_prefetch_2d(&g.b0_map, col, k);
+    ptx::tma_prefetch_2d(&g.b0_map, col + kBoxCols, k);
+    ptx::tma_prefetch_2d(&g.b1_map, col + g.b1_off, k);
+    ptx::tma_prefetch_2d(&g.b1_map, col + g.b1_off + kBoxCols, k);
+  };
   // PDL: the first S stages' weights go out before the wait for the previous grid; their
-  // A boxes (A2, written by it) after it. The stages' barriers already expect them.
+  // A boxes (A2, written by it) after it. The stages' barriers already expect them. The
+  // next kPrefetchUnits units' weights are pulled into L2 then too: HBM is otherwise idle
+  // while the up grid sums its split tiles and drains (session 20). (Prefetched by the up
+  // kernel instead, they delayed its grid's completion, which the wait includes.)
   const int pro = g.wait_prior ? min(n, S) : 0;
   RingCursor cur;
   for (int i = 0; i < n; ++i) {
     if (i == pro && pro > 0) {
+      for (int j = pro; j < min(n, pro + kPrefetchUnits<MT>); ++j) prefetch_b(u0 + j);
       ptx::griddep_wait();
       for (int j = 0; j < pro; ++j) issue_a(u0 + j, stages + j * kStageBytes<MT>, &ring.full[j]);
     }

@@ -35,23 +35,27 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                drains. "gemv:mma=0" = the CUDA-core form (M <= 8: M FMAs per weight).
   "tma"        the split form's two GEMMs as persistent stream-K kernels fed by the bulk
                tensor copy engine: one block per SM, one producer warp streaming 64 x 64
-               weight boxes (and the x / A2 box) into a ring of shared-memory stages, four
-               consumer warps on mma.sync; equal shares of the (tile, K block) units per
-               block, partial tiles summed in block order by the tile's last block
-               (deterministic); the down kernel launched programmatically (PDL) so its
-               first weight tiles load while the up kernel drains. Any M (row groups of
-               16 rt rows; weights re-read per group above 64 rows). H100: 0.80-0.94x
-               plain jnp (benchmarks/results/swiglu.md, part s13_tma_f16), so "auto" still
-               picks "xla". "tma:wg=1": the consumers are two warpgroups on wgmma (64-row
-               tiles, both operands read from the stage); measured 0.97-1.02x the mma.sync
-               form at M <= 32 and 0.91-0.95x at M = 64, so not a scheduler candidate.
+               weight boxes (and the x / A2 box) into a 2-stage ring in shared memory,
+               eight consumer warps on mma.sync; equal shares of the (tile, K block) units
+               per block. A tile split between blocks is summed in block order
+               (deterministic) by the blocks whose ranges end in it, each a share, once the
+               tile's integer counter says all partials are in. The down kernel starts
+               programmatically (PDL): its first weight tiles load, and the next few are
+               pulled into L2, while the up kernel drains. Any M (row groups of 16 rt rows;
+               weights re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md,
+               parts s20_*): 1.06-1.07x plain jnp at Llama-2-7B M = 64, 0.98-1.00x at the
+               other M = 32-64 points, 0.93-0.95x at M = 16, 0.89-0.96x below. "tma:wg=1": the
+               consumers are two warpgroups on wgmma (64-row tiles, both operands read from
+               the stage); slower than mma.sync (session 20, M = 64: 1.08x its time), so not a
+               scheduler candidate.
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
-               plain XLA where our kernels lose (H100, M = 1..64: they do, by 2-7% for gemv
-               at M = 1 and 15-30% for split at M >= 4; benchmarks/results/swiglu.md).
+               plain XLA where our kernels lose (H100, M = 1..64, benchmarks/results/
+               swiglu.md: most points, by 2-11%; tma wins at Llama-2-7B M = 64 and gemv at
+               Llama-2-7B M = 1).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
-               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 16, else "split": our
+               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 8, else "tma": our
                fastest kernels on H100). On CPU the CPU handler computes the same math whatever
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
@@ -374,12 +378,12 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
 
 def heuristic_variant(m: int, has_down: bool) -> str:
     """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: our fastest
-    kernel per M measured on H100 (benchmarks/results/swiglu.md, logs/session10): "gemv"
-    (tensor cores) at M <= 16, 0.85-1.02x XLA's dots; "split" above (stream: 5-15% slower,
-    fused: 2.5-10x). XLA's dots beat them at most shapes, so with tuning on the scheduler
-    mostly picks "xla"."""
+    kernel per M measured on H100 (benchmarks/results/swiglu.md, parts s20_*): "gemv"
+    (tensor cores) at M <= 8 (0.92-1.02x XLA's dots), "tma" above (at M = 16 0.93-0.95x
+    XLA, gemv 0.86-0.91x; at M = 64 0.98-1.07x XLA; split, stream and fused are slower).
+    With tuning on the scheduler measures them against XLA's dots."""
     del has_down
-    return "gemv" if m <= GEMV_MMA_MAX_ROWS else "split"
+    return "gemv" if m <= GEMV_MAX_ROWS else "tma"
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
