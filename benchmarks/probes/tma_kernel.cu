@@ -63,9 +63,10 @@ double pct(std::vector<double> v, double q) {
 void print_phases(int blocks) {
   static unsigned long long marks[2][1024][6];
   cudaMemcpyFromSymbol(marks, g_marks, sizeof(marks));
-  const unsigned long long t0 = marks[1][0][0];
-  unsigned long long origin = t0;
-  for (int b = 0; b < blocks; ++b) origin = std::min(origin, marks[1][b][0]);
+  unsigned long long origin = ~0ull;  // the earliest up block start
+  for (int b = 0; b < blocks; ++b) {  // blocks past a kernel's grid left no marks
+    if (marks[1][b][0] != 0) origin = std::min(origin, marks[1][b][0]);
+  }
   const char* names[6] = {"start", "waited", "streamed", "done", "stored", "counted"};
   for (int up = 1; up >= 0; --up) {
     printf("  %s kernel, us (min / median / p90 / max over %d blocks):\n", up ? "up" : "down",
@@ -81,10 +82,12 @@ void print_phases(int blocks) {
     }
     // the blocks that ended last: their stream end and done
     std::vector<std::pair<double, int>> ends;
-    for (int b = 0; b < blocks; ++b) ends.push_back({(marks[up][b][3] - origin) * 1e-3, b});
+    for (int b = 0; b < blocks; ++b) {
+      if (marks[up][b][3] != 0) ends.push_back({(marks[up][b][3] - origin) * 1e-3, b});
+    }
     std::sort(ends.rbegin(), ends.rend());
     printf("    last to finish (block: streamed -> done):");
-    for (int i = 0; i < 6 && i < blocks; ++i) {
+    for (int i = 0; i < 6 && i < static_cast<int>(ends.size()); ++i) {
       const int b = ends[i].second;
       printf(" %d: %.1f -> %.1f;", b, (marks[up][b][2] - origin) * 1e-3, ends[i].first);
     }

@@ -570,6 +570,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ------------------------------------------------------------------ launcher
+// The up GEMM's grid. When its work tiles fit on the GPU: tiles x k blocks, k the largest
+// power of two with tiles x k <= cap that divides the tile's K blocks, so every block owns
+// one whole tile or exactly 1/k of one, and ends together with the tile's other blocks.
+// H100, M = 64 (session 20, benchmarks/probes/tma_kernel.cu): the up kernel took 89.0
+// instead of 99.5 us with 112 blocks (Llama-3-8B: 112 tiles) and 88.2 instead of 96.6 with
+// 112 (70B: 56 tiles, halves), 77.6 instead of 80.9 with 86 (Llama-2-7B), though fewer SMs
+// stream. The down GEMM (16-32 tiles) keeps every SM.
+int64_t up_blocks(int64_t tiles, int64_t k_blocks, int64_t cap) {
+  if (tiles > cap) return cap;
+  int64_t k = 1;
+  while (tiles * k * 2 <= cap && k_blocks % (k * 2) == 0) k *= 2;
+  return tiles * k;
+}
+
 template <typename T, int MT, bool kWgmma = false>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
@@ -632,7 +646,8 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     int resident = 0;
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(resident_blocks(reinterpret_cast<const void*>(kernel),
                                                      kThreads, kSmemBytes<MT>, &resident));
-    const int64_t blocks = std::min<int64_t>({p.num_clusters, units, resident});
+    int64_t blocks = std::min<int64_t>({p.num_clusters, units, resident});
+    if (a.up) blocks = up_blocks(a.col_tiles * groups, a.k_blocks, blocks);
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
         kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
         a.wait_prior, stream, a));
