@@ -42,13 +42,15 @@
 //    (~80 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
 //    of the (work tile, K block) units per block. A split tile is summed in block order
 //    (deterministic) by the blocks whose ranges end in it, a share each, after a wait on
-//    the tile's counter (the launcher keeps the grid resident). The down kernel is
-//    launched programmatically (PDL) and pulls its first units into L2 before its wait.
+//    the tile's counter (the launcher keeps the grid resident). The up grid is tiles x k
+//    blocks when its tiles fit (each block a whole tile or an exact 1/k), the down grid
+//    one block per SM. The down kernel is launched programmatically (PDL) and pulls its
+//    first units into L2 before its wait.
 //    Session 20 (H100, benchmarks/probes/tma_kernel.cu per-block phase times): 5-6 stages
 //    (~200 KB in flight per SM) queued the memory system ~9 us deep, so blocks with equal
 //    shares ended up to 30 us apart and every tile-end round trip cost microseconds; and
 //    the last block to arrive at a down tile summed ~9 partials alone. Llama-2-7B M = 64
-//    went from 155 to 116 us (1.07x plain jnp); see benchmarks/results/swiglu.md.
+//    went from 155 to ~115 us (plain jnp: ~125); see benchmarks/results/swiglu.md.
 //  Tile order: kCol = a weight tile's row groups run next to each other (weights read
 //  from HBM once, reused through L2/shared memory: small M); kRow = all weight tiles of a
 //  row group, then the next group (x reuse: large M). For the fused kernel, kCol holds

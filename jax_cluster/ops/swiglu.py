@@ -37,7 +37,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                tensor copy engine: one block per SM, one producer warp streaming 64 x 64
                weight boxes (and the x / A2 box) into a 2-stage ring in shared memory,
                eight consumer warps on mma.sync; equal shares of the (tile, K block) units
-               per block. A tile split between blocks is summed in block order
+               per block (the up grid: whole tiles or exact fractions of one per block
+               when its tiles fit). A tile split between blocks is summed in block order
                (deterministic) by the blocks whose ranges end in it, each a share, once the
                tile's integer counter says all partials are in. The down kernel starts
                programmatically (PDL): its first weight tiles load, and the next few are
