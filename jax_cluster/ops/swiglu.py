@@ -44,8 +44,9 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                programmatically (PDL): its first weight tiles load, and the next few are
                pulled into L2, while the up kernel drains. Any M (row groups of 16 rt rows;
                weights re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md,
-               parts s20_*): 1.06-1.07x plain jnp at Llama-2-7B M = 64, 0.98-1.00x at the
-               other M = 32-64 points, 0.93-0.95x at M = 16, 0.89-0.96x below. "tma:wg=1": the
+               parts s20c_*): 1.00-1.07x plain jnp at M = 64 (85-86% of roofline at
+               Llama-3-8B and 70B), 1.02-1.06x at M = 32, 0.99-1.02x at M = 16, 0.96-1.01x
+               below. "tma:wg=1": the
                consumers are two warpgroups on wgmma (64-row tiles, both operands read from
                the stage); slower than mma.sync (session 20, M = 64: 1.08x its time), so not a
                scheduler candidate.
@@ -56,8 +57,8 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                Llama-2-7B M = 1).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
-               JAX_CLUSTER_TUNING=0, the heuristic ("gemv" at M <= 8, else "tma": our
-               fastest kernels on H100). On CPU the CPU handler computes the same math whatever
+               JAX_CLUSTER_TUNING=0, the heuristic ("tma": our fastest kernel on H100 at
+               every measured M). On CPU the CPU handler computes the same math whatever
                the variant.
 Experts may append knobs: "fused:n=16:g=2:rt=1:c=29" (cluster size, F tiles per exchange,
 16-row tiles per block, clusters), "split:nu=4:nd=16:rt=2" (cluster sizes of the up and
@@ -379,12 +380,12 @@ def make_config(spec: str, m: int, d: int, f: int, has_down: bool, num_sms: int)
 
 def heuristic_variant(m: int, has_down: bool) -> str:
     """The fixed choice when tuning is off (JAX_CLUSTER_TUNING=0) or on CPU: our fastest
-    kernel per M measured on H100 (benchmarks/results/swiglu.md, parts s20_*): "gemv"
-    (tensor cores) at M <= 8 (0.92-1.02x XLA's dots), "tma" above (at M = 16 0.93-0.95x
-    XLA, gemv 0.86-0.91x; at M = 64 0.98-1.07x XLA; split, stream and fused are slower).
-    With tuning on the scheduler measures them against XLA's dots."""
-    del has_down
-    return "gemv" if m <= GEMV_MAX_ROWS else "tma"
+    kernel on H100 (benchmarks/results/swiglu.md, parts s20c_*): "tma" at every M. It is
+    0.96-1.07x XLA's dots, 0.99-1.08x "gemv" (which is 0.5% ahead only at Llama-2-7B
+    M = 1); split, stream and fused are slower. With tuning on, the scheduler measures the
+    candidates against XLA's dots."""
+    del m, has_down
+    return "tma"
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
