@@ -29,7 +29,9 @@
 //    every partial is in: they all end at the kernel's end, together, so they share the
 //    sum instead of leaving it to the last block to arrive (which took up to 25 us of a
 //    150 us call at M = 64, the other blocks idle; session 20). The blocks wait on each
-//    other: the launcher never starts more blocks than the GPU holds at once.
+//    other: the launcher never starts more blocks than the GPU holds at once, and two
+//    such grids must not share the GPU from different streams (each could hold SMs the
+//    other's waiting blocks need).
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
 // launch at once; a down block issues its first kStages units' weight boxes (independent

@@ -40,7 +40,10 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                per block (the up grid: whole tiles or exact fractions of one per block
                when its tiles fit). A tile split between blocks is summed in block order
                (deterministic) by the blocks whose ranges end in it, each a share, once the
-               tile's integer counter says all partials are in. The down kernel starts
+               tile's integer counter says all partials are in (blocks wait on each other:
+               the grid never exceeds what the GPU holds, and two tma calls must not run
+               at once on one GPU from different streams; XLA runs a device's computations
+               on one compute stream). The down kernel starts
                programmatically (PDL): its first weight tiles load, and the next few are
                pulled into L2, while the up kernel drains. Any M (row groups of 16 rt rows;
                weights re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md,
