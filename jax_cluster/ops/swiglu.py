@@ -43,21 +43,19 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                tile's integer counter says all partials are in (blocks wait on each other:
                the grid never exceeds what the GPU holds, and two tma calls must not run
                at once on one GPU from different streams; XLA runs a device's computations
-               on one compute stream). The down kernel starts
-               programmatically (PDL): its first weight tiles load, and the next few are
-               pulled into L2, while the up kernel drains. Any M (row groups of 16 rt rows;
-               weights re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md,
-               parts s20c_*): 1.00-1.07x plain jnp at M = 64 (85-86% of roofline at
-               Llama-3-8B and 70B), 1.02-1.06x at M = 32, 0.99-1.02x at M = 16, 0.96-1.01x
-               below. "tma:wg=1": the
-               consumers are two warpgroups on wgmma (64-row tiles, both operands read from
-               the stage); slower than mma.sync (session 20, M = 64: 1.08x its time), so not a
+               on one compute stream). The down kernel starts programmatically (PDL): its
+               first weight tiles load, and the next few are pulled into L2, while the up
+               kernel drains. Any M (row groups of 16 rt rows; weights re-read per group
+               above 64 rows). H100 (benchmarks/results/swiglu.md, parts s20c_*): 1.00-1.07x
+               plain jnp at M = 64 (85-86% of roofline at Llama-3-8B and 70B), 1.02-1.06x at
+               M = 32, 0.99-1.02x at M = 16, 0.96-1.01x below. "tma:wg=1": the consumers are
+               two warpgroups on wgmma (64-row tiles, both operands read from the stage);
+               slower than mma.sync (session 20, M = 64: ~1.07x its time), so not a
                scheduler candidate.
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
-               plain XLA where our kernels lose (H100, M = 1..64, benchmarks/results/
-               swiglu.md: most points, by 2-11%; tma wins at Llama-2-7B M = 64 and gemv at
-               Llama-2-7B M = 1).
+               plain XLA where our kernels lose (H100, benchmarks/results/swiglu.md: at
+               most points with M <= 8, by 0-4%).
   "auto"       the scheduler: on a GPU, the fastest candidate for (M bucket, D, F, dtype,
                GPU), measured once and cached on disk (jax_cluster.tuning); with
                JAX_CLUSTER_TUNING=0, the heuristic ("tma": our fastest kernel on H100 at
