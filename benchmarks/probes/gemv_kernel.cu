@@ -12,6 +12,7 @@
 #define GEMV_SRC "kernels/swiglu_gemv.cu"
 #endif
 #include GEMV_SRC
+#include "swiglu_probe.h"
 
 int main(int argc, char** argv) {
   using namespace jax_cluster;
@@ -36,38 +37,14 @@ int main(int argc, char** argv) {
   p.k_splits_up = ku > 0 ? ku : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(f, 128));
   p.k_splits_down = kd > 0 ? kd : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(d, 128));
   p.pdl = argc > 6 ? atoi(argv[6]) : 1;
-  const size_t wbytes = static_cast<size_t>(d) * f * 2;
-  void *x, *wg, *wu, *wd, *out, *ws;
-  cudaMalloc(&x, m * std::max(d, f) * 2);
-  cudaMalloc(&wg, wbytes);
-  cudaMalloc(&wu, wbytes);
-  cudaMalloc(&wd, wbytes);
-  cudaMalloc(&out, m * std::max(d, f) * 2);
-  cudaMemset(x, 0, m * std::max(d, f) * 2);
-  for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);  // not zeros: no compression
-  p.x = x;
-  p.w_gate = wg;
-  p.w_up = wu;
-  p.w_down = wd;
-  p.out = out;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
+  const size_t wbytes = swiglu_probe_buffers(p);
+  void* ws;
   for (int up_only = 0; up_only < 2; ++up_only) {
     p.has_down = !up_only;
     cudaMalloc(&ws, swiglu_gemv_layout(p).total);
     p.workspace = ws;
-    float best = 1e30f;
-    for (int r = 0; r < 6; ++r) {
-      cudaEventRecord(a);
-      for (int i = 0; i < 20; ++i) launch_swiglu_gemv(p, 0);
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms;
-      cudaEventElapsedTime(&ms, a, b);
-      if (r > 0) best = std::min(best, ms);
-    }
-    const double us = best * 1e3 / 20, bytes = (up_only ? 2.0 : 3.0) * wbytes;
+    const double us = swiglu_probe_us([&] { launch_swiglu_gemv(p, 0); });
+    const double bytes = (up_only ? 2.0 : 3.0) * wbytes;
     printf("M %lld D %lld F %lld ku %d kd %d pdl %d %s: %.1f us, %.2f TB/s\n",
            static_cast<long long>(m), static_cast<long long>(d), static_cast<long long>(f),
            p.k_splits_up, p.k_splits_down, p.pdl ? 1 : 0, up_only ? "up only " : "up+down ", us,

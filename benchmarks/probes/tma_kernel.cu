@@ -29,6 +29,7 @@ __device__ unsigned long long g_marks[2][1024][6];  // [down, up][block][phase]
 #define TMA_SRC "kernels/swiglu_tma.cu"
 #endif
 #include TMA_SRC
+#include "swiglu_probe.h"
 
 namespace {
 
@@ -36,23 +37,6 @@ void* g_marks_ptr() {
   void* p = nullptr;
   cudaGetSymbolAddress(&p, g_marks);
   return p;
-}
-
-float time_calls(const jax_cluster::SwigluParams& p) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  float best = 1e30f;
-  for (int r = 0; r < 6; ++r) {
-    cudaEventRecord(a);
-    for (int i = 0; i < 20; ++i) jax_cluster::launch_swiglu_tma(p, 0);
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    if (r > 0) best = std::min(best, ms);
-  }
-  return best * 1e3f / 20;
 }
 
 double pct(std::vector<double> v, double q) {
@@ -117,25 +101,13 @@ int main(int argc, char** argv) {
   p.pdl = argc > 6 ? atoi(argv[6]) != 0 : true;
   p.num_clusters = argc > 7 ? atoi(argv[7]) : sms;
   p.has_residual = false;
-  const size_t wbytes = static_cast<size_t>(d) * f * 2;
-  void *x, *wg, *wu, *wd, *out, *ws;
-  cudaMalloc(&x, m * std::max(d, f) * 2);
-  cudaMalloc(&wg, wbytes);
-  cudaMalloc(&wu, wbytes);
-  cudaMalloc(&wd, wbytes);
-  cudaMalloc(&out, m * std::max(d, f) * 2);
-  cudaMemset(x, 0, m * std::max(d, f) * 2);
-  for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);  // not zeros: no compression
-  p.x = x;
-  p.w_gate = wg;
-  p.w_up = wu;
-  p.w_down = wd;
-  p.out = out;
+  const size_t wbytes = swiglu_probe_buffers(p);
+  void* ws;
   for (int up_only = 0; up_only < 2; ++up_only) {
     p.has_down = !up_only;
     cudaMalloc(&ws, swiglu_tma_layout(p).total);
     p.workspace = ws;
-    const float us = time_calls(p);
+    const float us = swiglu_probe_us([&] { launch_swiglu_tma(p, 0); });
     const double bytes = (up_only ? 2.0 : 3.0) * wbytes;
     printf("M %lld D %lld F %lld rt %d wgmma %d pdl %d blocks %d %s: %.1f us, %.2f TB/s\n",
            static_cast<long long>(m), static_cast<long long>(d), static_cast<long long>(f),
