@@ -155,7 +155,7 @@ def step_for(choice, shape):
     if choice in ("jnp", "pallas"):
         step = plain_jnp_step if choice == "jnp" else pallas_step
         return lambda *a: step(*a, *shape)
-    if choice == "auto" or choice.startswith("impl="):
+    if choice in ("auto", "splitk") or choice.startswith("impl="):
         impl = choice.removeprefix("impl=")
         return lambda *a: ours_step(*a, *shape, impl=impl)
     n, h, pipe, r = ad_op.parse_choice(int(choice) if str(choice).isdigit() else choice)
@@ -245,6 +245,7 @@ def main(argv=None):
                         if choice in ("xla", "pallas"):  # the peers, timed above
                             continue
                         sweep[choice] = time_steps(step_for(choice, shape), fresh(), consts)
+                    splitk = sweep.pop("splitk", None)  # XLA's projections around our split-K attention
                     tiled = {c: v for c, v in sweep.items() if ad_op.parse_choice(c)[3] > 1}
                     tma = {c: v for c, v in sweep.items() if str(c).startswith("tma:")}
                     registers = {c: v for c, v in sweep.items() if c not in tiled and c not in tma}
@@ -268,6 +269,8 @@ def main(argv=None):
                                 (("kernel", best_n), ("tma", best_tma), ("tiled", best_tiled)) if best]
                     if best_sh:
                         variants.append(("split_head", split_head[best_sh]))
+                    if splitk is not None:
+                        variants.append(("splitk", splitk))
                     if not args.skip_auto:
                         variants.append(("auto", t["auto"]))
                     for variant, ours in variants:

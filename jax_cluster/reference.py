@@ -53,6 +53,17 @@ def _norm_f32(x, norm, weight, bias, eps):
     return h
 
 
+def decode_attention(q, k_cache, v_cache, pos):
+    """out [B, Hkv, G, Dh] = softmax(q . K[..., 0..pos[b], :]) V (q already scaled), fp32
+    math; NaN for rows whose pos is outside [0, S_max)."""
+    f32 = jnp.float32
+    s = jnp.einsum("bhgd,bhsd->bhgs", q.astype(f32), k_cache.astype(f32))
+    s = jnp.where(jnp.arange(k_cache.shape[2]) <= pos[:, None, None, None], s, -jnp.inf)
+    out = jnp.einsum("bhgs,bhsd->bhgd", jax.nn.softmax(s, axis=-1), v_cache.astype(f32))
+    valid = (pos >= 0) & (pos < k_cache.shape[2])
+    return jnp.where(valid[:, None, None, None], out, jnp.nan).astype(q.dtype)
+
+
 def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                      num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
                      qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,

@@ -196,8 +196,8 @@ def test_tuner_candidates_and_choices():
     from jax_cluster.ops import attention_decode as ad
     # MHA: nothing to spread; each pipeline
     # (one cluster: 7 is the one-wave size that is not a power of two)
-    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "pallas", 7, "tma:2", "tma:4", "tma:8",
-                                       "tma:7")
+    assert ad._tuner_candidates(1) == (1, 2, 4, 8, 16, "xla", "pallas", "splitk", 7, "tma:2", "tma:4",
+                                       "tma:8", "tma:7")
     gqa = ad._tuner_candidates(4)
     assert {"n8:h2", "n4:h1", "tma:n8:h2", "tma:4"} <= set(gqa) and "n8:h4" not in gqa
     # 32 clusters (Llama-2-7B b1; Llama-3-8B b1 at one query head per cluster) fit an H100
@@ -212,6 +212,7 @@ def test_tuner_candidates_and_choices():
     assert ad.parse_choice("n4:r8") == (4, None, "registers", 8)
     assert ad.parse_choice("n8:h2:r4") == (8, 2, "registers", 4)
     assert ad.parse_choice("xla") == "xla" and ad.parse_choice("pallas") == "pallas"
+    assert ad.parse_choice("splitk") == "splitk" and "splitk" not in ad._tuner_candidates(16)
     assert ad._heads_per_cluster(12, 4) == 4 and ad._heads_per_cluster(6, 4) == 3
 
 
@@ -338,6 +339,15 @@ def test_invalid_length_inside_jit_gives_nan_row(rng):
     y, k, _ = jax.jit(lambda a: jc.attention_decode(**a, **kw))(args)
     assert np.isnan(np.asarray(y[1])).all() and np.isfinite(np.asarray(y[0])).all()
     np.testing.assert_array_equal(k[1], args["k_cache"][1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_splitk_step_cpu(rng, dtype):
+    """attention_decode(impl="splitk"): the step with decode_attention between XLA's ops
+    (on CPU its handler) is the same step as the reference, caches included."""
+    args, kw = make_inputs(rng, batch=3, hidden=128, hq=8, hkv=2, dh=16, max_seq=17,
+                                dtype=dtype, norm="layer", bias=True, rotary_dim=8)
+    check(args, kw, jax.devices("cpu")[0], impl="splitk")
 
 
 # ---------------------------------------------------------------- GPU
@@ -698,3 +708,17 @@ def test_gpu_auto_with_batch_tiled_candidates(rng, tmp_path, monkeypatch):
     import json
     (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
     assert any(":r" in c for c in entry["times_us"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(3, 512, 8, 2, 128, 512), (16, 512, 4, 4, 64, 300),
+                                   (2, 640, 8, 1, 80, 129)])
+def test_gpu_splitk_impl(rng, dtype, shape):
+    """impl="splitk" (a tuner candidate): our split-K decode attention between XLA's ops."""
+    b, hidden, hq, hkv, dh, s = shape
+    lengths = rng.integers(0, s, size=b)
+    lengths[0] = s - 1
+    args, kw = make_inputs(rng, batch=b, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=s,
+                                dtype=dtype, lengths=lengths)
+    check(args, kw, _gpu(), impl="splitk")

@@ -9,8 +9,10 @@
 
 On a Hopper GPU this is ONE cluster kernel (ClusterFusion Alg. 3) plus a tiny
 deterministic combine; shapes it does not cover run XLA's ops (impl="xla") with a
-one-time warning, and the tuner picks "xla" (XLA's ops) or "pallas" (Pallas' decode
-attention between XLA's matmuls) where it measures one faster than the kernel.
+one-time warning, and the tuner picks "xla" (XLA's ops), "pallas" (Pallas' decode
+attention between XLA's matmuls) or "splitk" (our split-K decode attention kernel,
+jax_cluster.ops.decode_attention, between XLA's matmuls) where it measures one faster
+than the fused kernel.
 Donate the caches (jax.jit(..., donate_argnums=...)) so the update happens in place.
 """
 
@@ -27,8 +29,9 @@ from jax.core import ShapedArray
 
 from jax_cluster import reference
 from jax_cluster.ops._primitive import ffi_primitive
-from jax_cluster.ops.attention_decode_xla import (attention_decode_pallas, attention_decode_xla,
-                                                  pallas_supported)
+from jax_cluster.ops.attention_decode_xla import (attention_decode_pallas, attention_decode_splitk,
+                                                  attention_decode_xla, pallas_supported)
+from jax_cluster.ops.decode_attention import MAX_GROUP as SPLITK_MAX_GROUP
 
 NORMS = {None: 0, "rms": 1, "layer": 2}
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
@@ -40,7 +43,10 @@ ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 # powers of two.
 CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 POW2_CLUSTER_SIZES = (1, 2, 4, 8, 16)
-IMPLS = ("auto", "kernel", "xla", "pallas", "reference")
+IMPLS = ("auto", "kernel", "xla", "pallas", "splitk", "reference")
+# Tuner choices that run no fused kernel: XLA's projections around an attention of XLA
+# (einsums), Pallas or our split-K kernel.
+UNFUSED = ("xla", "pallas", "splitk")
 DATAFLOWS = {"split_token": 0, "split_head": 1}  # AttnDataflow in cpp/kernels/attention_decode.h
 # How SplitToken streams weights and KV (AttnPipeline): "registers" = every thread loads
 # straight into registers; "tma" = a producer warp feeds a ring of shared-memory stages
@@ -187,7 +193,8 @@ def _tuner_candidates(group: int, batch: int = 1, num_kv_heads: int = 1, hidden:
     tma = tuple(f"tma:{c}" for c in (2, 4, 8) + tuple(odd)
                 + tuple(c for c in spread if not c.startswith("n2")))
     tiled = _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms)
-    return POW2_CLUSTER_SIZES + ("xla", "pallas") + tuple(odd) + spread + tma + tiled
+    splitk = ("splitk",) if group <= SPLITK_MAX_GROUP else ()
+    return POW2_CLUSTER_SIZES + ("xla", "pallas") + splitk + tuple(odd) + spread + tma + tiled
 
 
 def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132) -> tuple:
@@ -215,10 +222,10 @@ def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132)
 
 def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline, rows per
-    cluster), or "xla" / "pallas" (no kernel). Choices: a cluster size (4), "n8:h2" (cluster
+    cluster), or "xla" / "pallas" / "splitk" (no fused kernel). Choices: a cluster size (4), "n8:h2" (cluster
     8, <= 2 query heads per cluster), "n4:r8" (cluster 4, tiles of 8 batch rows), a "tma:"
     prefix (the TMA pipeline)."""
-    if choice in ("xla", "pallas"):
+    if choice in UNFUSED:
         return choice
     pipeline = "registers"
     if isinstance(choice, str) and choice.startswith("tma:"):
@@ -229,15 +236,16 @@ def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     return int(choice), None, pipeline, 1
 
 
-KERNEL_VERSION = 11  # bump when the kernels (or how they are timed) change: cached choices are re-measured
+KERNEL_VERSION = 12  # bump when the kernels (or how they are timed) change: cached choices are re-measured
 
 
 def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtype) -> int | str:
     """The tuner's pick on a GPU (measured once per shape, cached on disk; see
     jax_cluster.tuning), else the heuristic. Context is bucketed to a power of two, and a
     cache length that is not a multiple of XLA_CACHE_ALIGN is a key of its own.
-    Candidates: the kernel's configurations, "xla" (XLA's own ops, attention_decode_xla) and
-    "pallas" (attention_decode_pallas) where Pallas takes this S_max (then it also takes the
+    Candidates: the kernel's configurations, "xla" (XLA's own ops, attention_decode_xla),
+    "splitk" (attention_decode_splitk) and "pallas" (attention_decode_pallas) where Pallas
+    takes this S_max (then it also takes the
     bucket it is timed at); an S_max it does not take is a key of its own ("nopallas"), so
     those shapes get the best of the other candidates."""
     sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
@@ -300,7 +308,7 @@ def autotune(batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, max_s
     """Runs the tuner now for one shape (e.g. at deployment warm-up); returns what
     impl="auto" will run for it: a cluster size of the kernel, "n<size>:h<heads>" (cluster
     size and at most that many query heads per cluster), either with a "tma:" prefix (the
-    TMA pipeline), "n<size>:r<rows>" (the batch-tiled kernel), "xla" or "pallas"."""
+    TMA pipeline), "n<size>:r<rows>" (the batch-tiled kernel), "xla", "pallas" or "splitk"."""
     return _choose_cluster_size(jax.default_backend() == "gpu", batch, hidden, num_q_heads,
                                 num_kv_heads, max_seq, head_dim, dtype)
 
@@ -342,7 +350,9 @@ def attention_decode(
     heuristic cluster size), "xla" (XLA's own ops in the input dtype, fp32 accumulation),
     "pallas" (XLA's ops around Pallas' split-K decode attention kernel; GPU only, a
     power-of-two head_dim and S_max a multiple of 16 with splits of whole 128-token blocks:
-    attention_decode_xla.pallas_supported), "reference" (plain jnp, fp32 math).
+    attention_decode_xla.pallas_supported), "splitk" (XLA's ops around our split-K decode
+    attention kernel, jax_cluster.ops.decode_attention; on a GPU head_dim 64/80/96/128 and
+    at most 8 query heads per KV head), "reference" (plain jnp, fp32 math).
     """
     if x.ndim != 2:
         raise ValueError(f"attention_decode: x must be [B, D], got shape {x.shape}")
@@ -433,6 +443,8 @@ def attention_decode(
             raise ValueError("attention_decode: impl='pallas' runs Pallas' GPU kernel; the backend "
                              f"is {jax.default_backend()!r}")
         return attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+    if impl == "splitk":
+        return attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
 
     if on_gpu and (head_dim not in CUDA_HEAD_DIMS or hidden % 64 or jnp.dtype(dt) == jnp.float32):
         if impl == "kernel":
@@ -447,12 +459,11 @@ def attention_decode(
     if cluster_size is None:
         choice = parse_choice(_choose_cluster_size(on_gpu, batch, hidden, num_q_heads,
                                                    num_kv_heads, max_seq, head_dim, dt))
-        if isinstance(choice, str):  # "xla" / "pallas": measured faster than every kernel configuration
+        if isinstance(choice, str):  # UNFUSED: measured faster than every kernel configuration
             if impl != "kernel":
-                if choice == "pallas":  # only a candidate where Pallas takes this S_max
-                    return attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq,
-                                                   **kwargs)
-                return attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
+                step = {"pallas": attention_decode_pallas,  # only a candidate where Pallas takes this S_max
+                        "splitk": attention_decode_splitk, "xla": attention_decode_xla}[choice]
+                return step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs)
             choice = (default_cluster_size(batch, num_kv_heads, num_q_heads // num_kv_heads), None,
                       "registers", 1)
         cluster_size, tuned_heads, tuned_pipeline, tuned_rows = choice

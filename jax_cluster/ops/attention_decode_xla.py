@@ -1,7 +1,8 @@
 """attention_decode with XLA's own ops: the same step as the fused kernel, in the input
 dtype with fp32 accumulation (no fp32 copies of weights or caches, unlike the reference).
 attention_decode_pallas is the same step with its attention done by Pallas' split-K
-decode kernel (jax.experimental.pallas.ops.gpu.decode_attention).
+decode kernel (jax.experimental.pallas.ops.gpu.decode_attention), attention_decode_splitk
+with our own split-K kernel (jax_cluster.ops.decode_attention).
 
 The tuner weighs both against the kernel's cluster sizes, so ``impl="auto"`` is never
 slower than plain XLA where the kernel loses (batch 16 and GQA on H100: see
@@ -84,6 +85,12 @@ def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
     return o.reshape(b, hkv, group, dh)
 
 
+def _attend_splitk(qg, k_cache, v_cache, pos):
+    """_attend_einsum's result, in the queries' dtype, from our split-K decode kernel."""
+    from jax_cluster.ops.decode_attention import decode_attention
+    return decode_attention(qg, k_cache, v_cache, pos)
+
+
 def _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                  num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias, residual,
                  rotary_dim, rope_layout, scale, attend):
@@ -135,3 +142,10 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
                          f"head_dim {k_cache.shape[3]}, S_max {k_cache.shape[2]}")
     attend = functools.partial(_attend_pallas, interpret=interpret)
     return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=attend, **kwargs)
+
+
+def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs):
+    """The decode step with our split-K decode attention kernel (decode_attention) between
+    XLA's ops: for batches where one fused cluster per row re-reads the weights per row."""
+    return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=_attend_splitk,
+                        **kwargs)

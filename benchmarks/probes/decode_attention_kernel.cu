@@ -1,0 +1,118 @@
+// Probe: the split-K decode attention kernels (kernels/decode_attention.cu, compiled in)
+// timed alone, fp16, and checked against a CPU computation of a few (row, KV head) pairs.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -Icpp -Icpp/include benchmarks/probes/decode_attention_kernel.cu -o /tmp/da
+//   /tmp/da B Hkv G Dh S_max splits [pos]   (pos default S_max - 1, every row)
+// Prints us per call (best of 5 x 20 back-to-back calls, split + merge kernel), the rate at
+// which it reads the K/V bytes of pos + 1 tokens, and the largest error of the checked pairs.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "kernels/decode_attention.cu"
+
+#define CHECK(x)                                                             \
+  do {                                                                       \
+    cudaError_t e_ = (x);                                                    \
+    if (e_ != cudaSuccess) {                                                 \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                          \
+    }                                                                        \
+  } while (0)
+
+static std::vector<__half> random_half(int64_t n, float scale, uint32_t seed) {
+  std::vector<__half> v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    v[i] = __float2half(scale * (static_cast<float>(seed >> 8) / 8388608.f - 1.f));
+  }
+  return v;
+}
+
+template <typename T>
+static T* upload(const std::vector<T>& h) {
+  T* d;
+  CHECK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+int main(int argc, char** argv) {
+  using namespace jax_cluster;
+  if (argc < 7) {
+    std::fprintf(stderr, "usage: %s B Hkv G Dh S_max splits [pos]\n", argv[0]);
+    return 2;
+  }
+  DecodeAttentionParams p{};
+  p.dtype = DType::kF16;
+  p.batch = atoll(argv[1]);
+  p.num_kv_heads = atoll(argv[2]);
+  p.group = atoll(argv[3]);
+  p.head_dim = atoll(argv[4]);
+  p.max_seq = atoll(argv[5]);
+  p.splits = atoll(argv[6]);
+  const int pos = argc > 7 ? atoi(argv[7]) : static_cast<int>(p.max_seq - 1);
+  const int64_t dh = p.head_dim, cache = p.batch * p.num_kv_heads * p.max_seq * dh;
+  const int64_t qn = p.batch * p.num_kv_heads * p.group * dh;
+  auto hq = random_half(qn, 1.f / std::sqrt(static_cast<float>(dh)), 1);
+  auto hk = random_half(cache, 1.f, 2), hv = random_half(cache, 1.f, 3);
+  p.q = upload(hq);
+  p.k_cache = upload(hk);
+  p.v_cache = upload(hv);
+  p.pos = upload(std::vector<int32_t>(p.batch, pos));
+  CHECK(cudaMalloc(&p.out, qn * 2));
+  CHECK(cudaMalloc(&p.partial, decode_attention_workspace_floats(p) * 4));
+
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  CHECK(launch_decode_attention(p, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<__half> out(qn);
+  CHECK(cudaMemcpy(out.data(), p.out, qn * 2, cudaMemcpyDeviceToHost));
+  // CPU check of the first and last (row, KV head).
+  float err = 0.f;
+  const int64_t pairs = p.batch * p.num_kv_heads;
+  for (int64_t bg : {int64_t{0}, pairs - 1}) {
+    for (int64_t h = 0; h < p.group; ++h) {
+      const int64_t qo = (bg * p.group + h) * dh;
+      std::vector<double> s(pos + 1), o(dh, 0.0);
+      double mx = -1e30, l = 0.0;
+      for (int t = 0; t <= pos; ++t) {
+        double d = 0.0;
+        for (int64_t i = 0; i < dh; ++i) {
+          d += __half2float(hq[qo + i]) * __half2float(hk[(bg * p.max_seq + t) * dh + i]);
+        }
+        s[t] = d;
+        mx = std::max(mx, d);
+      }
+      for (int t = 0; t <= pos; ++t) {
+        const double w = std::exp(s[t] - mx);
+        l += w;
+        for (int64_t i = 0; i < dh; ++i) o[i] += w * __half2float(hv[(bg * p.max_seq + t) * dh + i]);
+      }
+      for (int64_t i = 0; i < dh; ++i) {
+        err = std::max(err, static_cast<float>(std::fabs(o[i] / l - __half2float(out[qo + i]))));
+      }
+    }
+  }
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    CHECK(cudaEventRecord(a, stream));
+    for (int i = 0; i < 20; ++i) CHECK(launch_decode_attention(p, stream));
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    best = std::min(best, ms * 1000.f / 20.f);
+  }
+  const double bytes = 2.0 * p.batch * p.num_kv_heads * (pos + 1) * dh * 2;
+  std::printf("B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
+              (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
+              (long long)p.max_seq, pos, (long long)p.splits, best, bytes / best * 1e-3, err);
+  return 0;
+}

@@ -1,0 +1,28 @@
+#include "ffi/cuda_util.h"
+#include "ffi/decode_attention.h"
+#include "kernels/decode_attention_launch.h"
+
+namespace jax_cluster {
+namespace {
+
+ffi::Error decode_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                 ffi::AnyBuffer v_cache, ffi::AnyBuffer pos,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace, int64_t splits) {
+  auto p = decode_decode_attention(q, k_cache, v_cache, pos, out, workspace, splits);
+  if (!p) return p.error();
+  if (!decode_attention_cuda_supports(*p)) {
+    return ffi_util::invalid("decode_attention: no CUDA kernel for this head_dim/dtype "
+                             "(head_dim 64, 80, 96 or 128; float16 or bfloat16)");
+  }
+  return ffi_util::from_cuda(launch_decode_attention(*p, stream), "decode_attention");
+}
+
+}  // namespace
+}  // namespace jax_cluster
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_cluster_decode_attention_cuda, jax_cluster::decode_attention_cuda,
+    jax_cluster::bind_decode_attention(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
