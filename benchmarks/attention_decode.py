@@ -288,7 +288,7 @@ def main(argv=None):
                         elif variant == "kernel":
                             row.update(best_config=best_n, **{f"n{n}_us": v for n, v in sweep.items()
                                                               if isinstance(n, int)})
-                        else:
+                        elif variant == "auto":
                             row["pick"] = pick
                         rows.append(row)
                         print(f"  {row['case']:36s} {ours:7.1f} us ({row['roofline_fraction']:.0%} roofline)"
@@ -296,7 +296,7 @@ def main(argv=None):
                               + (f"  sweep {', '.join(f'{n}={v:.0f}' for n, v in sweep.items())}"
                                  if variant in ("kernel", "tma", "tiled")
                                  else f"  {', '.join(f'{n}={v:.0f}' for n, v in split_head.items())}"
-                                 if variant == "split_head" else f"  pick {pick}"))
+                                 if variant == "split_head" else f"  pick {pick}" if variant == "auto" else ""))
                     save(rows, bw)  # after every case: a cut-off run keeps what it measured
 
 

@@ -84,11 +84,12 @@ def test_cpu_handler_and_xla_impl(rng, case, dtype, layout, impl):
     check(args, kw, jax.devices("cpu")[0], impl=impl)
 
 
-def test_xla_impl_invalid_length_writes_nothing(rng):
+@pytest.mark.parametrize("impl", ["xla", "splitk"])
+def test_unfused_impl_invalid_length_writes_nothing(rng, impl):
     args, kw = make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=5, dtype="float32",
                            lengths=[2, 0])
     lengths = jnp.asarray([2, 5], jnp.int32)  # row 1 out of range: traced, so not caught early
-    y, k, v = jax.jit(lambda a, ln: jc.attention_decode(**{**a, "lengths": ln}, **kw, impl="xla"))(args, lengths)
+    y, k, v = jax.jit(lambda a, ln: jc.attention_decode(**{**a, "lengths": ln}, **kw, impl=impl))(args, lengths)
     assert np.isnan(np.asarray(y[1])).all() and np.isfinite(np.asarray(y[0])).all()
     np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(args["k_cache"][1]))
     np.testing.assert_array_equal(np.asarray(v[1]), np.asarray(args["v_cache"][1]))

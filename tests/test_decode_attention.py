@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_cluster import reference
-from jax_cluster.ops.decode_attention import decode_attention, default_splits
+from jax_cluster.ops.decode_attention import decode_attention, decode_attention_append, default_splits
 from jax_cluster.testing import TOLERANCE, rel_l2
 
 
@@ -133,3 +133,102 @@ def test_gpu_deterministic(rng, splits):
 def test_gpu_unsupported_head_dim_raises(rng):
     with pytest.raises(ValueError, match="no CUDA kernel"):
         decode_attention(*jax.device_put(make(rng, 1, 1, 1, 48, 16, "float16"), _gpu()))
+
+
+# ---------------------------------------------------------------- append mode
+def make_append(rng, batch, hkv, group, dh, max_seq, dtype, pos, rotary_dim=None):
+    rotary_dim = dh if rotary_dim is None else rotary_dim
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    qkv = jnp.asarray(rng.standard_normal((batch, (group + 2) * hkv * dh)), jnp.float32)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, rotary_dim, 2) / rotary_dim), jnp.float32)
+    return qkv, f(batch, hkv, max_seq, dh), f(batch, hkv, max_seq, dh), jnp.asarray(pos, jnp.int32), inv_freq
+
+
+def append_reference(qkv, k_cache, v_cache, pos, inv_freq, *, num_q_heads, scale, rotary_dim, rope_layout):
+    """RoPE, the cache write and the attention from the jnp pieces of reference.py."""
+    b, hkv, max_seq, dh = k_cache.shape
+    g = num_q_heads // hkv
+    valid = (pos >= 0) & (pos < max_seq)
+    p = jnp.where(valid, pos, 0)
+    q = reference._rope(qkv[:, :num_q_heads * dh].reshape(b, num_q_heads, dh), p[:, None], inv_freq,
+                        rotary_dim, rope_layout)
+    k = reference._rope(qkv[:, num_q_heads * dh:(num_q_heads + hkv) * dh].reshape(b, hkv, dh), p[:, None],
+                        inv_freq, rotary_dim, rope_layout)
+    v = qkv[:, (num_q_heads + hkv) * dh:].reshape(b, hkv, dh)
+    rows = jnp.arange(b)[:, None]
+    slot = jnp.where(valid, pos, max_seq)[:, None]
+    k_cache = k_cache.at[rows, jnp.arange(hkv)[None], slot].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, jnp.arange(hkv)[None], slot].set(v.astype(v_cache.dtype), mode="drop")
+    out = reference.decode_attention((q * scale).reshape(b, hkv, g, dh), k_cache, v_cache, pos)
+    return out.astype(k_cache.dtype), k_cache, v_cache
+
+
+def check_append(args, device=None, layout="half", rotary_dim=None, splits=None, group=None):
+    qkv, k, v, pos, inv_freq = args
+    dh = k.shape[3]
+    kw = dict(num_q_heads=group * k.shape[1], scale=dh ** -0.5, rotary_dim=rotary_dim or dh,
+              rope_layout=layout)
+    if device is not None:
+        args = jax.device_put(args, device)
+    out, k2, v2 = jax.jit(lambda *a: decode_attention_append(*a, **kw, splits=splits))(*args)
+    ro, rk, rv = append_reference(qkv, k, v, pos, inv_freq, **kw)
+    tol = TOLERANCE[jnp.dtype(k.dtype).name]
+    valid = np.asarray((pos >= 0) & (pos < k.shape[2]))
+    assert np.isnan(np.asarray(out[~valid], np.float32)).all()
+    assert rel_l2(out[valid], ro[valid]) <= tol, rel_l2(out[valid], ro[valid])
+    # the caches: only slot pos[b] of valid rows changed, to the new (RoPE'd) k and v
+    for new, ref, old in ((k2, rk, k), (v2, rv, v)):
+        changed = np.asarray(new != old).any(axis=(1, 3))
+        assert not changed[~valid].any()
+        for b in np.flatnonzero(valid):
+            assert set(np.flatnonzero(changed[b])) <= {int(pos[b])}
+        assert rel_l2(new, ref) <= tol
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout, rotary", [("half", None), ("interleaved", 8)])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+def test_append_cpu(rng, dtype, layout, rotary, splits):
+    args = make_append(rng, 3, 2, 3, 16, 29, dtype, [0, 28, 11], rotary)
+    check_append(args, layout=layout, rotary_dim=rotary, splits=splits, group=3)
+
+
+def test_append_cpu_out_of_range_rows(rng):
+    check_append(make_append(rng, 3, 2, 2, 16, 9, "float32", [-1, 3, 9]), splits=2, group=2)
+
+
+def test_append_bad_arguments(rng):
+    qkv, k, v, pos, inv = make_append(rng, 2, 2, 2, 16, 9, "float32", [1, 2])
+    kw = dict(num_q_heads=4, scale=0.25)
+    with pytest.raises(ValueError, match="qkv must be float32"):
+        decode_attention_append(qkv[:, :-1], k, v, pos, inv, **kw)
+    with pytest.raises(ValueError, match="multiple of"):
+        decode_attention_append(qkv, k, v, pos, inv, num_q_heads=3, scale=0.25)
+    with pytest.raises(ValueError, match="inv_freq float32"):
+        decode_attention_append(qkv, k, v, pos, inv[:-1], **kw)
+    with pytest.raises(ValueError, match="caches must be"):
+        decode_attention_append(qkv, k, v.astype(jnp.float16), pos, inv, **kw)
+    with pytest.raises(ValueError, match="rope_layout"):
+        decode_attention_append(qkv, k, v, pos, inv, **kw, rope_layout="full")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_gpu_append_vs_reference(rng, dtype, case, splits):
+    b, hkv, g, dh, s = case
+    pos = rng.integers(0, s, size=b)
+    pos[0], pos[-1] = s - 1, 0
+    check_append(make_append(rng, b, hkv, g, dh, s, dtype, pos), device=_gpu(), splits=splits, group=g)
+
+
+@pytest.mark.gpu
+def test_gpu_append_out_of_range_and_deterministic(rng):
+    args = make_append(rng, 3, 2, 4, 128, 300, "bfloat16", [-1, 299, 300])
+    check_append(args, device=_gpu(), group=4, layout="interleaved", rotary_dim=64)
+    args = jax.device_put(make_append(rng, 3, 8, 4, 128, 2048, "bfloat16", [2047, 5, 1000]), _gpu())
+    f = jax.jit(lambda *a: decode_attention_append(*a, num_q_heads=32, scale=0.1, splits=16)[0])
+    first = np.asarray(f(*args))
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(f(*args)), first)

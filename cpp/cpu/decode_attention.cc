@@ -13,15 +13,47 @@ void decode_attention(const DecodeAttentionParams& p) {
   const int64_t G = p.group, D = p.head_dim, S = p.splits;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float log2e = 1.4426950408889634f;
-  std::vector<float> q(D), o(D);
+  const int64_t hq = p.num_kv_heads * G, cols = (hq + 2 * p.num_kv_heads) * D;
+  std::vector<float> q(D), o(D), k_new(D), v_new(D);
+  // Append mode: x rotated in place at position pos (the kernels' RoPE).
+  auto rope = [&](float* x, int32_t pos) {
+    const int64_t half = p.rotary_dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(pos) * p.inv_freq[i];
+      const float c = std::cos(angle), s = std::sin(angle);
+      const int64_t i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
+      const int64_t i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
+      const float x1 = x[i1], x2 = x[i2];
+      x[i1] = x1 * c - x2 * s;
+      x[i2] = x2 * c + x1 * s;
+    }
+  };
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t pos = p.pos[b];
     const bool valid = pos >= 0 && pos < p.max_seq;
     const int64_t len = valid ? pos + 1 : 0, per = (len + S - 1) / S;
     for (int64_t g = 0; g < p.num_kv_heads; ++g) {
       const int64_t bg = b * p.num_kv_heads + g, row0 = bg * p.max_seq;
+      if (p.qkv != nullptr && valid) {  // the new k, v into the caches at pos first
+        const float* row = p.qkv + b * cols;
+        for (int64_t d = 0; d < D; ++d) {
+          k_new[d] = row[(hq + g) * D + d];
+          v_new[d] = row[(hq + p.num_kv_heads + g) * D + d];
+        }
+        rope(k_new.data(), pos);
+        for (int64_t d = 0; d < D; ++d) {
+          store(p.dtype, const_cast<void*>(p.k_cache), (row0 + pos) * D + d, k_new[d]);
+          store(p.dtype, const_cast<void*>(p.v_cache), (row0 + pos) * D + d, v_new[d]);
+        }
+      }
       for (int64_t h = 0; h < G; ++h) {
-        for (int64_t d = 0; d < D; ++d) q[d] = load(p.dtype, p.q, (bg * G + h) * D + d) * log2e;
+        if (p.qkv != nullptr) {
+          for (int64_t d = 0; d < D; ++d) q[d] = p.qkv[b * cols + (g * G + h) * D + d];
+          rope(q.data(), valid ? pos : 0);
+          for (int64_t d = 0; d < D; ++d) q[d] *= p.scale * log2e;
+        } else {
+          for (int64_t d = 0; d < D; ++d) q[d] = load(p.dtype, p.q, (bg * G + h) * D + d) * log2e;
+        }
         // Each split's state (exp2 domain), as the split kernel leaves it.
         for (int64_t s = 0; s < S; ++s) {
           float* st = p.partial + ((bg * S + s) * G + h) * (D + 2);

@@ -1,3 +1,5 @@
+#include <cstring>
+
 #include "cpu/decode_attention.h"
 #include "ffi/decode_attention.h"
 
@@ -13,8 +15,34 @@ ffi::Error decode_attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::A
   return ffi::Error::Success();
 }
 
+ffi::Error decode_attention_append_cpu(ffi::AnyBuffer qkv, ffi::AnyBuffer k_cache,
+                                       ffi::AnyBuffer v_cache, ffi::AnyBuffer pos,
+                                       ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Result<ffi::AnyBuffer> k_out,
+                                       ffi::Result<ffi::AnyBuffer> v_out,
+                                       ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
+                                       int64_t num_q_heads, int64_t rotary_dim,
+                                       int64_t rope_layout, float scale) {
+  auto p = decode_decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, out, k_out, v_out,
+                                          workspace, splits, num_q_heads, rotary_dim, rope_layout,
+                                          scale);
+  if (!p) return p.error();
+  if (k_out->untyped_data() != k_cache.untyped_data()) {
+    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), k_cache.size_bytes());
+  }
+  if (v_out->untyped_data() != v_cache.untyped_data()) {
+    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), v_cache.size_bytes());
+  }
+  cpu::decode_attention(*p);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_cluster
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cluster_decode_attention_cpu, jax_cluster::decode_attention_cpu,
                               jax_cluster::bind_decode_attention(xla::ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cluster_decode_attention_append_cpu,
+                              jax_cluster::decode_attention_append_cpu,
+                              jax_cluster::bind_decode_attention_append(xla::ffi::Ffi::Bind()));

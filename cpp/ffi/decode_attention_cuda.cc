@@ -1,3 +1,5 @@
+#include <utility>
+
 #include "ffi/cuda_util.h"
 #include "ffi/decode_attention.h"
 #include "kernels/decode_attention_launch.h"
@@ -18,11 +20,44 @@ ffi::Error decode_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   return ffi_util::from_cuda(launch_decode_attention(*p, stream), "decode_attention");
 }
 
+ffi::Error decode_attention_append_cuda(cudaStream_t stream, ffi::AnyBuffer qkv,
+                                        ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                        ffi::AnyBuffer pos, ffi::AnyBuffer inv_freq,
+                                        ffi::Result<ffi::AnyBuffer> out,
+                                        ffi::Result<ffi::AnyBuffer> k_out,
+                                        ffi::Result<ffi::AnyBuffer> v_out,
+                                        ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
+                                        int64_t num_q_heads, int64_t rotary_dim,
+                                        int64_t rope_layout, float scale) {
+  auto p = decode_decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, out, k_out, v_out,
+                                          workspace, splits, num_q_heads, rotary_dim, rope_layout,
+                                          scale);
+  if (!p) return p.error();
+  if (!decode_attention_cuda_supports(*p)) {
+    return ffi_util::invalid("decode_attention_append: no CUDA kernel for this head_dim/dtype "
+                             "(head_dim 64, 80, 96 or 128; float16 or bfloat16)");
+  }
+  for (auto [src, dst] : {std::pair{k_cache.untyped_data(), k_out->untyped_data()},
+                          std::pair{v_cache.untyped_data(), v_out->untyped_data()}}) {
+    if (src != dst) {
+      auto err = cudaMemcpyAsync(dst, src, k_cache.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+      if (err != cudaSuccess) return ffi_util::from_cuda(err, "decode_attention_append");
+    }
+  }
+  return ffi_util::from_cuda(launch_decode_attention(*p, stream), "decode_attention_append");
+}
+
 }  // namespace
 }  // namespace jax_cluster
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_cluster_decode_attention_cuda, jax_cluster::decode_attention_cuda,
     jax_cluster::bind_decode_attention(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_cluster_decode_attention_append_cuda, jax_cluster::decode_attention_append_cuda,
+    jax_cluster::bind_decode_attention_append(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -33,40 +33,63 @@ constexpr int kSplitTokenSteps = MH <= 4 ? 8 : 4;
 template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     decode_attention_split_kernel(const DecodeAttentionParams dp) {
-  // The group's queries (fp32; two zero heads past them: merge_warp_states_each reads a
-  // "new token" row there, unused here) and the warps' states.
+  // The group's queries (fp32), then the new token's k and v (append mode; zeros
+  // otherwise: merge_warp_states_each reads them only for a new token), and the warps'
+  // states.
   __shared__ __align__(16) float q[(MH + 2) * DH];
   __shared__ __align__(16) float warp_states[kBlockWarps * kMaxH * (DH + 2)];
   const int s = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int G = static_cast<int>(dp.group), splits = static_cast<int>(dp.splits);
+  const bool append = dp.qkv != nullptr;
   ptx::griddep_wait();  // q, pos and the caches may come from the previous kernel
   const int pos = dp.pos[b];
-  const int len = pos >= 0 && pos < dp.max_seq ? pos + 1 : 0;  // invalid rows: no tokens
+  const bool valid = pos >= 0 && pos < dp.max_seq;
+  const int len = valid ? pos + 1 : 0;  // entries attended (invalid rows: none)
   const int per = (len + splits - 1) / splits;
   const int t0 = min(len, s * per), t1 = min(len, t0 + per);
   const int64_t bg = static_cast<int64_t>(b) * dp.num_kv_heads + g;
-  const T* qg = static_cast<const T*>(dp.q) + bg * G * DH;
-  for (int e = threadIdx.x; e < (MH + 2) * DH; e += kBlockThreads) {
-    q[e] = e < G * DH ? to_float(qg[e]) : 0.f;
-  }
-  __syncthreads();
 
-  AttentionDecodeParams p{};  // what attend_cached reads: the caches and their geometry
-  p.k_cache = const_cast<void*>(dp.k_cache);  // only read
+  AttentionDecodeParams p{};  // what the shared helpers read: caches, geometry, RoPE
+  p.k_cache = const_cast<void*>(dp.k_cache);  // written in append mode only
   p.v_cache = const_cast<void*>(dp.v_cache);
   p.num_kv_heads = dp.num_kv_heads;
+  p.num_q_heads = dp.num_kv_heads * G;
+  p.head_dim = DH;
   p.max_seq = dp.max_seq;
-  p.scale = 1.f;  // q comes scaled
+  p.rotary_dim = dp.rotary_dim;
+  p.rope_layout = dp.rope_layout;
+  p.inv_freq = dp.inv_freq;
+  p.scale = append ? dp.scale : 1.f;  // a given q comes scaled
   Ctx c{};
   c.b = b;
   c.g = g;
-  c.len = len;
-  attend_cached<T, DH, MH, kSplitTokenSteps<MH>>(p, c, G, q, t0, t1, warp_states);  // ends with a block barrier
+  c.rank = s;
+  c.len = append ? pos : len;  // cached tokens read from the caches
+  if (append) {  // [Q heads of the group | k | v] of the row, RoPE'd; k, v rounded
+    const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
+    for (int e = threadIdx.x; e < (G + 2) * DH; e += kBlockThreads) {
+      q[e] = dp.qkv[b * cols + qkv_column(p, c, G, e)];
+    }
+    __syncthreads();
+    rope_and_round_kv<T>(p, q, G, valid ? pos : 0, ThreadGroup::block());
+    __syncthreads();
+    // Split 0 writes the new k, v; no block reads slot pos from the caches (it comes from
+    // shared memory), so the write races with nothing.
+    if (valid) write_new_kv<T>(p, c, q, G, bg * dp.max_seq, ThreadGroup::block());
+  } else {
+    const T* qg = static_cast<const T*>(dp.q) + bg * G * DH;
+    for (int e = threadIdx.x; e < (MH + 2) * DH; e += kBlockThreads) {
+      q[e] = e < G * DH ? to_float(qg[e]) : 0.f;
+    }
+    __syncthreads();
+  }
+  attend_cached<T, DH, MH, kSplitTokenSteps<MH>>(p, c, G, q, t0, min(t1, c.len), warp_states);
   ptx::griddep_launch_dependents();
+  const bool has_new = append && t0 <= pos && pos < t1;
 
   float* out = dp.partial + (bg * splits + s) * G * (DH + 2);
   merge_warp_states_each<DH, kBlockThreads, kBlockWarps, kMaxH>(
-      G, /*has_new=*/false, kLog2e, q, warp_states,
+      G, has_new, p.scale * kLog2e, q, warp_states,
       [&](int head, int i, float acc, float mm) {
         out[head * (DH + 2) + i] = acc;
         if (i == DH) out[head * (DH + 2) + DH + 1] = mm;

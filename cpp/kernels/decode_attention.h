@@ -1,11 +1,13 @@
 // Split-K (flash-decoding) GQA attention of one decode step over a KV cache: the
-// attention alone, for steps whose projections run as XLA dots (attention_decode's
-// impl="splitk"). No XLA includes here.
+// attention alone (optionally with the new token's RoPE and cache write: append mode),
+// for steps whose projections run as XLA dots (attention_decode's impl="splitk"). No XLA
+// includes here.
 #pragma once
 
 #include <cstdint>
 
 #include "jax_cluster/types.h"
+#include "kernels/attention_decode.h"  // RopeLayout
 
 namespace jax_cluster {
 
@@ -24,6 +26,18 @@ struct DecodeAttentionParams {
   const int32_t* pos;           // [B]: attend over slots 0..pos[b]; outside [0, S_max): NaN
   void* out;                    // [B, Hkv, G, Dh]
   float* partial;               // workspace: decode_attention_workspace_floats(p)
+
+  // Append mode (qkv set; decode_attention_append): the step's new token. q comes from the
+  // projection output qkv [B, (Hq + 2 Hkv) Dh] (fp32, columns [Q heads | K | V]), RoPE'd at
+  // pos[b] with scale applied in the kernel; k, v (RoPE'd k) are rounded to the cache dtype
+  // and written at slot pos[b] of the caches (k_cache, v_cache: the aliased outputs), and
+  // attention covers the pos[b] cached tokens and the new one. Nothing is written for a
+  // row whose pos is out of range. Unset: q is the given scaled query (q above).
+  const float* qkv = nullptr;
+  const float* inv_freq = nullptr;  // [rotary_dim / 2]
+  int64_t rotary_dim = 0;
+  RopeLayout rope_layout = RopeLayout::kHalf;
+  float scale = 1.f;
 };
 
 // Per (row, KV head, split, head): o[Dh] (scaled to m), l, m (exp2 domain).

@@ -1,8 +1,9 @@
 """attention_decode with XLA's own ops: the same step as the fused kernel, in the input
 dtype with fp32 accumulation (no fp32 copies of weights or caches, unlike the reference).
 attention_decode_pallas is the same step with its attention done by Pallas' split-K
-decode kernel (jax.experimental.pallas.ops.gpu.decode_attention), attention_decode_splitk
-with our own split-K kernel (jax_cluster.ops.decode_attention).
+decode kernel (jax.experimental.pallas.ops.gpu.decode_attention); attention_decode_splitk
+runs the RoPE, the cache write and the attention in our own split-K kernels
+(jax_cluster.ops.decode_attention.decode_attention_append).
 
 The tuner weighs both against the kernel's cluster sizes, so ``impl="auto"`` is never
 slower than plain XLA where the kernel loses (batch 16 and GQA on H100: see
@@ -85,12 +86,6 @@ def _attend_pallas(qg, k_cache, v_cache, pos, interpret=False):
     return o.reshape(b, hkv, group, dh)
 
 
-def _attend_splitk(qg, k_cache, v_cache, pos):
-    """_attend_einsum's result, in the queries' dtype, from our split-K decode kernel."""
-    from jax_cluster.ops.decode_attention import decode_attention
-    return decode_attention(qg, k_cache, v_cache, pos)
-
-
 def _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                  num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias, residual,
                  rotary_dim, rope_layout, scale, attend):
@@ -144,8 +139,25 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
     return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=attend, **kwargs)
 
 
-def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs):
-    """The decode step with our split-K decode attention kernel (decode_attention) between
-    XLA's ops: for batches where one fused cluster per row re-reads the weights per row."""
-    return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=_attend_splitk,
-                        **kwargs)
+def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
+                            num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
+                            residual, rotary_dim, rope_layout, scale):
+    """The decode step with XLA's projections around our split-K kernels, which also do the
+    RoPE and the cache write (decode_attention_append): for batches where one fused cluster
+    per row would re-read the weights per row. Rows with lengths outside [0, S_max) get NaN
+    from the kernel (it propagates through W_o) and write nothing."""
+    from jax_cluster.ops.decode_attention import decode_attention_append
+    f32, dt = jnp.float32, x.dtype
+    h = x if norm is None else _norm_f32(x, norm, norm_weight, norm_bias, eps).astype(dt)
+    qkv = jnp.dot(h, w_qkv, preferred_element_type=f32)
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias.astype(f32)
+    o, k_cache, v_cache = decode_attention_append(
+        qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads, scale=scale,
+        rotary_dim=rotary_dim, rope_layout=rope_layout)
+    y = jnp.dot(o.reshape(x.shape[0], -1), w_o, preferred_element_type=f32)
+    if o_bias is not None:
+        y = y + o_bias.astype(f32)
+    if residual:
+        y = y + x.astype(f32)
+    return y.astype(dt), k_cache, v_cache
