@@ -225,7 +225,7 @@ def test_gpu_append_vs_reference(rng, dtype, case, splits):
 
 @pytest.mark.gpu
 def test_gpu_append_out_of_range_and_deterministic(rng):
-    args = make_append(rng, 3, 2, 4, 128, 300, "bfloat16", [-1, 299, 300])
+    args = make_append(rng, 3, 2, 4, 128, 300, "bfloat16", [-1, 299, 300], rotary_dim=64)
     check_append(args, device=_gpu(), group=4, layout="interleaved", rotary_dim=64)
     args = jax.device_put(make_append(rng, 3, 8, 4, 128, 2048, "bfloat16", [2047, 5, 1000]), _gpu())
     f = jax.jit(lambda *a: decode_attention_append(*a, num_q_heads=32, scale=0.1, splits=16)[0])
