@@ -354,6 +354,8 @@ EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuni
            "(rows_per_cluster R > 1: one cluster per KV head and tile of R batch rows, weights read once "
            "per tile) at its best configuration ('nK:rR' = cluster size K, tiles of R rows); "
            "split_head = dataflow='split_head' (blocks split the head dimension) at its best cluster size; "
+           "splitk = impl='splitk': XLA's projections around our split-K decode attention kernels, which "
+           "also apply RoPE and write the new k, v (decode_attention_append; from session 21, parts s21_*); "
            "auto = what impl='auto' runs: the tuner's pick among all of these, XLA's ops ('xla') and "
            "Pallas' decode attention between XLA's ops ('pallas', from session 19; parts s19_auto_*) (pick).")
 

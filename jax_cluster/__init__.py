@@ -9,6 +9,7 @@ from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
 from jax_cluster.ops.attention_decode import attention_decode
 from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
+from jax_cluster.ops.decode_attention import decode_attention, decode_attention_append
 from jax_cluster.ops.flash_attention import flash_attention
 from jax_cluster.ops.swiglu import swiglu, swiglu_tp
 
@@ -21,6 +22,8 @@ __all__ = [
     "cluster_gather",
     "cluster_reduce",
     "cuda_module_built",
+    "decode_attention",
+    "decode_attention_append",
     "flash_attention",
     "reference",
     "register_targets",

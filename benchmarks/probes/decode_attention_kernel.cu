@@ -3,6 +3,8 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/decode_attention_kernel.cu -o /tmp/da
 //   /tmp/da B Hkv G Dh S_max splits [pos]   (pos default S_max - 1, every row)
+// DA_APPEND=1: append mode (decode_attention_append's kernels: q from an fp32 QKV row,
+// RoPE, the new k, v written at pos); timed only (the check covers the plain mode).
 // Prints us per call (best of 5 x 20 back-to-back calls, split + merge kernel), the rate at
 // which it reads the K/V bytes of pos + 1 tokens, and the largest error of the checked pairs.
 #include <algorithm>
@@ -67,7 +69,18 @@ int main(int argc, char** argv) {
 
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  CHECK(launch_decode_attention(p, stream));
+  CHECK(launch_decode_attention(p, stream));  // plain mode, checked below
+  DecodeAttentionParams timed = p;
+  if (std::getenv("DA_APPEND")) {
+    const int64_t cols = (p.group + 2) * p.num_kv_heads * dh;
+    std::vector<float> qkv(p.batch * cols), inv(dh / 2);
+    for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = __half2float(hq[i % hq.size()]);
+    for (int64_t i = 0; i < dh / 2; ++i) inv[i] = std::pow(10000.f, -2.f * i / dh);
+    timed.qkv = upload(qkv);
+    timed.inv_freq = upload(inv);
+    timed.rotary_dim = dh;
+    timed.scale = 1.f;
+  }
   CHECK(cudaStreamSynchronize(stream));
   std::vector<__half> out(qn);
   CHECK(cudaMemcpy(out.data(), p.out, qn * 2, cudaMemcpyDeviceToHost));
@@ -103,7 +116,7 @@ int main(int argc, char** argv) {
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
     CHECK(cudaEventRecord(a, stream));
-    for (int i = 0; i < 20; ++i) CHECK(launch_decode_attention(p, stream));
+    for (int i = 0; i < 20; ++i) CHECK(launch_decode_attention(timed, stream));
     CHECK(cudaEventRecord(b, stream));
     CHECK(cudaEventSynchronize(b));
     float ms;
@@ -111,8 +124,8 @@ int main(int argc, char** argv) {
     best = std::min(best, ms * 1000.f / 20.f);
   }
   const double bytes = 2.0 * p.batch * p.num_kv_heads * (pos + 1) * dh * 2;
-  std::printf("B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
-              (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
+  std::printf("%s B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
+              timed.qkv ? "append" : "plain ", (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
               (long long)p.max_seq, pos, (long long)p.splits, best, bytes / best * 1e-3, err);
   return 0;
 }

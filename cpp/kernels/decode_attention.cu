@@ -73,9 +73,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     __syncthreads();
     rope_and_round_kv<T>(p, q, G, valid ? pos : 0, ThreadGroup::block());
     __syncthreads();
-    // Split 0 writes the new k, v; no block reads slot pos from the caches (it comes from
-    // shared memory), so the write races with nothing.
-    if (valid) write_new_kv<T>(p, c, q, G, bg * dp.max_seq, ThreadGroup::block());
+    // Split 0 leaves the new k, v for the merge kernel, which writes them to the caches
+    // once every block has read its tokens. (Written here, into the caches this kernel
+    // reads, the token loop ran 6% slower: 110.4 against 104.1 us at batch 16, 8 KV heads,
+    // 4K tokens, H100, session 21.)
+    if (s == 0) {
+      float* kv = dp.partial + decode_attention_partial_floats(dp) + bg * 2 * DH;
+      for (int e = threadIdx.x; e < 2 * DH; e += kBlockThreads) kv[e] = q[G * DH + e];
+    }
   } else {
     const T* qg = static_cast<const T*>(dp.q) + bg * G * DH;
     for (int e = threadIdx.x; e < (MH + 2) * DH; e += kBlockThreads) {
@@ -108,6 +113,15 @@ __global__ void __launch_bounds__(kDecodeAttentionMaxGroup * DH)
   const int head = threadIdx.x / DH, d = threadIdx.x % DH;
   if (head >= dp.group) return;
   const int pos = dp.pos[bg / dp.num_kv_heads];
+  const bool valid = pos >= 0 && pos < dp.max_seq;
+  if (dp.qkv != nullptr && valid) {  // append mode: the new k, v into the caches at pos
+    const float* kv = dp.partial + decode_attention_partial_floats(dp) + bg * 2 * DH;
+    const int64_t slot = (bg * dp.max_seq + pos) * DH;
+    for (int e = threadIdx.x; e < 2 * DH; e += blockDim.x) {
+      T* cache = static_cast<T*>(const_cast<void*>(e < DH ? dp.k_cache : dp.v_cache));
+      cache[slot + e % DH] = from_float<T>(kv[e]);
+    }
+  }
   const int64_t stride = dp.group * (DH + 2);
   const float* st = dp.partial + bg * dp.splits * stride + head * (DH + 2);
   float m = -INFINITY;
@@ -121,7 +135,6 @@ __global__ void __launch_bounds__(kDecodeAttentionMaxGroup * DH)
     o = fmaf(ss[d], w, o);
     l = fmaf(ss[DH], w, l);
   }
-  const bool valid = pos >= 0 && pos < dp.max_seq;
   static_cast<T*>(dp.out)[(bg * dp.group + head) * DH + d] = from_float<T>(valid ? o / l : NAN);
 }
 

@@ -29,10 +29,10 @@ struct DecodeAttentionParams {
 
   // Append mode (qkv set; decode_attention_append): the step's new token. q comes from the
   // projection output qkv [B, (Hq + 2 Hkv) Dh] (fp32, columns [Q heads | K | V]), RoPE'd at
-  // pos[b] with scale applied in the kernel; k, v (RoPE'd k) are rounded to the cache dtype
-  // and written at slot pos[b] of the caches (k_cache, v_cache: the aliased outputs), and
-  // attention covers the pos[b] cached tokens and the new one. Nothing is written for a
-  // row whose pos is out of range. Unset: q is the given scaled query (q above).
+  // pos[b] with scale applied in the kernel; k, v (RoPE'd k) are rounded to the cache dtype;
+  // attention covers the pos[b] cached tokens and the new one; the merge kernel writes k, v
+  // at slot pos[b] of the caches (k_cache, v_cache: the aliased outputs). Nothing is
+  // written for a row whose pos is out of range. Unset: q is the given scaled query.
   const float* qkv = nullptr;
   const float* inv_freq = nullptr;  // [rotary_dim / 2]
   int64_t rotary_dim = 0;
@@ -40,9 +40,13 @@ struct DecodeAttentionParams {
   float scale = 1.f;
 };
 
-// Per (row, KV head, split, head): o[Dh] (scaled to m), l, m (exp2 domain).
-inline int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p) {
+// Per (row, KV head, split, head): o[Dh] (scaled to m), l, m (exp2 domain); then per (row,
+// KV head) the new token's k, v (append mode), which the merge kernel writes to the caches.
+JAX_CLUSTER_HOST_DEVICE inline int64_t decode_attention_partial_floats(const DecodeAttentionParams& p) {
   return p.batch * p.num_kv_heads * p.splits * p.group * (p.head_dim + 2);
+}
+inline int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p) {
+  return decode_attention_partial_floats(p) + p.batch * p.num_kv_heads * 2 * p.head_dim;
 }
 
 }  // namespace jax_cluster

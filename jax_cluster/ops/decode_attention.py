@@ -45,7 +45,7 @@ def default_splits(batch: int, num_kv_heads: int, max_seq: int, num_sms: int = 1
 
 def _workspace_floats(q_shape, splits):
     b, hkv, g, dh = q_shape
-    return b * hkv * splits * g * (dh + 2)
+    return b * hkv * splits * g * (dh + 2) + b * hkv * 2 * dh  # + the new k, v (append mode)
 
 
 def _abstract(q, k_cache, v_cache, pos, *, splits):
