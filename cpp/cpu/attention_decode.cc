@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/numerics.h"
+#include "cpu/rope.h"
 
 namespace jax_cluster::cpu {
 namespace {
@@ -33,16 +34,7 @@ void normalize(const AttentionDecodeParams& p, int64_t b, std::vector<float>& h)
 }
 
 void rope(const AttentionDecodeParams& p, float* v, int pos) {
-  const int64_t half = p.rotary_dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float angle = static_cast<float>(pos) * p.inv_freq[i];
-    const float c = std::cos(angle), s = std::sin(angle);
-    const int64_t i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
-    const int64_t i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
-    const float x1 = v[i1], x2 = v[i2];
-    v[i1] = x1 * c - x2 * s;
-    v[i2] = x2 * c + x1 * s;
-  }
+  cpu::rope(v, pos, p.inv_freq, p.rotary_dim, p.rope_layout);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/numerics.h"
+#include "cpu/rope.h"
 
 namespace jax_cluster::cpu {
 
@@ -15,19 +16,7 @@ void decode_attention(const DecodeAttentionParams& p) {
   const float log2e = 1.4426950408889634f;
   const int64_t hq = p.num_kv_heads * G, cols = (hq + 2 * p.num_kv_heads) * D;
   std::vector<float> q(D), o(D), k_new(D), v_new(D);
-  // Append mode: x rotated in place at position pos (the kernels' RoPE).
-  auto rope = [&](float* x, int32_t pos) {
-    const int64_t half = p.rotary_dim / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(pos) * p.inv_freq[i];
-      const float c = std::cos(angle), s = std::sin(angle);
-      const int64_t i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
-      const int64_t i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
-      const float x1 = x[i1], x2 = x[i2];
-      x[i1] = x1 * c - x2 * s;
-      x[i2] = x2 * c + x1 * s;
-    }
-  };
+  auto rope = [&](float* x, int32_t pos) { cpu::rope(x, pos, p.inv_freq, p.rotary_dim, p.rope_layout); };
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t pos = p.pos[b];
     const bool valid = pos >= 0 && pos < p.max_seq;

@@ -72,6 +72,24 @@ def cuda_supported(head_dim: int, group: int, dtype) -> bool:
             and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)))
 
 
+def _checked_splits(op: str, k_cache, group: int, splits) -> int:
+    """The checks both ops share (group size; a CUDA kernel for these shapes on a GPU) and
+    their token splits: `splits`, validated, or default_splits."""
+    b, hkv, max_seq, dh = k_cache.shape
+    if group > MAX_GROUP:
+        raise ValueError(f"{op}: at most {MAX_GROUP} query heads per KV head, got {group}")
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not cuda_supported(dh, group, k_cache.dtype):
+        raise ValueError(f"{op}: no CUDA kernel for head_dim={dh}, dtype={jnp.dtype(k_cache.dtype).name} "
+                         f"(supported: head_dim {CUDA_HEAD_DIMS}, float16 or bfloat16)")
+    if splits is None:
+        sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
+        return default_splits(b, hkv, max_seq, sms)
+    if not isinstance(splits, (int, np.integer)) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"{op}: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
+    return int(splits)
+
+
 def decode_attention(q, k_cache, v_cache, pos, *, splits: int | None = None):
     """out [B, Hkv, G, Dh] in q's dtype; see the module docstring. splits: token splits per
     (row, KV head), 1..1024 (None: default_splits). On a GPU: head_dim 64, 80, 96 or 128,
@@ -90,19 +108,8 @@ def decode_attention(q, k_cache, v_cache, pos, *, splits: int | None = None):
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if pos.shape != (b,) or pos.dtype != jnp.int32:
         raise ValueError(f"decode_attention: pos must be int32 [{b}], got {pos.dtype} {pos.shape}")
-    if group > MAX_GROUP:
-        raise ValueError(f"decode_attention: at most {MAX_GROUP} query heads per KV head, got {group}")
-    max_seq = k_cache.shape[2]
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not cuda_supported(dh, group, q.dtype):
-        raise ValueError(f"decode_attention: no CUDA kernel for head_dim={dh}, dtype={jnp.dtype(q.dtype).name} "
-                         f"(supported: head_dim {CUDA_HEAD_DIMS}, float16 or bfloat16)")
-    if splits is None:
-        sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
-        splits = default_splits(b, hkv, max_seq, sms)
-    if not isinstance(splits, (int, np.integer)) or not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"decode_attention: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
-    out, _ = _PRIM.bind(q, k_cache, v_cache, pos, splits=int(splits))
+    splits = _checked_splits("decode_attention", k_cache, group, splits)
+    out, _ = _PRIM.bind(q, k_cache, v_cache, pos, splits=splits)
     return out
 
 
@@ -144,7 +151,7 @@ def decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, *, num_q_heads
     if k_cache.ndim != 4 or v_cache.shape != k_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"decode_attention_append: caches must be two [B, Hkv, S_max, Dh] arrays of one "
                          f"dtype; got {k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}")
-    b, hkv, max_seq, dh = k_cache.shape
+    b, hkv, _, dh = k_cache.shape
     if num_q_heads < 1 or num_q_heads % hkv:
         raise ValueError(f"decode_attention_append: num_q_heads ({num_q_heads}) must be a multiple of "
                          f"the caches' {hkv} KV heads")
@@ -161,18 +168,8 @@ def decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, *, num_q_heads
                          f"({dh}), inv_freq float32 [{rotary_dim // 2}]; got {inv_freq.dtype} {inv_freq.shape}")
     if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"decode_attention_append: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
-    if group > MAX_GROUP:
-        raise ValueError(f"decode_attention_append: at most {MAX_GROUP} query heads per KV head, got {group}")
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not cuda_supported(dh, group, k_cache.dtype):
-        raise ValueError(f"decode_attention_append: no CUDA kernel for head_dim={dh}, dtype="
-                         f"{jnp.dtype(k_cache.dtype).name} (supported: head_dim {CUDA_HEAD_DIMS}, float16 or bfloat16)")
-    if splits is None:
-        sms = getattr(jax.devices()[0], "core_count", 132) if on_gpu else 132
-        splits = default_splits(b, hkv, max_seq, sms)
-    if not isinstance(splits, (int, np.integer)) or not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"decode_attention_append: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
-    out, k, v, _ = _APPEND.bind(qkv, k_cache, v_cache, pos, inv_freq, splits=int(splits),
+    splits = _checked_splits("decode_attention_append", k_cache, group, splits)
+    out, k, v, _ = _APPEND.bind(qkv, k_cache, v_cache, pos, inv_freq, splits=splits,
                                 num_q_heads=int(num_q_heads), rotary_dim=int(rotary_dim),
                                 rope_layout=ROPE_LAYOUTS[rope_layout], scale=np.float32(scale))
     return out, k, v
