@@ -5,6 +5,9 @@
 // into registers, several token steps in flight per warp, exp2-domain online softmax);
 // the warps' states merge in a fixed order into a per-split partial (o, l, m), and a
 // second kernel merges the splits in split order. No atomics: bitwise reproducible.
+// Append mode (DecodeAttentionParams::qkv): the blocks build q and the new k, v from the
+// QKV projection's row (RoPE, k and v rounded to the cache dtype), attend the new token
+// from shared memory, and the merge kernel writes k, v into the caches.
 // Both kernels are launched programmatically (PDL), like attention_decode's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

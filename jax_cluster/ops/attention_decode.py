@@ -222,9 +222,9 @@ def _tiled_candidates(group, batch, num_kv_heads, hidden, head_dim, num_sms=132)
 
 def parse_choice(choice) -> tuple[int, int | None, str, int] | str:
     """A tuner choice -> (cluster_size, max heads per cluster or None, pipeline, rows per
-    cluster), or "xla" / "pallas" / "splitk" (no fused kernel). Choices: a cluster size (4), "n8:h2" (cluster
-    8, <= 2 query heads per cluster), "n4:r8" (cluster 4, tiles of 8 batch rows), a "tma:"
-    prefix (the TMA pipeline)."""
+    cluster), or "xla" / "pallas" / "splitk" (no fused kernel). Choices: a cluster size (4),
+    "n8:h2" (cluster 8, <= 2 query heads per cluster), "n4:r8" (cluster 4, tiles of 8 batch
+    rows), a "tma:" prefix (the TMA pipeline)."""
     if choice in UNFUSED:
         return choice
     pipeline = "registers"
