@@ -43,14 +43,7 @@ cudaError_t launch_attention_decode_tiled_bf16(const AttentionDecodeParams&, cud
 }
 }  // namespace jax_cluster
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "probe_check.h"
 
 // Deterministic values in [-scale, scale): a hash of the index.
 __global__ void fill_half(__half* p, int64_t n, float scale, uint32_t seed) {

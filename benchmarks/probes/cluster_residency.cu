@@ -14,14 +14,7 @@
 #include <set>
 #include <vector>
 
-#define CHECK(x)                                                                 \
-  do {                                                                           \
-    cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                     \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));     \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
+#include "probe_check.h"
 
 constexpr int kThreads = 256, kLoads = 16;
 

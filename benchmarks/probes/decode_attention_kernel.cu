@@ -15,14 +15,7 @@
 
 #include "kernels/decode_attention.cu"
 
-#define CHECK(x)                                                             \
-  do {                                                                       \
-    cudaError_t e_ = (x);                                                    \
-    if (e_ != cudaSuccess) {                                                 \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                          \
-    }                                                                        \
-  } while (0)
+#include "probe_check.h"
 
 static std::vector<__half> random_half(int64_t n, float scale, uint32_t seed) {
   std::vector<__half> v(n);

@@ -148,3 +148,14 @@ auto bind_decode_attention(Binding b) {
 }
 
 }  // namespace jax_cluster
+
+// decode_attention_append's handler signature, which both platforms implement (after the
+// optional stream), and its decoding.
+#define JAX_CLUSTER_DECODE_ATTENTION_APPEND_ARGS                                                \
+  ffi::AnyBuffer qkv, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer pos,       \
+      ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out, \
+      ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,  \
+      int64_t num_q_heads, int64_t rotary_dim, int64_t rope_layout, float scale
+#define JAX_CLUSTER_DECODE_ATTENTION_APPEND_DECODE                                              \
+  decode_decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, out, k_out, v_out,       \
+                                 workspace, splits, num_q_heads, rotary_dim, rope_layout, scale)

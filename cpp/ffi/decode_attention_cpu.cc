@@ -15,17 +15,8 @@ ffi::Error decode_attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::A
   return ffi::Error::Success();
 }
 
-ffi::Error decode_attention_append_cpu(ffi::AnyBuffer qkv, ffi::AnyBuffer k_cache,
-                                       ffi::AnyBuffer v_cache, ffi::AnyBuffer pos,
-                                       ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> out,
-                                       ffi::Result<ffi::AnyBuffer> k_out,
-                                       ffi::Result<ffi::AnyBuffer> v_out,
-                                       ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
-                                       int64_t num_q_heads, int64_t rotary_dim,
-                                       int64_t rope_layout, float scale) {
-  auto p = decode_decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, out, k_out, v_out,
-                                          workspace, splits, num_q_heads, rotary_dim, rope_layout,
-                                          scale);
+ffi::Error decode_attention_append_cpu(JAX_CLUSTER_DECODE_ATTENTION_APPEND_ARGS) {
+  auto p = JAX_CLUSTER_DECODE_ATTENTION_APPEND_DECODE;
   if (!p) return p.error();
   if (k_out->untyped_data() != k_cache.untyped_data()) {
     std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), k_cache.size_bytes());

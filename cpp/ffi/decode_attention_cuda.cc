@@ -20,18 +20,9 @@ ffi::Error decode_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   return ffi_util::from_cuda(launch_decode_attention(*p, stream), "decode_attention");
 }
 
-ffi::Error decode_attention_append_cuda(cudaStream_t stream, ffi::AnyBuffer qkv,
-                                        ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                                        ffi::AnyBuffer pos, ffi::AnyBuffer inv_freq,
-                                        ffi::Result<ffi::AnyBuffer> out,
-                                        ffi::Result<ffi::AnyBuffer> k_out,
-                                        ffi::Result<ffi::AnyBuffer> v_out,
-                                        ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
-                                        int64_t num_q_heads, int64_t rotary_dim,
-                                        int64_t rope_layout, float scale) {
-  auto p = decode_decode_attention_append(qkv, k_cache, v_cache, pos, inv_freq, out, k_out, v_out,
-                                          workspace, splits, num_q_heads, rotary_dim, rope_layout,
-                                          scale);
+ffi::Error decode_attention_append_cuda(cudaStream_t stream,
+                                        JAX_CLUSTER_DECODE_ATTENTION_APPEND_ARGS) {
+  auto p = JAX_CLUSTER_DECODE_ATTENTION_APPEND_DECODE;
   if (!p) return p.error();
   if (!decode_attention_cuda_supports(*p)) {
     return ffi_util::invalid("decode_attention_append: no CUDA kernel for this head_dim/dtype "
