@@ -114,9 +114,11 @@ def test_gpu_vs_reference(rng, dtype, case, splits):
 
 
 @pytest.mark.gpu
-def test_gpu_out_of_range_rows_are_nan(rng):
-    q, k, v, _ = make(rng, 3, 2, 4, 128, 300, "float16")
-    check(q, k, v, jnp.asarray([-1, 299, 300], jnp.int32), device=_gpu())
+@pytest.mark.parametrize("group", [1, 4])  # CUDA-core and tensor-core split kernels
+@pytest.mark.parametrize("splits", [None, 1])  # 1: the output written without a merge kernel
+def test_gpu_out_of_range_rows_are_nan(rng, group, splits):
+    q, k, v, _ = make(rng, 3, 2, group, 128, 300, "float16")
+    check(q, k, v, jnp.asarray([-1, 299, 300], jnp.int32), device=_gpu(), splits=splits)
 
 
 @pytest.mark.gpu
@@ -224,9 +226,12 @@ def test_gpu_append_vs_reference(rng, dtype, case, splits):
 
 
 @pytest.mark.gpu
-def test_gpu_append_out_of_range_and_deterministic(rng):
-    args = make_append(rng, 3, 2, 4, 128, 300, "bfloat16", [-1, 299, 300], rotary_dim=64)
-    check_append(args, device=_gpu(), group=4, layout="interleaved", rotary_dim=64)
+@pytest.mark.parametrize("group", [1, 4])
+def test_gpu_append_out_of_range_and_deterministic(rng, group):
+    for splits in (None, 1):  # caches untouched in out-of-range rows, merged or not
+        args = make_append(rng, 3, 2, group, 128, 300, "bfloat16", [-1, 299, 300], rotary_dim=64)
+        check_append(args, device=_gpu(), group=group, layout="interleaved", rotary_dim=64,
+                     splits=splits)
     args = jax.device_put(make_append(rng, 3, 8, 4, 128, 2048, "bfloat16", [2047, 5, 1000]), _gpu())
     f = jax.jit(lambda *a: decode_attention_append(*a, num_q_heads=32, scale=0.1, splits=16)[0])
     first = np.asarray(f(*args))

@@ -117,8 +117,8 @@ int main(int argc, char** argv) {
     best = std::min(best, ms * 1000.f / 20.f);
   }
   const double bytes = 2.0 * p.batch * p.num_kv_heads * (pos + 1) * dh * 2;
-  std::printf("%s B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
-              timed.qkv ? "append" : "plain ", (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
+  std::printf("%s %s B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
+              decode_attention_uses_tensor_cores(p) ? "tensor" : "cuda  ", timed.qkv ? "append" : "plain ", (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
               (long long)p.max_seq, pos, (long long)p.splits, best, bytes / best * 1e-3, err);
   return 0;
 }
