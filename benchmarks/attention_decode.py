@@ -155,7 +155,7 @@ def step_for(choice, shape):
     if choice in ("jnp", "pallas"):
         step = plain_jnp_step if choice == "jnp" else pallas_step
         return lambda *a: step(*a, *shape)
-    if choice in ("auto", "splitk") or choice.startswith("impl="):
+    if choice in ("auto", "splitk") or str(choice).startswith("impl="):
         impl = choice.removeprefix("impl=")
         return lambda *a: ours_step(*a, *shape, impl=impl)
     n, h, pipe, r = ad_op.parse_choice(int(choice) if str(choice).isdigit() else choice)

@@ -259,10 +259,9 @@ cudaError_t launch_cuda_cores(const DecodeAttentionParams& p, cudaStream_t strea
 
 template <typename T, int DH>
 cudaError_t launch_tensor_cores(const DecodeAttentionParams& p, cudaStream_t stream) {
-  using L = MmaSplitTile<DH>;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(decode_attention_mma_split_kernel<T, DH>,
-                                                       split_grid(p), dim3(L::kThreads),
-                                                       L::kSmemBytes, true, stream, p));
+                                                       split_grid(p), dim3(MmaSplitTile<DH>::kThreads),
+                                                       0, true, stream, p));
   return launch_merge<T, DH>(p, stream);
 }
 

@@ -1,44 +1,26 @@
-// The tensor-core split kernel of decode_attention (DecodeAttentionCores::kTensor): the
-// same blocks, prologue and partials as decode_attention_split_kernel, but the group's
-// scores and values come from mma.sync instead of per-head dot products on CUDA cores.
+// The tensor-core split kernel of decode_attention (GQA): the same blocks, prologue and
+// partials as decode_attention_split_kernel, but the group's scores and values come from
+// mma.sync instead of per-head dot products on CUDA cores.
 //
 // Why: at G query heads per KV head the CUDA-core loop does G dot products and G value
-// FMAs per cache element, and held only ~8 token steps per warp in flight; at G = 4 it
-// streamed 2.6 TB/s on an H100 where MHA streams 3.07 (session 21). Here 4 warps share a
-// ring of cp.async stages of 64 tokens (K and V rows, ~35 KB per stage at Dh = 128), so
-// ~140 KB per SM are in flight whatever G is, and the math is a few mma per 16 tokens.
-//
-// Per warp and stage, 16 tokens:
-//   S^T[token][head] = K Q'^T      A = K rows (ldmatrix), B = Q' (registers), M = tokens,
-//                                  N = 8 heads (G <= 8; unused heads have q = 0)
-//   O^T[dh][head]  += V^T P^T      A = V rows (ldmatrix.trans), B = P^T: S^T's fragment
-//                                  after exp2, transposed in registers (movmatrix)
+// FMAs per cache element; at G = 4 it streamed 2.6 TB/s on an H100 where MHA streams 3.07
+// (session 21). Here a warp takes 16 tokens at a time (2 chunks in flight, 8 warps):
+//   S^T[token][head] = K Q'^T      A = K rows, B = Q' (registers), M = tokens, N = 8 heads
+//                                  (G <= 8; unused heads have q = 0)
+//   O^T[dh][head]  += V^T P^T      A = V rows transposed in registers (movmatrix), B = P^T:
+//                                  S^T's fragment after exp2, transposed the same way
 // so each thread's O columns are the heads of its S columns and the online-softmax
 // rescale needs no exchange. Q' = q * scale * log2(e) and P are each split into a 16-bit
 // high part and the 16-bit rounding of the rest (two mma each): scores and weights keep
 // ~fp32 precision, as the CUDA-core kernel's fp32 math does, for twice the mma count (at
 // these rates the tensor cores idle either way).
+// A first version staged K/V tiles in a 5-stage cp.async ring and read them with
+// ldmatrix: 5-12% slower than these register loads (H200, session 22:
+// logs/session22/probe_ring_vs_direct_h200.log), and no faster with smaller rings or more
+// blocks per SM.
 // Included inside decode_attention.cu's anonymous namespace (begin_split, finish_split;
 // jax_cluster/mma.cuh included there).
 #pragma once
-
-template <int DH>
-struct MmaSplitTile {
-  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
-  static constexpr int kTokens = 16 * kWarps;  // per stage: 16 per warp
-  static constexpr int kChunks = DH / 8;       // 16-byte chunks per cache row
-  // Rows padded by 16 bytes: the 8 rows one ldmatrix reads start 4 banks apart (Dh 64,
-  // 128) or at other disjoint bank quads (80, 96): conflict-free.
-  static constexpr int kRowBytes = DH * 2 + 16;
-  static constexpr int kStageBytes = 2 * kTokens * kRowBytes;  // K rows, then V rows
-#ifdef JC_DA_STAGE_BYTES  // probe builds: other ring sizes
-  static constexpr int kRingBytes = JC_DA_STAGE_BYTES;
-#else
-  static constexpr int kRingBytes = 176 * 1024;
-#endif
-  static constexpr int kStages = kRingBytes / kStageBytes < 6 ? kRingBytes / kStageBytes : 6;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
-};
 
 // The 16-bit value in the low (high = false) or high half of a packed pair, as float.
 __device__ __forceinline__ float half_of(__half, uint32_t x, bool high) {
@@ -63,127 +45,161 @@ __device__ __forceinline__ uint32_t transpose_fragment(uint32_t x) {
   return y;
 }
 
+// K and V go from global memory straight into mma fragments (16-byte loads, no
+// shared-memory staging), as in the CUDA-core kernel's loop. The head dimension
+// is read in a permuted order that makes each thread's 16 bytes of a row (dims
+// 32 j + 8 c .. + 8, c = lane % 4) its fragment registers: for K (A of S^T = K Q'^T) the
+// permutation is undone by loading Q' in the same order; for V (A of O^T = V^T P^T) each
+// 8x8 block of a row pair is transposed in registers (movmatrix), and O^T's rows come out
+// permuted, undone when the warp stores its state.
+template <int DH>
+struct MmaSplitTile {
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
+  static constexpr int J32 = DH / 32;           // 32-dim groups (16-byte loads)
+  static constexpr bool kTail = DH % 32 != 0;   // a last 16-dim group (8-byte loads): Dh 80
+  static constexpr int KS = DH / 16;            // k-steps of S^T, m-tiles of O^T
+  static constexpr int U = 2;                   // 16-token chunks per warp in flight
+};
+
+// Physical dim of O^T row r (0..15) of m-tile mt (MmaSplitTile's permuted order).
+template <int DH>
+__device__ __forceinline__ int mma_out_dim(int mt, int r) {
+  const int half = r >> 3, rr = r & 7;
+  if (mt < 2 * MmaSplitTile<DH>::J32) {  // 32-dim group j = mt / 2, blocks 2t and 2t + 1
+    const int j = mt >> 1, t = mt & 1;
+    return 32 * j + 8 * (rr >> 1) + 4 * t + 2 * half + (rr & 1);
+  }
+  return 32 * MmaSplitTile<DH>::J32 + 4 * (rr >> 1) + 2 * half + (rr & 1);  // the 16-dim tail
+}
+
 template <typename T, int DH>
 __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
     decode_attention_mma_split_kernel(const DecodeAttentionParams dp) {
   using L = MmaSplitTile<DH>;
-  constexpr int KS = DH / 16;  // 16-wide steps over the head dimension
-  extern __shared__ __align__(128) unsigned char kv_stages[];
+  constexpr int KS = L::KS, J32 = L::J32, U = L::U;
   __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
   __shared__ __align__(16) float warp_states[L::kWarps * kMaxH * (DH + 2)];
   const SplitBlock sb = begin_split<T, DH, L::kThreads>(dp, q);
   const int G = static_cast<int>(dp.group);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gq = lane >> 2, cq = lane & 3;  // fragment row (token / head), column pair
+  const int gq = lane >> 2, cq = lane & 3;
 
-  // Q'^T as the B operand: head gq, dims 16 ks + 8 j + 2 cq + {0, 1}.
+  // Q'^T (B of S^T) in the permuted order of the K fragments: k-step 2 j + h of group j
+  // holds dims 32 j + 8 cq + 4 h + {0, 1} (b0) and + {2, 3} (b1); the tail's k-step dims
+  // 32 J32 + 4 cq + {0, 1} and + {2, 3}.
   uint32_t qh[KS][2], ql[KS][2];
   const float qscale = sb.p.scale * kLog2e;
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
+    const int d0 = ks < 2 * J32 ? 32 * (ks >> 1) + 8 * cq + 4 * (ks & 1) : 32 * J32 + 4 * cq;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int d = 16 * ks + 8 * j + 2 * cq;
+      const int d = d0 + 2 * j;
       const float a = gq < G ? q[gq * DH + d] * qscale : 0.f;
       const float b = gq < G ? q[gq * DH + d + 1] * qscale : 0.f;
       split_pair<T>(a, b, qh[ks][j], ql[ks][j]);
     }
   }
 
-  const int t0 = sb.t0, t_end = min(sb.t1, sb.c.len);  // cached tokens of this split
-  const int tiles = t_end > t0 ? (t_end - t0 + L::kTokens - 1) / L::kTokens : 0;
+  const int t0 = sb.t0, t_end = min(sb.t1, sb.c.len);
   const int64_t row0 = sb.bg * dp.max_seq * DH;
   const T* K = static_cast<const T*>(dp.k_cache) + row0;
   const T* V = static_cast<const T*>(dp.v_cache) + row0;
-  const uint32_t smem = ptx::smem_addr(kv_stages);
-  // Tile `tile`'s K and V rows into stage `stage`; rows past t_end are zero-filled (not
-  // read).
-  auto load_tile = [&](int tile, int stage) {
-    const int first = t0 + tile * L::kTokens;
-    const uint32_t base = smem + stage * L::kStageBytes;
-#pragma unroll 4
-    for (int e = threadIdx.x; e < 2 * L::kTokens * L::kChunks; e += L::kThreads) {
-      const int kv = e / (L::kTokens * L::kChunks), rest = e % (L::kTokens * L::kChunks);
-      const int row = rest / L::kChunks, chunk = rest % L::kChunks;
-      const bool ok = first + row < t_end;
-      const T* src = (kv ? V : K) + static_cast<int64_t>(ok ? first + row : t0) * DH + chunk * 8;
-      cp_async_16(base + (kv * L::kTokens + row) * L::kRowBytes + chunk * 16, src, ok ? 16 : 0);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < L::kStages - 1; ++s) {
-    if (s < tiles) load_tile(s, s);
-    cp_async_commit();
-  }
 
-  float o[KS][4];  // O^T fragments: dims 16 mt + gq (+ 8), heads 2 cq, 2 cq + 1
+  float o[KS][4];
 #pragma unroll
   for (int mt = 0; mt < KS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2 cq, 2 cq + 1
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  for (int i = 0; i < tiles; ++i) {
-    cp_async_wait<L::kStages - 2>();
-    __syncthreads();  // tile i landed for every thread; tile i - 1's stage is free
-    if (i + L::kStages - 1 < tiles) load_tile(i + L::kStages - 1, (i + L::kStages - 1) % L::kStages);
-    cp_async_commit();
-    const uint32_t kb = smem + (i % L::kStages) * L::kStageBytes + 16 * warp * L::kRowBytes;
-    const uint32_t vb = kb + L::kTokens * L::kRowBytes;
-
-    float s[4] = {0.f, 0.f, 0.f, 0.f};  // S^T: tokens gq, gq + 8 x heads 2 cq, 2 cq + 1
+  for (int first = t0 + warp * 16 * U; first < t_end; first += L::kWarps * 16 * U) {
+    // Rows gq and gq + 8 of each chunk: 16 bytes per 32-dim group (+ 8 of the tail).
+    uint4 kr[U][2][J32 + 1], vr[U][2][J32 + 1];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t a[4];
-      ldsm_x4(a, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * L::kRowBytes + (2 * ks + (lane >> 4)) * 16);
-      mma16816<T>(s, a, qh[ks][0], qh[ks][1]);
-      mma16816<T>(s, a, ql[ks][0], ql[ks][1]);
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int t = first + 16 * u + gq + 8 * r;
+        const bool ok = t < t_end;
+        const T* kp = K + static_cast<int64_t>(t) * DH;
+        const T* vp = V + static_cast<int64_t>(t) * DH;
+#pragma unroll
+        for (int j = 0; j < J32; ++j) {
+          kr[u][r][j] = ok ? ptx::ldg_stream(kp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
+          vr[u][r][j] = ok ? ptx::ldg_stream(vp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
+        }
+        if constexpr (L::kTail) {
+          const uint2 kt = ok ? ptx::ldg_stream8(kp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
+          const uint2 vt = ok ? ptx::ldg_stream8(vp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
+          kr[u][r][J32] = make_uint4(kt.x, kt.y, 0, 0);
+          vr[u][r][J32] = make_uint4(vt.x, vt.y, 0, 0);
+        }
+      }
     }
-    const int tok = t0 + i * L::kTokens + 16 * warp + gq;
-    if (tok >= t_end) s[0] = s[1] = -INFINITY;
-    if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
-
-    // Online softmax per head over the warp's 16 tokens (lanes of one cq share heads).
-    float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-    }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;  // no inf - inf
-    const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
-    m0 = n0;
-    m1 = n1;
-    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u1);
-    const float p2 = exp2f(s[2] - u0), p3 = exp2f(s[3] - u1);
-    l0 = fmaf(l0, a0, p0 + p2);
-    l1 = fmaf(l1, a1, p1 + p3);
+    for (int u = 0; u < U; ++u) {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int mt = 0; mt < KS; ++mt) {
-      o[mt][0] *= a0;
-      o[mt][1] *= a1;
-      o[mt][2] *= a0;
-      o[mt][3] *= a1;
-    }
-    // P^T as the B operand (tokens 2 cq + {0, 1} (+ 8) of head gq), high and low parts.
-    uint32_t ph0, pl0, ph1, pl1;
-    split_pair<T>(p0, p1, ph0, pl0);
-    split_pair<T>(p2, p3, ph1, pl1);
-    ph0 = transpose_fragment(ph0);
-    pl0 = transpose_fragment(pl0);
-    ph1 = transpose_fragment(ph1);
-    pl1 = transpose_fragment(pl1);
+      for (int ks = 0; ks < KS; ++ks) {
+        const int j = ks < 2 * J32 ? ks >> 1 : J32;
+        const int h = ks < 2 * J32 ? ks & 1 : 0;
+        const uint4& lo_row = kr[u][0][j];
+        const uint4& hi_row = kr[u][1][j];
+        const uint32_t a[4] = {h ? lo_row.z : lo_row.x, h ? hi_row.z : hi_row.x,
+                               h ? lo_row.w : lo_row.y, h ? hi_row.w : hi_row.y};
+        mma16816<T>(s, a, qh[ks][0], qh[ks][1]);
+        mma16816<T>(s, a, ql[ks][0], ql[ks][1]);
+      }
+      const int tok = first + 16 * u + gq;
+      if (tok >= t_end) s[0] = s[1] = -INFINITY;
+      if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+      float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
 #pragma unroll
-    for (int mt = 0; mt < KS; ++mt) {
-      uint32_t a[4];
-      ldsm_x4_trans(a, vb + ((lane & 7) + (lane >> 4) * 8) * L::kRowBytes + (2 * mt + ((lane >> 3) & 1)) * 16);
-      mma16816<T>(o[mt], a, ph0, ph1);
-      mma16816<T>(o[mt], a, pl0, pl1);
+      for (int off = 4; off < 32; off <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+      }
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+      const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
+      m0 = n0;
+      m1 = n1;
+      const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u1);
+      const float p2 = exp2f(s[2] - u0), p3 = exp2f(s[3] - u1);
+      l0 = fmaf(l0, a0, p0 + p2);
+      l1 = fmaf(l1, a1, p1 + p3);
+#pragma unroll
+      for (int mt = 0; mt < KS; ++mt) {
+        o[mt][0] *= a0;
+        o[mt][1] *= a1;
+        o[mt][2] *= a0;
+        o[mt][3] *= a1;
+      }
+      uint32_t ph0, pl0, ph1, pl1;
+      split_pair<T>(p0, p1, ph0, pl0);
+      split_pair<T>(p2, p3, ph1, pl1);
+      ph0 = transpose_fragment(ph0);
+      pl0 = transpose_fragment(pl0);
+      ph1 = transpose_fragment(ph1);
+      pl1 = transpose_fragment(pl1);
+      // O^T += V^T P^T: m-tile (j, t) = blocks 2 t (rows 0-7) and 2 t + 1 (rows 8-15) of
+      // group j; a block is one register of each row's 16 bytes, transposed.
+#pragma unroll
+      for (int mt = 0; mt < KS; ++mt) {
+        const int j = mt < 2 * J32 ? mt >> 1 : J32;
+        const int t = mt < 2 * J32 ? mt & 1 : 0;
+        const uint4& lo_row = vr[u][0][j];
+        const uint4& hi_row = vr[u][1][j];
+        const uint32_t b0 = t ? lo_row.z : lo_row.x, b1 = t ? lo_row.w : lo_row.y;
+        const uint32_t c0 = t ? hi_row.z : hi_row.x, c1 = t ? hi_row.w : hi_row.y;
+        const uint32_t a[4] = {transpose_fragment(b0), transpose_fragment(b1),
+                               transpose_fragment(c0), transpose_fragment(c1)};
+        mma16816<T>(o[mt], a, ph0, ph1);
+        mma16816<T>(o[mt], a, pl0, pl1);
+      }
     }
   }
-  cp_async_wait<0>();
   ptx::griddep_launch_dependents();
 
-  // The warp's state -> warp_states[warp][head][DH + 2] = (o..., m, l), heads < G.
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -195,7 +211,7 @@ __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
   for (int mt = 0; mt < KS; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int d = 16 * mt + gq + 8 * r;
+      const int d = mma_out_dim<DH>(mt, gq + 8 * r);
       if (h0 < G) ws[h0 * (DH + 2) + d] = o[mt][2 * r];
       if (h1 < G) ws[h1 * (DH + 2) + d] = o[mt][2 * r + 1];
     }
