@@ -6,13 +6,13 @@ q [B, Hkv, G, Dh] comes scaled (G query heads per KV head: GQA, MHA with G = 1, 
 Hkv = 1); caches [B, Hkv, S_max, Dh]; pos int32 [B]; a row whose pos is outside [0, S_max)
 gets NaN. On a Hopper GPU this is a split-K ("flash-decoding") CUDA kernel: one block per
 (token split, KV head, row) attends all G heads of its group, so each cache byte is read
-once for the group; a second kernel merges the splits in a fixed order (no atomics:
-bitwise reproducible).
+once for the group (GQA on tensor cores, MHA on CUDA cores); with several splits a second
+kernel merges them in a fixed order (no atomics: bitwise reproducible).
 
 decode_attention_append is the same attention for a decode step's new token: it takes the
 QKV projection's output, applies RoPE to q and k, writes k, v into the caches at slot
 pos[b] (in place: donate the caches) and attends over the pos[b] cached tokens and the new
-one, all in the same two kernels. attention_decode's impl="splitk" runs it between XLA's
+one, all in the same kernels. attention_decode's impl="splitk" runs it between XLA's
 projections.
 """
 
