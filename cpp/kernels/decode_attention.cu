@@ -3,7 +3,7 @@
 // [s * per, (s + 1) * per) of the row's pos[b] + 1, so each K/V byte is read once for the
 // whole group. Two token loops: for MHA attention_decode's (attend_cached: K/V streamed
 // straight into registers, several token steps in flight per warp, exp2-domain online
-// softmax; 256 threads), for GQA decode_attention_mma.cuh's (tensor cores; 128 threads).
+// softmax), for GQA decode_attention_mma.cuh's (tensor cores); 256 threads each.
 // The warps' states merge in a fixed order into a per-split partial (o, l, m), and a
 // second kernel merges the splits in split order; with one split the block writes the
 // output itself. No atomics: bitwise reproducible.
@@ -52,7 +52,7 @@ struct SplitBlock {
 // then, in append mode, the new token's RoPE'd k and v (rounded to the cache dtype; zeros
 // otherwise: merge_warp_states_each reads them only for a new token). Each thread issues
 // all its loads before storing any (a loop of load-store pairs waited out one memory
-// latency per element: ~1.5 us at 128 threads). With several splits, split 0 leaves k, v
+// latency per element: ~1.5 us in a 128-thread version, session 22). With several splits, split 0 leaves k, v
 // in the workspace for the merge kernel, which writes them to the caches once every block
 // has read its tokens. (Written here, into the caches the split kernels read, the token
 // loop ran 6% slower: 110.4 against 104.1 us at batch 16, 8 KV heads, 4K tokens, H100,
