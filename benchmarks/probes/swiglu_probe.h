@@ -4,13 +4,14 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 
 #include "kernels/swiglu.h"
 
 namespace jax_cluster {
 
 // x, w_gate, w_up, w_down and out of p's M, D, F (fp16). Weights are memset to nonzero
-// bytes (all-zero pages could be compressed); x is zero. Returns the bytes of one matrix.
+// bytes (all-zero pages could be compressed); x is zero unless SWIGLU_PROBE_X is set. Returns the bytes of one matrix.
 inline size_t swiglu_probe_buffers(SwigluParams& p) {
   const size_t wbytes = static_cast<size_t>(p.d) * p.f * 2;
   const size_t act = static_cast<size_t>(p.m) * std::max(p.d, p.f) * 2;
@@ -20,7 +21,10 @@ inline size_t swiglu_probe_buffers(SwigluParams& p) {
   cudaMalloc(&wu, wbytes);
   cudaMalloc(&wd, wbytes);
   cudaMalloc(&out, act);
-  cudaMemset(x, 0, act);
+  // SWIGLU_PROBE_X=60 fills x with 0x3c bytes (fp16 1.06): nonzero activations, as in a
+  // model (all-zero gates took the slow path of an IEEE division in SiLU, session 23).
+  const char* x_byte = std::getenv("SWIGLU_PROBE_X");
+  cudaMemset(x, x_byte ? std::atoi(x_byte) : 0, act);
   for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);
   p.x = x;
   p.w_gate = wg;

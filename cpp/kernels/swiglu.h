@@ -39,8 +39,9 @@
 //    stream-K kernels (one block per SM) fed by the bulk tensor copy engine: one producer
 //    thread streams 64 x 64 128B-swizzled weight boxes (4 per unit: 128 columns of w_gate
 //    and of w_up, or 256 of w_down, x 64 K rows) plus the x / A2 box into a 2-stage Ring
-//    (~80 KB), 8 consumer warps run mma.sync (ldmatrix.trans conflict-free); equal shares
-//    of the (work tile, K block) units per block. A split tile is summed in block order
+//    (~80 KB; 3 stages when the up grid leaves a third of the SMs idle), 8 consumer warps
+//    run mma.sync (ldmatrix.trans conflict-free); equal shares of the (work tile, K block)
+//    units per block. A split tile is summed in block order
 //    (deterministic) by the blocks whose ranges end in it, a share each, after a wait on
 //    the tile's counter (the launcher keeps the grid resident). The up grid is tiles x k
 //    blocks when its tiles fit (each block a whole tile or an exact 1/k), the down grid

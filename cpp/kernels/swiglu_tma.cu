@@ -17,10 +17,10 @@
 //    A box (x or A2: 16 MT rows x 64 K, rows past M zero-filled by the copy engine).
 //
 // Block = 1 producer warp + 8 consumer warps (288 threads), one per SM, a Ring of
-// kStages stages (~80 KB):
+// S stages (2, ~80 KB; 3 for an up grid that leaves a third of the SMs idle):
 //  * the producer (one thread) waits for a free stage, announces its bytes and issues the
 //    five boxes (weights with an L2 evict-first hint when read once), running up to
-//    kStages units ahead, across tile boundaries and through the consumers' epilogues;
+//    S units ahead, across tile boundaries and through the consumers' epilogues;
 //  * the consumers multiply each stage (mma.sync or wgmma: the tile policies below);
 //  * at the end of a work tile's K range a block that owned the whole tile writes the
 //    output directly; otherwise it writes its fp32 partial to slot (b + tile) of the
@@ -34,7 +34,7 @@
 //    other's waiting blocks need).
 //
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
-// launch at once; a down block issues its first kStages units' weight boxes (independent
+// launch at once; a down block issues its first S units' weight boxes (independent
 // of the up kernel) as soon as it is resident, then waits for the up grid
 // (griddepcontrol.wait) before it loads A2 or touches the counters and slots.
 #include <cuda.h>
@@ -60,6 +60,7 @@
 #define SWIGLU_TMA_MARK(up, phase)
 #endif
 
+
 namespace jax_cluster {
 namespace {
 
@@ -72,19 +73,24 @@ constexpr int kBoxes = 4;                  // weight boxes per unit
 constexpr uint32_t kBoxBytes = kKRows * kBoxCols * 2;
 constexpr uint32_t kConsumerBarrier = 1;   // named barrier of the consumer warps
 constexpr int kSlotCols = static_cast<int>(kSwigluTmaSlotCols);
+constexpr int kStagedPitch = 272;  // bytes per row of an up tile staged for the copy engine
 
 // Stages per block: 2 (~70-80 KB in flight per SM). 5-6 stages (~200 KB) were slower at
 // every M on H100 (session 20, benchmarks/probes/tma_kernel.cu): 26 MB in flight across
 // the GPU queue ~9 us deep at 3 TB/s, so each L2 round trip of a tile end (fence, counter,
 // partial sums) cost microseconds, and blocks with equal shares of the stream ended up to
 // 30 us apart (llama2-7b M = 64: up streams ended at 45-77 us; with 2 stages, 62-69 us).
-template <int MT>
+// An up grid that leaves a third of the SMs idle (Llama-2-7B: 86 tiles of 128 columns on
+// 132 SMs) has a third fewer bytes in flight at 2 stages; 3 stages bring them back (H100,
+// session 23, up kernel alone at M = 64: 77.8 -> 71.3 us; M = 1: 66.6 -> 64.3). At grids of
+// 112 (Llama-3-8B, 70B) 3 stages were 1-2% slower.
 constexpr int kStages = 2;
+constexpr int kStagesFewBlocks = 3;
 template <int MT>
 constexpr uint32_t kStageBytes = kBoxes * kBoxBytes + MT * 16 * 128;  // multiple of 1024
-template <int MT>
-constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(kStages<MT>) * kStageBytes<MT>;
-static_assert(kSmemBytes<4> <= 227 * 1024, "shared memory");
+template <int MT, int S>
+constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(S) * kStageBytes<MT>;
+static_assert(kSmemBytes<4, kStagesFewBlocks> <= 227 * 1024, "shared memory");
 
 struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
@@ -116,10 +122,10 @@ __device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t block
 template <int MT>
 constexpr int kPrefetchUnits = MT == 4 ? 4 : 8;
 
-template <int MT>
-__device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<kStages<MT>>& ring,
-                                        uint8_t* stages, int64_t u0, int n) {
-  constexpr int S = kStages<MT>, R = 16 * MT;
+template <int MT, int S>
+__device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<S>& ring, uint8_t* stages,
+                                        int64_t u0, int n) {
+  constexpr int R = 16 * MT;
   ptx::prefetch_tensor_map(&g.a_map);
   ptx::prefetch_tensor_map(&g.b0_map);
   ptx::prefetch_tensor_map(&g.b1_map);
@@ -283,6 +289,19 @@ struct MmaSyncTile {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         slot_pair(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+      }
+    });
+  }
+
+  // A2 of a whole up tile into shared memory, [rows][kStagedPitch bytes]: a warp's 32
+  // 4-byte pieces (rows lane / 4, columns 2 (lane % 4) + const) fall in 32 different banks.
+  __device__ void stage_up(uint8_t* smem, int rows) const {
+    for_rows(rows, [&](int mt, int h, int row) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        *reinterpret_cast<uint32_t*>(smem + row * kStagedPitch + 2 * col(true, nt)) =
+            pack2<T>(silu(acc[mt][nt][2 * h]) * acc[mt][nt + 2][2 * h],
+                     silu(acc[mt][nt][2 * h + 1]) * acc[mt][nt + 2][2 * h + 1]);
       }
     });
   }
@@ -461,11 +480,39 @@ __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* s
 template <typename T, int MT, bool kWgmma>
 using ConsumerTile = std::conditional_t<kWgmma, WgmmaTile<T>, MmaSyncTile<T, MT>>;
 
+// The final whole tile of a 64-row up kernel (mma.sync consumers): A2 staged in the free
+// ring, then one bulk copy per row. Its 16 4-byte stores per thread took 1.8 us longer
+// at Llama-2-7B M = 64 (H100, session 23: 111.4 -> 109.6 us per call); at 16-32 rows
+// there was no gain. Returns whether it wrote the tile.
 template <typename T, int MT, bool kWgmma>
+__device__ __forceinline__ bool emit_up_through_copy_engine(
+    const TmaGemmArgs& g, const ConsumerTile<T, MT, kWgmma>& tile_acc, uint8_t* stages,
+    const ThreadGroup& group_sync, int64_t tile, int64_t row0, int rows, int tid) {
+  if constexpr (kWgmma || MT != 4) {
+    return false;
+  } else {
+    if (!g.up) return false;
+    static_assert(16 * MT * kStagedPitch <= kStageBytes<MT>, "the staged tile fits a stage");
+    group_sync.sync();  // every consumer is done with the last stage
+    tile_acc.stage_up(stages, rows);
+    ptx::fence_proxy_async_shared();
+    group_sync.sync();
+    if (tid < rows) {
+      const int64_t c0 = tile * g.tile_cols;
+      const int64_t cols = min(static_cast<int64_t>(g.tile_cols), g.out_cols - c0);
+      ptx::bulk_store(static_cast<T*>(g.out) + (row0 + tid) * g.out_cols + c0,
+                      stages + tid * kStagedPitch, static_cast<uint32_t>(2 * cols));
+      ptx::bulk_store_wait();  // the copies are done before the block exits
+    }
+    return true;
+  }
+}
+
+template <typename T, int MT, bool kWgmma, int S>
 __global__ void __launch_bounds__(kThreads, 1)
     swiglu_tma_kernel(const __grid_constant__ TmaGemmArgs g) {
   static_assert(!kWgmma || MT == 4, "wgmma tiles are 64 rows");
-  constexpr int S = kStages<MT>, R = 16 * MT;
+  constexpr int R = 16 * MT;
   extern __shared__ uint8_t smem_raw[];
   __shared__ Ring<S> ring;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -482,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    if (lane == 0) produce<MT>(g, ring, stages, u0, n);
+    if (lane == 0) produce<MT, S>(g, ring, stages, u0, n);
     return;
   }
 
@@ -542,8 +589,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   tile_end(w, tile, row0, rows, first, last);
   const int count = static_cast<int>(last - first + 1);
   const bool split = count > 1;
-  if (split) tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
-  else tile_acc.emit(g, tile, row0, rows);
+  SWIGLU_TMA_MARK(g.up, 6);
+  if (split) {
+    tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
+  } else if (!emit_up_through_copy_engine<T, MT, kWgmma>(g, tile_acc, stages, group_sync, tile,
+                                                         row0, rows, tid)) {
+    tile_acc.emit(g, tile, row0, rows);
+  }
+  SWIGLU_TMA_MARK(g.up, 7);
   if (split || pending >= 0) {
     __threadfence();  // the partials are visible before the counters say they are there
     group_sync.sync();
@@ -586,10 +639,35 @@ int64_t up_blocks(int64_t tiles, int64_t k_blocks, int64_t cap) {
   return tiles * k;
 }
 
+// One GEMM's grid: at most one block per unit (every block owns >= 1 unit: the kernel
+// counts on it), at most the blocks the GPU holds at once (they wait on each other's
+// partials), the up GEMM's rule on top.
+template <typename T, int MT, bool kWgmma, int S>
+cudaError_t grid_blocks(const TmaGemmArgs& a, int64_t max_blocks, int64_t* blocks) {
+  const int64_t units = a.col_tiles * a.row_groups * a.k_blocks;
+  int resident = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      resident_blocks(reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, kWgmma, S>),
+                      kThreads, kSmemBytes<MT, S>, &resident));
+  *blocks = std::min<int64_t>({max_blocks, units, resident});
+  if (a.up) *blocks = up_blocks(a.col_tiles * a.row_groups, a.k_blocks, *blocks);
+  return cudaSuccess;
+}
+
+// Launches `blocks` (at most grid_blocks of this S) blocks of S stages.
+template <typename T, int MT, bool kWgmma, int S>
+cudaError_t launch_gemm(const TmaGemmArgs& a, int64_t blocks, cudaStream_t stream) {
+  int64_t most = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kWgmma, S>(a, blocks, &most)));
+  if (most < blocks) return cudaErrorInvalidConfiguration;
+  return launch_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>,
+                             dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                             kSmemBytes<MT, S>, a.wait_prior, stream, a);
+}
+
 template <typename T, int MT, bool kWgmma = false>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
-  auto kernel = swiglu_tma_kernel<T, MT, kWgmma>;
   if (p.row_tiles != MT || p.num_clusters < 1) return cudaErrorInvalidValue;
   const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
@@ -642,17 +720,18 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
       a.wait_prior = p.pdl;
       a.trigger = false;
     }
-    // At most one block per unit: every block owns >= 1 unit (the kernel counts on it);
-    // at most the blocks the GPU holds at once: they wait on each other's partials.
-    const int64_t units = a.col_tiles * groups * a.k_blocks;
-    int resident = 0;
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(resident_blocks(reinterpret_cast<const void*>(kernel),
-                                                     kThreads, kSmemBytes<MT>, &resident));
-    int64_t blocks = std::min<int64_t>({p.num_clusters, units, resident});
-    if (a.up) blocks = up_blocks(a.col_tiles * groups, a.k_blocks, blocks);
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
-        kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), kSmemBytes<MT>,
-        a.wait_prior, stream, a));
+    int64_t blocks = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+        (grid_blocks<T, MT, kWgmma, kStages>(a, p.num_clusters, &blocks)));
+    int sms = 0, device = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const bool few_blocks = a.up && 3 * blocks <= 2 * static_cast<int64_t>(sms);
+    const cudaError_t e =
+        few_blocks ? launch_gemm<T, MT, kWgmma, kStagesFewBlocks>(a, blocks, stream)
+                   : launch_gemm<T, MT, kWgmma, kStages>(a, blocks, stream);
+    if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }

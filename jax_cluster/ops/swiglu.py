@@ -407,7 +407,7 @@ def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 11  # bump when the kernels (or how they are timed) change: cached choices are re-measured
+KERNEL_VERSION = 12  # bump when the kernels (or how they are timed) change: cached choices are re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:

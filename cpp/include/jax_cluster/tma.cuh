@@ -2,6 +2,7 @@
 // kernel here uses to move weights, KV caches and tiles into shared memory.
 //
 //  * bulk_load: one contiguous range global -> shared (cp.async.bulk, no tensor map);
+//    bulk_store the other way (a finished tile leaving through the copy engine);
 //  * tma_load_{2,4}d: one box of a tensor described by a CUtensorMap (passed to the
 //    kernel by value as a __grid_constant__ parameter; encoded on the host by
 //    kernels/tma_host.h);
@@ -85,6 +86,25 @@ __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int32_t 
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map),
                "r"(c0), "r"(c1)
                : "memory");
+}
+
+// Shared src -> [dst, dst + bytes) in global memory through the copy engine (16-byte
+// aligned addresses, bytes a multiple of 16). Writes made to src by ordinary stores must be
+// fenced first (fence_proxy_async_shared); the copies of the issuing thread complete at
+// bulk_store_wait.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_store_wait() {
+  asm volatile("cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Makes this thread's ordinary shared-memory writes visible to the copy engine.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // Fetches a __grid_constant__ tensor map's descriptor ahead of its first use.
