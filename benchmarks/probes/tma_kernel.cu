@@ -3,7 +3,7 @@
 // building the package.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/tma_kernel.cu -o /tmp/tma_kernel
-//   /tmp/tma_kernel M D F [row_tiles wgmma pdl blocks]
+//   /tmp/tma_kernel M D F [row_tiles wgmma pdl blocks down_slots]
 // Prints us per call (best of 5 x 20 back-to-back calls) and the weight read rate, for the
 // whole call and for the up kernel alone; then, from one more call of each, when each
 // kernel's blocks reached their phases (%globaltimer, us after the up kernel's first
@@ -105,7 +105,7 @@ void print_phases(int blocks) {
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 4) {
-    fprintf(stderr, "usage: %s M D F [row_tiles wgmma pdl blocks]\n", argv[0]);
+    fprintf(stderr, "usage: %s M D F [row_tiles wgmma pdl blocks down_slots]\n", argv[0]);
     return 2;
   }
   const int64_t m = atoll(argv[1]), d = atoll(argv[2]), f = atoll(argv[3]);
@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
   p.wgmma = argc > 5 && atoi(argv[5]) != 0;
   p.pdl = argc > 6 ? atoi(argv[6]) != 0 : true;
   p.num_clusters = argc > 7 ? atoi(argv[7]) : sms;
+  p.down_slots = argc > 8 && atoi(argv[8]) != 0;
   p.has_residual = false;
   const size_t wbytes = swiglu_probe_buffers(p);
   void* ws;

@@ -49,6 +49,7 @@ inline ffi::ErrorOr<SwigluParams> decode_swiglu(
   p.pdl = pdl != 0;
   p.gemv_mma = gemv_mma != 0;
   p.wgmma = wgmma != 0;
+  p.down_slots = false;
   if (p.m < 1) return fail("x must have at least one row");
   if (gd[0] != p.d) return fail("w_gate must be [D, F] with D = x.shape[1], got " + ffi_util::dims_str(gd));
   if (p.d % kSwigluAlign || p.f % kSwigluAlign) {

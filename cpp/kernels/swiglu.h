@@ -45,7 +45,8 @@
 //    (deterministic) by the blocks whose ranges end in it, a share each, after a wait on
 //    the tile's counter (the launcher keeps the grid resident). The up grid is tiles x k
 //    blocks when its tiles fit (each block a whole tile or an exact 1/k), the down grid
-//    one block per SM. The down kernel is launched programmatically (PDL) and pulls its
+//    one block per SM, or (M <= 64, D / 256 <= SMs / 5) clusters of 5-8 blocks per down
+//    tile that sum their partials over DSMEM. The down kernel is launched programmatically (PDL) and pulls its
 //    first units into L2 before its wait.
 //    Session 20 (H100, benchmarks/probes/tma_kernel.cu per-block phase times): 5-6 stages
 //    (~200 KB in flight per SM) queued the memory system ~9 us deep, so blocks with equal
@@ -102,6 +103,8 @@ struct SwigluParams {
   bool pdl;           // tma, gemv: the down kernel launches programmatically (PDL)
   bool gemv_mma;      // gemv: tensor cores (mma.sync) instead of CUDA-core FMAs
   bool wgmma;         // tma: warpgroup MMA consumers (row_tiles 4) instead of mma.sync
+  bool down_slots;    // tma: the down GEMM's stream-K grid with partials in global slots
+                      // even where clusters reducing over DSMEM apply (probes; A/B)
   const void* x;
   const void* w_gate;
   const void* w_up;

@@ -33,6 +33,10 @@
 //    such grids must not share the GPU from different streams (each could hold SMs the
 //    other's waiting blocks need).
 //
+// The down GEMM with one row group (M <= 64) and few column tiles (D / 256 <= SMs / 5)
+// runs in clusters instead: a cluster of c blocks owns one tile, and its partials are
+// summed over DSMEM at the end, no slots, counters or waits (reduce_tile_in_cluster).
+//
 // Programmatic dependent launch (SwigluParams::pdl): the up kernel lets the down kernel
 // launch at once; a down block issues its first S units' weight boxes (independent
 // of the up kernel) as soon as it is resident, then waits for the up grid
@@ -74,6 +78,9 @@ constexpr uint32_t kBoxBytes = kKRows * kBoxCols * 2;
 constexpr uint32_t kConsumerBarrier = 1;   // named barrier of the consumer warps
 constexpr int kSlotCols = static_cast<int>(kSwigluTmaSlotCols);
 constexpr int kStagedPitch = 272;  // bytes per row of an up tile staged for the copy engine
+// floats per row of a down partial in shared memory: 8 rows of a warp's float2 stores
+// 8 banks apart (two wavefronts, the least for 256 bytes)
+constexpr int kPartialPitch = 264;
 
 // Stages per block: 2 (~70-80 KB in flight per SM). 5-6 stages (~200 KB) were slower at
 // every M on H100 (session 20, benchmarks/probes/tma_kernel.cu): 26 MB in flight across
@@ -107,6 +114,8 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   bool hint;        // each weight byte is read once: L2 evict-first
   bool wait_prior;  // PDL: A (A2), counters and slots come from the previous grid
   bool trigger;     // PDL: let the next kernel launch now
+  int cluster;      // down, > 1: each work tile owned by a cluster of this many blocks,
+                    // its partials summed over DSMEM (reduce_tile_in_cluster)
 };
 
 // The block (of `blocks`, block b owning units [b U / G, (b + 1) U / G)) owning unit u.
@@ -284,11 +293,11 @@ struct MmaSyncTile {
       }
   }
 
-  __device__ void slot_store(float* slot, int rows, bool up) const {
+  __device__ void slot_store(float* slot, int rows, bool up, int pitch = kSlotCols) const {
     for_rows(rows, [&](int mt, int h, int row) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        slot_pair(slot + row * kSlotCols + col(up, nt), acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        slot_pair(slot + row * pitch + col(up, nt), acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
       }
     });
   }
@@ -371,7 +380,7 @@ struct WgmmaTile {
 
   __device__ int col(int t, int j) const { return col0[t] + 8 * j + 2 * (lane & 3); }
 
-  __device__ void slot_store(float* slot, int rows, bool /*up*/) const {
+  __device__ void slot_store(float* slot, int rows, bool /*up*/, int pitch = kSlotCols) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * w + (lane >> 2) + 8 * h;
@@ -380,7 +389,7 @@ struct WgmmaTile {
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          slot_pair(slot + row * kSlotCols + col(t, j), acc[t][4 * j + 2 * h],
+          slot_pair(slot + row * pitch + col(t, j), acc[t][4 * j + 2 * h],
                            acc[t][4 * j + 2 * h + 1]);
         }
     }
@@ -480,6 +489,34 @@ __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* s
 template <typename T, int MT, bool kWgmma>
 using ConsumerTile = std::conditional_t<kWgmma, WgmmaTile<T>, MmaSyncTile<T, MT>>;
 
+// A down tile owned by a cluster of c blocks (one K range each, the tile's only row group),
+// every block's fp32 partial in its own shared memory: block `rank` sums its 1/c of the
+// tile's 4-column groups over all c partials, read over DSMEM in rank order
+// (deterministic), adds the residual and writes y. Replaces the global slots, the counter
+// and its wait, and the L2 round trips of reduce_tile.
+template <typename T>
+__device__ __forceinline__ void reduce_tile_in_cluster(const TmaGemmArgs& g, const float* partial,
+                                                       int64_t tile, int rows, int rank,
+                                                       int tid) {
+  constexpr int kQuads = kSlotCols / 4;  // 4-column groups of a tile row
+  const int q0 = kQuads * rank / g.cluster, quads = kQuads * (rank + 1) / g.cluster - q0;
+  const uint32_t local = ptx::smem_addr(partial);
+  for (int e = tid; e < rows * quads; e += kConsumers) {
+    const int row = e / quads, c = 4 * (q0 + e % quads);
+    const int64_t col = tile * g.tile_cols + c;
+    if (col >= g.out_cols) continue;  // columns past D of a last tile
+    const uint32_t at = local + 4u * static_cast<uint32_t>(row * kPartialPitch + c);
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < g.cluster; ++q) {
+      const float4 v = ptx::ld_cluster_f32x4(ptx::map_to_rank(at, q));
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    const int64_t base = static_cast<int64_t>(row) * g.out_cols;
+    store_down<T>(g, base, col, sum.x, sum.y);
+    store_down<T>(g, base, col + 2, sum.z, sum.w);
+  }
+}
+
 // The final whole tile of a 64-row up kernel (mma.sync consumers): A2 staged in the free
 // ring, then one bulk copy per row. Its 16 4-byte stores per thread took 1.8 us longer
 // at Llama-2-7B M = 64 (H100, session 23: 111.4 -> 109.6 us per call); at 16-32 rows
@@ -530,6 +567,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (warp == kConsumerWarps) {
     if (lane == 0) produce<MT, S>(g, ring, stages, u0, n);
+    if (g.cluster > 1) {  // every thread of the cluster takes part in its barriers
+      __syncwarp();
+      ptx::cluster_sync();
+      ptx::cluster_sync();
+    }
     return;
   }
 
@@ -587,6 +629,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   int64_t tile, row0, first, last;
   int rows;
   tile_end(w, tile, row0, rows, first, last);
+  if (g.cluster > 1) {  // a cluster's tile (row0 = 0): its partials meet in shared memory
+    static_assert(16 * MT * kPartialPitch * 4 <= S * kStageBytes<MT>, "a partial fits the ring");
+    SWIGLU_TMA_MARK(g.up, 6);
+    float* partial = reinterpret_cast<float*>(stages);
+    group_sync.sync();  // every consumer is done with the last stage
+    tile_acc.slot_store(partial, rows, false, kPartialPitch);
+    SWIGLU_TMA_MARK(g.up, 7);
+    ptx::cluster_sync();
+    SWIGLU_TMA_MARK(g.up, 5);
+    reduce_tile_in_cluster<T>(g, partial, tile, rows, static_cast<int>(ptx::cluster_rank()),
+                              tid);
+    ptx::cluster_sync();  // no block leaves while the others read its shared memory
+    SWIGLU_TMA_MARK(g.up, 3);
+    return;
+  }
   const int count = static_cast<int>(last - first + 1);
   const bool split = count > 1;
   SWIGLU_TMA_MARK(g.up, 6);
@@ -654,15 +711,52 @@ cudaError_t grid_blocks(const TmaGemmArgs& a, int64_t max_blocks, int64_t* block
   return cudaSuccess;
 }
 
-// Launches `blocks` (at most grid_blocks of this S) blocks of S stages.
+// Launches `blocks` (at most grid_blocks of this S) blocks of S stages; in clusters of
+// a.cluster blocks when it is > 1.
 template <typename T, int MT, bool kWgmma, int S>
 cudaError_t launch_gemm(const TmaGemmArgs& a, int64_t blocks, cudaStream_t stream) {
   int64_t most = 0;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kWgmma, S>(a, blocks, &most)));
   if (most < blocks) return cudaErrorInvalidConfiguration;
-  return launch_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>,
-                             dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (a.cluster > 1) {
+    if (!a.wait_prior) {
+      return launch_cluster(swiglu_tma_kernel<T, MT, kWgmma, S>, grid, dim3(kThreads),
+                            kSmemBytes<MT, S>, a.cluster, stream, a);
+    }
+    return launch_cluster_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>, grid,
+                                       dim3(kThreads), kSmemBytes<MT, S>, a.cluster, stream, a);
+  }
+  return launch_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>, grid, dim3(kThreads),
                              kSmemBytes<MT, S>, a.wait_prior, stream, a);
+}
+
+// The down GEMM's clusters: with one row group, each 256-column tile is owned by a
+// cluster of c blocks, which sums its partials over DSMEM at the end: the largest c in
+// 5..8 with tiles x c within the grid, at most one block per K block, and every cluster
+// resident at once (so the tiles end together; the GPU's GPCs decide, not its SM count:
+// an H100 holds 15 clusters of 8, not 16, and the 16th ran as a second wave, +20 us).
+// 1: the stream-K grid with partials in global slots.
+// H100, session 23, x nonzero (benchmarks/probes/tma_kernel.cu), D = 4096 (16 tiles,
+// clusters of 6: 96 blocks): M = 64 112.4 -> 109.4 us (Llama-2-7B), 135.2 -> 132.0
+// (Llama-3-8B); M = 16 equal / 124.0 -> 121.7. D = 8192 (32 tiles, clusters of 4) was
+// 0.7-1.3% slower than the slots, whose sums there are only ~4 partials deep: hence c >= 5.
+template <typename T, int MT, bool kWgmma, int S>
+cudaError_t down_cluster_size(const TmaGemmArgs& a, int64_t grid, int* size) {
+  *size = 1;
+  if (a.up || a.row_groups != 1) return cudaSuccess;
+  for (int c = 8; c >= 5; --c) {
+    if (a.col_tiles * c > grid || c > a.k_blocks) continue;
+    int clusters = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(resident_clusters(
+        reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, kWgmma, S>), kThreads,
+        kSmemBytes<MT, S>, c, &clusters));
+    if (clusters >= a.col_tiles) {
+      *size = c;
+      return cudaSuccess;
+    }
+  }
+  return cudaSuccess;
 }
 
 template <typename T, int MT, bool kWgmma = false>
@@ -728,6 +822,12 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     const bool few_blocks = a.up && 3 * blocks <= 2 * static_cast<int64_t>(sms);
+    a.cluster = 1;
+    if (!p.down_slots) {
+      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+          (down_cluster_size<T, MT, kWgmma, kStages>(a, blocks, &a.cluster)));
+    }
+    if (a.cluster > 1) blocks = a.col_tiles * a.cluster;
     const cudaError_t e =
         few_blocks ? launch_gemm<T, MT, kWgmma, kStagesFewBlocks>(a, blocks, stream)
                    : launch_gemm<T, MT, kWgmma, kStages>(a, blocks, stream);
