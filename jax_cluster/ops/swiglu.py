@@ -45,10 +45,12 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                at once on one GPU from different streams; XLA runs a device's computations
                on one compute stream). The down kernel starts programmatically (PDL): its
                first weight tiles load, and the next few are pulled into L2, while the up
-               kernel drains. Any M (row groups of 16 rt rows; weights re-read per group
-               above 64 rows). H100 (benchmarks/results/swiglu.md, parts s20c_*): 1.00-1.07x
-               plain jnp at M = 64 (85-86% of roofline at Llama-3-8B and 70B), 1.02-1.06x at
-               M = 32, 0.99-1.02x at M = 16, 0.96-1.01x below. "tma:wg=1": the consumers are
+               kernel drains. With one row group and few down tiles (D / 256 <= SMs / 5:
+               D = 4096), the down GEMM runs in clusters of 5-8 blocks per tile that sum
+               their partials over DSMEM instead. Any M (row groups of 16 rt rows; weights
+               re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md, parts
+               s23_*, s23b_*): 1.03-1.16x plain jnp at M = 64 (86-93% of roofline),
+               1.05-1.11x at M = 32, 1.01-1.09x at M = 16 (92-99%), 0.97-1.03x below. "tma:wg=1": the consumers are
                two warpgroups on wgmma (64-row tiles, both operands read from the stage);
                slower than mma.sync (session 20, M = 64: ~1.07x its time), so not a
                scheduler candidate.
