@@ -50,7 +50,7 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                their partials over DSMEM instead. Any M (row groups of 16 rt rows; weights
                re-read per group above 64 rows). H100 (benchmarks/results/swiglu.md, parts
                s23_*, s23b_*): 1.03-1.16x plain jnp at M = 64 (86-93% of roofline),
-               1.05-1.11x at M = 32, 1.01-1.09x at M = 16 (92-99%), 0.97-1.03x below. "tma:wg=1": the consumers are
+               1.05-1.11x at M = 32, 1.01-1.09x at M = 16 (92-99%), 0.96-1.03x below. "tma:wg=1": the consumers are
                two warpgroups on wgmma (64-row tiles, both operands read from the stage);
                slower than mma.sync (session 20, M = 64: ~1.07x its time), so not a
                scheduler candidate.
