@@ -69,38 +69,6 @@ inline cudaError_t resident_blocks(const void* kernel, int threads, size_t smem,
   return *blocks > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
-// How many clusters of `cluster_size` blocks of `kernel` the current device runs at once
-// (its GPCs hold whole clusters only: 16 clusters of 8 do not fit an H100's 132 SMs).
-// Queried once per (device, kernel, cluster size).
-inline cudaError_t resident_clusters(const void* kernel, int threads, size_t smem,
-                                     int cluster_size, int* clusters) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int>, int> known;
-  int device = 0;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find({device, kernel, cluster_size});
-  if (it == known.end()) {
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(kernel));
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster_size);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cluster_size;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int n = 0;
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
-    it = known.emplace(std::make_tuple(device, kernel, cluster_size), n).first;
-  }
-  *clusters = it->second;
-  return cudaSuccess;
-}
-
 // One launch through cudaLaunchKernelEx with the given launch attributes (after the
 // kernel's one-time configuration); its return code and the last error checked.
 template <typename... KernelArgs, typename... Args>
@@ -128,6 +96,34 @@ inline cudaLaunchAttribute cluster_attribute(int cluster_size) {
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
   return attr;
+}
+
+// How many clusters of `cluster_size` blocks of `kernel` the current device runs at once
+// (its GPCs hold whole clusters only: 16 clusters of 8 do not fit an H100's 132 SMs).
+// Queried once per (device, kernel, cluster size).
+inline cudaError_t resident_clusters(const void* kernel, int threads, size_t smem,
+                                     int cluster_size, int* clusters) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int>, int> known;
+  int device = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find({device, kernel, cluster_size});
+  if (it == known.end()) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(kernel));
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster_size);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr = cluster_attribute(cluster_size);
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    int n = 0;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+    it = known.emplace(std::make_tuple(device, kernel, cluster_size), n).first;
+  }
+  *clusters = it->second;
+  return cudaSuccess;
 }
 
 // grid.x must be a multiple of cluster_size; blocks b..b+N-1 form a cluster.
