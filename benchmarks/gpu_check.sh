@@ -78,6 +78,7 @@ if [ "$SANITIZE" = 1 ]; then
   # (logs/session16/README.md). Session 17: alone, outside JAX, the same kernels run
   # clean under racecheck (benchmarks/probes/sanitize_attention_kernels.sh, below).
   sanitize memcheck jax_cluster collectives,swiglu
+  sanitize memcheck swiglu_tma linear
   sanitize memcheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
   sanitize memcheck attention_decode_kernel attention_decode --pipelines=registers
   sanitize memcheck attention_decode_tma_kernel attention_decode --pipelines=tma
@@ -89,6 +90,7 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize racecheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
   sanitize racecheck jax_cluster collectives --quick
   sanitize racecheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
+  sanitize racecheck swiglu_tma linear --quick
   for v in split stream gemv fused fused_row tma; do
     JAX_CLUSTER_PDL=0 step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
       compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \

@@ -97,6 +97,37 @@ def swiglu(dtypes, shapes=((320, 512), (1024, 192)), variants=None):
     print("swiglu ok")
 
 
+def linear(dtypes):
+    """The linear projection on the cluster grid (N = 1344: 6 tiles in clusters of 8, the
+    last one partial) and the stream-K grid (7 blocks: whole and split tiles, summed through
+    the workspace; M = 70: two row groups), residual, fp32 output; then attention_decode's
+    splitk step, whose projections it runs, vs the jnp reference."""
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+        for k, n in ((320, 192), (512, 1344)):
+            w = f(k, n, sc=k ** -0.5)
+            for m in (1, 33, 70):
+                a, res = f(m, k), f(m, n)
+                for blocks in (None, 7):
+                    print("linear", jnp.dtype(dtype).name, k, n, m, blocks, flush=True)
+                    for r, out in ((res, None), (None, jnp.float32)):
+                        y = jax.jit(lambda a, w, r: jc.linear(a, w, r, out_dtype=out, max_blocks=blocks))(a, w, r)
+                        ref = jc.reference.linear(a, w, r, out)
+                        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+                        assert err < 1e-2, (k, n, m, blocks, err)
+        hq, hkv, dh = 8, 2, 64
+        args = dict(x=f(3, 512), w_qkv=f(512, (hq + 2 * hkv) * dh, sc=1 / 22), w_o=f(hq * dh, 512, sc=0.05),
+                    k_cache=f(3, hkv, 50, dh), v_cache=f(3, hkv, 50, dh), lengths=jnp.asarray([0, 49, 17], jnp.int32),
+                    inv_freq=jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
+        kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(512))
+        y = jc.attention_decode(**args, **kw, impl="splitk")[0]
+        ref = jc.reference.attention_decode(**args, **kw)[0]
+        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+        assert err < 1e-2, ("splitk", err)
+    print("linear ok")
+
+
 def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), cuda_kernel="auto"):
     """Both head dims, ragged / empty query and KV chunks (tile remainders), incoming states,
     state and finalized outputs, vs the jnp reference."""
@@ -137,6 +168,8 @@ if __name__ == "__main__":
             swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=variants)
         else:
             swiglu((jnp.float16, jnp.bfloat16), variants=variants)
+    if wanted("linear"):
+        linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("flash_attention"):  # --flash-kernel=mma|wgmma|...: one of its CUDA kernels
         kern = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--flash-kernel=")), "auto")
         flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kern)

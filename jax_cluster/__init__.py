@@ -11,6 +11,7 @@ from jax_cluster.ops.attention_decode import attention_decode
 from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
 from jax_cluster.ops.decode_attention import decode_attention, decode_attention_append
 from jax_cluster.ops.flash_attention import flash_attention
+from jax_cluster.ops.linear import linear
 from jax_cluster.ops.swiglu import swiglu, swiglu_tp
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_append",
     "flash_attention",
+    "linear",
     "reference",
     "register_targets",
     "swiglu",

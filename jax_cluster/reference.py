@@ -104,6 +104,16 @@ def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_
     return y.astype(x.dtype), k_cache, v_cache
 
 
+def linear(a, w, residual=None, out_dtype=None):
+    """y = a @ w (+ residual): a [..., K], w [K, N], residual [..., N]; fp32 accumulation
+    (highest precision), the residual added in fp32, one rounding to out_dtype (a's dtype
+    when None)."""
+    y = jnp.matmul(a.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y.astype(a.dtype if out_dtype is None else out_dtype)
+
+
 def swiglu(x, w_gate, w_up, w_down=None, residual=None):
     """SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down (+ residual).
 

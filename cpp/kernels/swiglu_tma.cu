@@ -56,6 +56,7 @@
 #include "jax_cluster/vec.cuh"
 #include "jax_cluster/wgmma.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/linear_launch.h"
 #include "kernels/swiglu_launch.h"
 #include "kernels/tma_host.h"
 
@@ -105,6 +106,7 @@ struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap b1_map;    // w_up (up) or w_down (down): boxes 2, 3
   const void* residual;  // down only; may be null
   void* out;             // A2 [m, F] (up) or y [m, D] (down)
+  bool out_f32;          // down: y in fp32 (the linear projection's option), else in T
   unsigned int* counters;  // [work tiles], zero before the up kernel
   float* slots;            // fp32 partials [segments][slot_rows][256]
   int64_t m, out_cols, k_blocks, col_tiles, row_groups, slot_rows;
@@ -208,7 +210,6 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<S>& ring, uin
 template <typename T>
 __device__ __forceinline__ void store_down(const TmaGemmArgs& g, int64_t base, int64_t col,
                                            float v0, float v1) {
-  T* out = static_cast<T*>(g.out);
   const T* res = static_cast<const T*>(g.residual);
   if (res != nullptr) {
     const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
@@ -216,7 +217,11 @@ __device__ __forceinline__ void store_down(const TmaGemmArgs& g, int64_t base, i
     v0 += to_float(e[0]);
     v1 += to_float(e[1]);
   }
-  *reinterpret_cast<uint32_t*>(out + base + col) = pack2<T>(v0, v1);
+  if (g.out_f32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(g.out) + base + col) = make_float2(v0, v1);
+  } else {
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(g.out) + base + col) = pack2<T>(v0, v1);
+  }
 }
 
 template <typename T>
@@ -759,6 +764,57 @@ cudaError_t down_cluster_size(const TmaGemmArgs& a, int64_t grid, int* size) {
   return cudaSuccess;
 }
 
+// One GEMM of `a` on at most max_blocks blocks: the grid (blocks resident at once), the
+// ring depth, and clusters for a down-type GEMM where they apply (unless `slots`). Zeroes
+// the tile counters first when the grid sums split tiles through them.
+template <typename T, int MT, bool kWgmma>
+cudaError_t launch_one(TmaGemmArgs& a, int64_t max_blocks, bool slots, int64_t counters,
+                       cudaStream_t stream) {
+  int64_t blocks = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kWgmma, kStages>(a, max_blocks, &blocks)));
+  int sms = 0, device = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const bool few_blocks = a.up && 3 * blocks <= 2 * static_cast<int64_t>(sms);
+  a.cluster = 1;
+  if (!slots) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR((down_cluster_size<T, MT, kWgmma, kStages>(a, blocks, &a.cluster)));
+  }
+  if (a.cluster > 1) {
+    blocks = a.col_tiles * a.cluster;
+  } else if (counters > 0) {
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.counters, 0, 4 * counters, stream));
+  }
+  return few_blocks ? launch_gemm<T, MT, kWgmma, kStagesFewBlocks>(a, blocks, stream)
+                    : launch_gemm<T, MT, kWgmma, kStages>(a, blocks, stream);
+}
+
+// The fields of a down-type GEMM (y = a @ w (+ residual), 256-column work tiles) that
+// swiglu's down kernel and the linear projection share.
+cudaError_t plain_gemm_args(TmaGemmArgs& a, DType dtype, const void* act, int64_t m, int64_t k,
+                            const void* w, int64_t n, int rows) {
+  constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
+  // other blocks at other times): fetch exactly those rows.
+  constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, dtype, act, m, k, rows, kBoxCols, kSwizzle));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      encode_matrix_map(&a.b0_map, dtype, w, k, n, kKRows, kBoxCols, kSwizzle, kWeights));
+  a.b1_map = a.b0_map;
+  a.up = false;
+  a.m = m;
+  a.row_groups = swiglu_ceil_div(m, rows);
+  a.hint = a.row_groups == 1;
+  a.out_cols = n;
+  a.out_f32 = false;
+  a.k_blocks = k / kKRows;
+  a.col_tiles = swiglu_ceil_div(n, kSwigluTmaDownCols);
+  a.tile_cols = static_cast<int>(kSwigluTmaDownCols);
+  a.b1_off = 128;
+  a.trigger = false;
+  return cudaSuccess;
+}
+
 template <typename T, int MT, bool kWgmma = false>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
@@ -766,74 +822,68 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
+  float* slots = reinterpret_cast<float*>(ws + l.slots);
+  // Up: x @ [w_gate | w_up] -> A2 (into the workspace when the down GEMM follows).
+  TmaGemmArgs up;
+  constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&up.a_map, p.dtype, p.x, p.m, p.d, R, kBoxCols, kSwizzle));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      encode_matrix_map(&up.b0_map, p.dtype, p.w_gate, p.d, p.f, kKRows, kBoxCols, kSwizzle, kWeights));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
+      encode_matrix_map(&up.b1_map, p.dtype, p.w_up, p.d, p.f, kKRows, kBoxCols, kSwizzle, kWeights));
+  up.up = true;
+  up.m = p.m;
+  up.row_groups = swiglu_ceil_div(p.m, R);
+  up.hint = up.row_groups == 1;
+  up.slot_rows = l.slot_rows;
+  up.slots = slots;
+  up.counters = counters;
+  up.residual = nullptr;
+  up.out = p.has_down ? static_cast<void*>(ws) : p.out;
+  up.out_cols = p.f;
+  up.out_f32 = false;
+  up.k_blocks = p.d / kKRows;
+  up.col_tiles = swiglu_ceil_div(p.f, kSwigluTmaUpCols);
+  up.tile_cols = static_cast<int>(kSwigluTmaUpCols);
+  up.b1_off = 0;
+  up.wait_prior = false;
+  up.trigger = p.has_down && p.pdl;
+  // Both GEMMs' counters are zeroed here, before the up kernel: the down kernel's memset
+  // would come between the two and hold the down kernel back from its early start.
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
-  const int64_t groups = swiglu_ceil_div(p.m, R);
-  constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
-  // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
-  // other blocks at other times): fetch exactly those rows.
-  constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
-    TmaGemmArgs a;
-    a.up = up == 1;
-    a.m = p.m;
-    a.row_groups = groups;
-    a.slot_rows = l.slot_rows;
-    a.slots = reinterpret_cast<float*>(ws + l.slots);
-    a.counters = counters + (a.up ? 0 : l.tiles_up);
-    a.hint = groups == 1;
-    if (a.up) {
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, p.x, p.m, p.d, R,
-                                                         kBoxCols, kSwizzle));
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_gate, p.d, p.f,
-                                                         kKRows, kBoxCols, kSwizzle, kWeights));
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b1_map, p.dtype, p.w_up, p.d, p.f,
-                                                         kKRows, kBoxCols, kSwizzle, kWeights));
-      a.residual = nullptr;
-      a.out = p.has_down ? static_cast<void*>(ws) : p.out;
-      a.out_cols = p.f;
-      a.k_blocks = p.d / kKRows;
-      a.col_tiles = swiglu_ceil_div(p.f, kSwigluTmaUpCols);
-      a.tile_cols = static_cast<int>(kSwigluTmaUpCols);
-      a.b1_off = 0;
-      a.wait_prior = false;
-      a.trigger = p.has_down && p.pdl;
-    } else {
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, p.dtype, ws, p.m, p.f, R,
-                                                         kBoxCols, kSwizzle));
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.b0_map, p.dtype, p.w_down, p.f, p.d,
-                                                         kKRows, kBoxCols, kSwizzle, kWeights));
-      a.b1_map = a.b0_map;
-      a.residual = p.has_residual ? p.residual : nullptr;
-      a.out = p.out;
-      a.out_cols = p.d;
-      a.k_blocks = p.f / kKRows;
-      a.col_tiles = swiglu_ceil_div(p.d, kSwigluTmaDownCols);
-      a.tile_cols = static_cast<int>(kSwigluTmaDownCols);
-      a.b1_off = 128;
-      a.wait_prior = p.pdl;
-      a.trigger = false;
-    }
-    int64_t blocks = 0;
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-        (grid_blocks<T, MT, kWgmma, kStages>(a, p.num_clusters, &blocks)));
-    int sms = 0, device = 0;
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    const bool few_blocks = a.up && 3 * blocks <= 2 * static_cast<int64_t>(sms);
-    a.cluster = 1;
-    if (!p.down_slots) {
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-          (down_cluster_size<T, MT, kWgmma, kStages>(a, blocks, &a.cluster)));
-    }
-    if (a.cluster > 1) blocks = a.col_tiles * a.cluster;
-    const cudaError_t e =
-        few_blocks ? launch_gemm<T, MT, kWgmma, kStagesFewBlocks>(a, blocks, stream)
-                   : launch_gemm<T, MT, kWgmma, kStages>(a, blocks, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_one<T, MT, kWgmma>(up, p.num_clusters, true, 0, stream)));
+  if (!p.has_down) return cudaSuccess;
+  // Down: A2 @ w_down (+ residual) -> y.
+  TmaGemmArgs down;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(plain_gemm_args(down, p.dtype, ws, p.m, p.f, p.w_down, p.d, R));
+  down.slot_rows = l.slot_rows;
+  down.slots = slots;
+  down.counters = counters + l.tiles_up;
+  down.residual = p.has_residual ? p.residual : nullptr;
+  down.out = p.out;
+  down.wait_prior = p.pdl;
+  return launch_one<T, MT, kWgmma>(down, p.num_clusters, p.down_slots, 0, stream);
+}
+
+// The linear projection: one down-type GEMM of p.a.
+template <typename T, int MT>
+cudaError_t launch_linear_rows(const LinearParams& p, cudaStream_t stream) {
+  constexpr int R = 16 * MT;
+  if (p.row_tiles != MT || p.max_blocks < 1) return cudaErrorInvalidValue;
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  TmaGemmArgs a;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(plain_gemm_args(a, p.dtype, p.a, p.m, p.k, p.w, p.n, R));
+  a.slot_rows = std::min<int64_t>(p.m, R);
+  a.counters = reinterpret_cast<unsigned int*>(ws);
+  a.slots = reinterpret_cast<float*>(ws + linear_slots_offset(p));
+  a.residual = p.has_residual ? p.residual : nullptr;
+  a.out = p.out;
+  a.out_f32 = p.out_f32;
+  a.wait_prior = p.pdl;
+  a.trigger = true;  // the next kernel may take SMs this grid leaves free, and wait there
+  return launch_one<T, MT, false>(a, p.max_blocks, false, linear_tiles(p), stream);
 }
 
 template <typename T>
@@ -846,7 +896,26 @@ cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+template <typename T>
+cudaError_t launch_linear_typed(const LinearParams& p, cudaStream_t stream) {
+  switch (p.row_tiles) {
+    case 1: return launch_linear_rows<T, 1>(p, stream);
+    case 2: return launch_linear_rows<T, 2>(p, stream);
+    case 4: return launch_linear_rows<T, 4>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
+
+cudaError_t launch_linear(const LinearParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kF16: return launch_linear_typed<__half>(p, stream);
+    case DType::kBF16: return launch_linear_typed<__nv_bfloat16>(p, stream);
+    case DType::kF32: break;
+  }
+  return cudaErrorInvalidValue;
+}
 
 cudaError_t launch_swiglu_tma(const SwigluParams& p, cudaStream_t stream) {
   switch (p.dtype) {

@@ -141,21 +141,32 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
 
 def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                             num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
-                            residual, rotary_dim, rope_layout, scale):
-    """The decode step with XLA's projections around our split-K kernels, which also do the
-    RoPE and the cache write (decode_attention_append): for batches where one fused cluster
-    per row would re-read the weights per row. Rows with lengths outside [0, S_max) get NaN
-    from the kernel (it propagates through W_o) and write nothing."""
+                            residual, rotary_dim, rope_layout, scale, projections="linear"):
+    """The decode step with our split-K kernels for the RoPE, the cache write and the
+    attention (decode_attention_append), between two projections: for batches where one
+    fused cluster per row would re-read the weights per row. projections="linear" runs them
+    on jax_cluster.ops.linear (the tma GEMM engine; the residual fused into the output
+    projection), "xla" on XLA's dots. Rows with lengths outside [0, S_max) get NaN from the
+    attention kernel (it propagates through W_o) and write nothing."""
     from jax_cluster.ops.decode_attention import decode_attention_append
+    from jax_cluster.ops.linear import linear, supported
+    if projections not in ("linear", "xla"):
+        raise ValueError(f"attention_decode_splitk: projections must be 'linear' or 'xla', got {projections!r}")
     f32, dt = jnp.float32, x.dtype
+    hidden, hq_dh = x.shape[1], w_o.shape[0]
+    ours = (projections == "linear" and supported(hidden, w_qkv.shape[1], dt)
+            and supported(hq_dh, hidden, dt))
     h = x if norm is None else _norm_f32(x, norm, norm_weight, norm_bias, eps).astype(dt)
-    qkv = jnp.dot(h, w_qkv, preferred_element_type=f32)
+    qkv = linear(h, w_qkv, out_dtype=f32) if ours else jnp.dot(h, w_qkv, preferred_element_type=f32)
     if qkv_bias is not None:
         qkv = qkv + qkv_bias.astype(f32)
     o, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads, scale=scale,
         rotary_dim=rotary_dim, rope_layout=rope_layout)
-    y = jnp.dot(o.reshape(x.shape[0], -1), w_o, preferred_element_type=f32)
+    o = o.reshape(x.shape[0], -1)
+    if ours and o_bias is None:
+        return linear(o, w_o, x if residual else None), k_cache, v_cache
+    y = linear(o, w_o, out_dtype=f32) if ours else jnp.dot(o, w_o, preferred_element_type=f32)
     if o_bias is not None:
         y = y + o_bias.astype(f32)
     if residual:
