@@ -91,13 +91,13 @@ def ours_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh, cluster
                                rows_per_cluster=rows_per_cluster)
 
 
-def splitk_xla_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
-    """impl='splitk' with XLA's dots for the projections (its form before session 24)."""
+def splitk_linear_step(x, w_qkv, w_o, nw, kc, vc, lengths, inv_freq, hq, hkv, dh):
+    """impl='splitk' with jax_cluster.ops.linear for the projections (session 24's A/B)."""
     from jax_cluster.ops.attention_decode_xla import attention_decode_splitk
     return attention_decode_splitk(
         x, w_qkv, w_o, kc, vc, lengths, inv_freq, num_q_heads=hq, num_kv_heads=hkv, norm="rms",
         norm_weight=nw, norm_bias=None, eps=1e-6, qkv_bias=None, o_bias=None, residual=True,
-        rotary_dim=dh, rope_layout="half", scale=dh ** -0.5, projections="xla")
+        rotary_dim=dh, rope_layout="half", scale=dh ** -0.5, projections="linear")
 
 
 def steps_call(step, state, consts, chain=None):
@@ -161,8 +161,8 @@ def make_case(model, dtype, batch, ctx, key):
 def step_for(choice, shape):
     """The step function of a peer ('jnp', 'pallas'), 'auto', an impl of ours ('impl=xla',
     'impl=pallas'), or a tuner choice ('3', 'n8:h2')."""
-    if choice in ("jnp", "pallas", "splitk_xla"):
-        step = {"jnp": plain_jnp_step, "pallas": pallas_step, "splitk_xla": splitk_xla_step}[choice]
+    if choice in ("jnp", "pallas", "splitk_linear"):
+        step = {"jnp": plain_jnp_step, "pallas": pallas_step, "splitk_linear": splitk_linear_step}[choice]
         return lambda *a: step(*a, *shape)
     if choice in ("auto", "splitk") or str(choice).startswith("impl="):
         impl = choice.removeprefix("impl=")
@@ -194,6 +194,8 @@ def main(argv=None):
     parser.add_argument("--configs", default=None,
                         help="comma list of kernel configurations to sweep (tuner choices, e.g. "
                              "'1,2,n4:r4,n8:r8'); default: every one the tuner weighs for the shape")
+    parser.add_argument("--splitk-linear", action="store_true",
+                        help="also time impl='splitk' with jax_cluster.ops.linear's projections")
     parser.add_argument("--skip-auto", action="store_true",
                         help="leave out the auto row (its tuning measures every candidate)")
     parser.add_argument("--cluster-sweep", action="store_true",
@@ -254,10 +256,10 @@ def main(argv=None):
                         if choice in ("xla", "pallas"):  # the peers, timed above
                             continue
                         sweep[choice] = time_steps(step_for(choice, shape), fresh(), consts)
-                    splitk = sweep.pop("splitk", None)  # our projections around our split-K attention
-                    # the same with XLA's projections (A/B of jax_cluster.ops.linear)
-                    splitk_xla = (time_steps(step_for("splitk_xla", shape), fresh(), consts)
-                                  if splitk is not None else None)
+                    splitk = sweep.pop("splitk", None)  # XLA's projections around our split-K attention
+                    # the same with jax_cluster.ops.linear's projections (--splitk-linear)
+                    splitk_linear = (time_steps(step_for("splitk_linear", shape), fresh(), consts)
+                                     if splitk is not None and args.splitk_linear else None)
                     tiled = {c: v for c, v in sweep.items() if ad_op.parse_choice(c)[3] > 1}
                     tma = {c: v for c, v in sweep.items() if str(c).startswith("tma:")}
                     registers = {c: v for c, v in sweep.items() if c not in tiled and c not in tma}
@@ -282,7 +284,9 @@ def main(argv=None):
                     if best_sh:
                         variants.append(("split_head", split_head[best_sh]))
                     if splitk is not None:
-                        variants += [("splitk", splitk), ("splitk_xla", splitk_xla)]
+                        variants.append(("splitk", splitk))
+                    if splitk_linear is not None:
+                        variants.append(("splitk_linear", splitk_linear))
                     if not args.skip_auto:
                         variants.append(("auto", t["auto"]))
                     for variant, ours in variants:
@@ -368,8 +372,8 @@ EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuni
            "split_head = dataflow='split_head' (blocks split the head dimension) at its best cluster size; "
            "splitk = impl='splitk': our split-K decode attention kernels, which "
            "also apply RoPE and write the new k, v (decode_attention_append; from session 21, parts s21_*), "
-           "between XLA's projections up to session 23 and jax_cluster.ops.linear's from session 24 "
-           "(parts s24_*); splitk_xla = the same step with XLA's projections (session 24 on); "
+           "between XLA's projections; splitk_linear = the same step with jax_cluster.ops.linear's "
+           "projections (session 24, parts s24_*: --splitk-linear); "
            "auto = what impl='auto' runs: the tuner's pick among all of these, XLA's ops ('xla') and "
            "Pallas' decode attention between XLA's ops ('pallas', from session 19; parts s19_auto_*) (pick).")
 

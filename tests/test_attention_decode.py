@@ -351,6 +351,38 @@ def test_splitk_step_cpu(rng, dtype):
     check(args, kw, jax.devices("cpu")[0], impl="splitk")
 
 
+def _splitk_with_linear(monkeypatch):
+    """impl="splitk" with its projections on jax_cluster.ops.linear (projections="linear")."""
+    import functools
+
+    from jax_cluster.ops import attention_decode as ad_mod
+    from jax_cluster.ops.attention_decode_xla import attention_decode_splitk
+    monkeypatch.setattr(ad_mod, "attention_decode_splitk",
+                        functools.partial(attention_decode_splitk, projections="linear"))
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_splitk_linear_projections_cpu(rng, monkeypatch, residual):
+    """projections="linear" (the linear op's CPU handler; the residual fused into the
+    output projection, or an o_bias added after it): the same step as the reference."""
+    _splitk_with_linear(monkeypatch)
+    args, kw = make_inputs(rng, batch=3, hidden=128, hq=8, hkv=2, dh=16, max_seq=17,
+                           dtype="bfloat16", norm="rms", bias=not residual, rotary_dim=16)
+    kw.update(residual=residual)
+    check(args, kw, jax.devices("cpu")[0], impl="splitk")
+
+
+def test_splitk_projections_must_be_known(rng):
+    from jax_cluster.ops.attention_decode_xla import attention_decode_splitk
+    args, kw = make_inputs(rng, batch=1, hidden=64, hq=2, hkv=2, dh=16, max_seq=5, dtype="bfloat16")
+    with pytest.raises(ValueError, match="projections"):
+        attention_decode_splitk(**{k: args[k] for k in ("x", "w_qkv", "w_o", "k_cache", "v_cache",
+                                                         "lengths", "inv_freq")},
+                                num_q_heads=2, num_kv_heads=2, norm=None, norm_weight=None,
+                                norm_bias=None, eps=1e-6, qkv_bias=None, o_bias=None, residual=False,
+                                rotary_dim=16, rope_layout="half", scale=0.25, projections="cublas")
+
+
 # ---------------------------------------------------------------- GPU
 def _gpu():
     return jax.devices("gpu")[0]
@@ -722,4 +754,16 @@ def test_gpu_splitk_impl(rng, dtype, shape):
     lengths[0] = s - 1
     args, kw = make_inputs(rng, batch=b, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=s,
                                 dtype=dtype, lengths=lengths)
+    check(args, kw, _gpu(), impl="splitk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_splitk_linear_projections(rng, monkeypatch, dtype):
+    """impl="splitk" with projections="linear": the linear kernel's fp32 QKV output feeds
+    the append kernel, its residual-fused output projection ends the step."""
+    _splitk_with_linear(monkeypatch)
+    lengths = rng.integers(0, 300, size=16)
+    args, kw = make_inputs(rng, batch=16, hidden=512, hq=8, hkv=2, dh=128, max_seq=300,
+                           dtype=dtype, lengths=lengths)
     check(args, kw, _gpu(), impl="splitk")

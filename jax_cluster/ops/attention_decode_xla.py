@@ -141,13 +141,17 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
 
 def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                             num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
-                            residual, rotary_dim, rope_layout, scale, projections="linear"):
+                            residual, rotary_dim, rope_layout, scale, projections="xla"):
     """The decode step with our split-K kernels for the RoPE, the cache write and the
     attention (decode_attention_append), between two projections: for batches where one
-    fused cluster per row would re-read the weights per row. projections="linear" runs them
-    on jax_cluster.ops.linear (the tma GEMM engine; the residual fused into the output
-    projection), "xla" on XLA's dots. Rows with lengths outside [0, S_max) get NaN from the
-    attention kernel (it propagates through W_o) and write nothing."""
+    fused cluster per row would re-read the weights per row. projections="xla" runs them on
+    XLA's dots, "linear" on jax_cluster.ops.linear (the tma GEMM engine, the residual fused
+    into the output projection). XLA's are the default: on H100 (session 24,
+    benchmarks/results/logs/session24) the linear form was 4-10 us per step slower at
+    Llama-3-8B / Llama-2-7B batch 1 and 16: at these 34-100 MB projections XLA's GEMMs
+    stream as fast, and ours pay a few us of ramp and tile sums per call. Rows with lengths
+    outside [0, S_max) get NaN from the attention kernel (it propagates through W_o) and
+    write nothing."""
     from jax_cluster.ops.decode_attention import decode_attention_append
     from jax_cluster.ops.linear import linear, supported
     if projections not in ("linear", "xla"):

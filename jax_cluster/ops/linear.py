@@ -10,9 +10,14 @@ equal shares of the (256-column tile, 64-row K block) units; with one row group 
 and N / 256 <= SMs / 5 the tiles are owned by clusters of 5-8 blocks that sum their
 partials over DSMEM, otherwise split tiles are summed in block order through a workspace
 (deterministic either way). The kernel is launched programmatically (PDL): it streams its
-first weights while the previous kernel of the stream finishes. It is the weight-bound
-decode regime's matmul (M of a few rows to 64): attention_decode's "splitk" path runs its
-QKV and output projections on it.
+first weights while the previous kernel of the stream finishes. Made for the weight-bound
+decode regime (M of a few rows to 64). attention_decode's "splitk" step can run its QKV and
+output projections on it (projections="linear"), but keeps XLA's dots by default: on H100
+(session 24, benchmarks/results/logs/session24/README.md) XLA's GEMMs were as fast or
+faster at those 34-100 MB projections (M = 16, K = 4096, per call: N = 4096 13.8-14.4
+against 16.4-16.8 us, N = 6144 19.7 against 22.8 us), where this kernel pays a few us of
+pipeline ramp and tile sums per call; at M = 1, N = 12288 it was the faster one (71-74
+against 76-77 us per pair of projections).
 
 K and N must be multiples of 64 for the kernel; other shapes, float32 inputs and CPU-less
 platforms run the jnp reference (with a one-time warning for shapes and dtypes). The CPU
