@@ -17,7 +17,8 @@
 // An experiment swaps a header: put a modified copy at DIR/kernels/<name>.cuh and pass
 // -IDIR before -Icpp. A copy that records phase timestamps into
 // `__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks]` (entry, then up to
-// 15 phase ends; define AD_PHASES) gets them summarised per phase (median/max over blocks).
+// 14 phase ends, and %smid + 1 in the last mark; define AD_PHASES) gets them summarised per
+// phase (median/max over blocks) and the number of SMs the blocks ran on.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -189,6 +190,16 @@ int main(int argc, char** argv) {
     std::printf("  p%d %.1f/%.1f", k, dur[dur.size() / 2], dur.back());
   }
   std::printf("  (median/max us)  span %.1f us\n", (t_end - t0) / 1e3);
+  // A copy that also stores %smid + 1 in the last mark: how many SMs the blocks ran on.
+  std::vector<unsigned long long> sms;
+  for (int b = 0; b < blocks; ++b) {
+    if (ph[b * kPhaseMarks + kPhaseMarks - 1] != 0) sms.push_back(ph[b * kPhaseMarks + kPhaseMarks - 1]);
+  }
+  std::sort(sms.begin(), sms.end());
+  if (!sms.empty()) {
+    std::printf("   %zu blocks on %zu SMs\n", sms.size(),
+                static_cast<size_t>(std::unique(sms.begin(), sms.end()) - sms.begin()));
+  }
 #endif
   return 0;
 }

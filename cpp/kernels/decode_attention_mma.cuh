@@ -4,7 +4,8 @@
 //
 // Why: at G query heads per KV head the CUDA-core loop does G dot products and G value
 // FMAs per cache element; at G = 4 it streamed 2.6 TB/s on an H100 where MHA streams 3.07
-// (session 21). Here a warp takes 16 tokens at a time (2 chunks in flight, 8 warps):
+// (session 21). Here a warp takes 16 tokens at a time (8 warps; two chunks in registers,
+// the next one's loads in flight while this one's math runs):
 //   S^T[token][head] = K Q'^T      A = K rows, B = Q' (registers), M = tokens, N = 8 heads
 //                                  (G <= 8; unused heads have q = 0)
 //   O^T[dh][head]  += V^T P^T      A = V rows transposed in registers (movmatrix), B = P^T:
@@ -18,6 +19,10 @@
 // ldmatrix: 5-12% slower than these register loads (H200, session 22:
 // logs/session22/probe_ring_vs_direct_h200.log), and no faster with smaller rings or more
 // blocks per SM.
+// Loads then math of two chunks, the version before this rolling pair, was as fast at 4
+// query heads per KV head but 9% slower at 8 (64 blocks: 56.6 against 51.6 us, batch 16,
+// 4 KV heads, 4K tokens); the 256-byte L2 prefetch-size hint on the loads made the kernel
+// 3-6% faster (H100, session 25: logs/session25/split_mma_*).
 // Included inside decode_attention.cu's anonymous namespace (begin_split, finish_split;
 // jax_cluster/mma.cuh included there).
 #pragma once
@@ -58,7 +63,6 @@ struct MmaSplitTile {
   static constexpr int J32 = DH / 32;           // 32-dim groups (16-byte loads)
   static constexpr bool kTail = DH % 32 != 0;   // a last 16-dim group (8-byte loads): Dh 80
   static constexpr int KS = DH / 16;            // k-steps of S^T, m-tiles of O^T
-  static constexpr int U = 2;                   // 16-token chunks per warp in flight
 };
 
 // Physical dim of O^T row r (0..15) of m-tile mt (MmaSplitTile's permuted order).
@@ -76,7 +80,7 @@ template <typename T, int DH>
 __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
     decode_attention_mma_split_kernel(const DecodeAttentionParams dp) {
   using L = MmaSplitTile<DH>;
-  constexpr int KS = L::KS, J32 = L::J32, U = L::U;
+  constexpr int KS = L::KS, J32 = L::J32;
   __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
   __shared__ __align__(16) float warp_states[L::kWarps * kMaxH * (DH + 2)];
   const SplitBlock sb = begin_split<T, DH, L::kThreads>(dp, q);
@@ -111,92 +115,108 @@ __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
   for (int mt = 0; mt < KS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  for (int first = t0 + warp * 16 * U; first < t_end; first += L::kWarps * 16 * U) {
-    // Rows gq and gq + 8 of each chunk: 16 bytes per 32-dim group (+ 8 of the tail).
-    uint4 kr[U][2][J32 + 1], vr[U][2][J32 + 1];
+  // One 16-token chunk of a warp: rows gq and gq + 8, 16 bytes per 32-dim group (+ 8 of
+  // the tail), of K and of V.
+  struct Chunk {
+    uint4 k[2][J32 + 1], v[2][J32 + 1];
+  };
+  auto load = [&](int first, Chunk& ch) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int r = 0; r < 2; ++r) {
+      const int t = first + gq + 8 * r;
+      const bool ok = t < t_end;
+      const T* kp = K + static_cast<int64_t>(t) * DH;
+      const T* vp = V + static_cast<int64_t>(t) * DH;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int t = first + 16 * u + gq + 8 * r;
-        const bool ok = t < t_end;
-        const T* kp = K + static_cast<int64_t>(t) * DH;
-        const T* vp = V + static_cast<int64_t>(t) * DH;
-#pragma unroll
-        for (int j = 0; j < J32; ++j) {
-          kr[u][r][j] = ok ? ptx::ldg_stream(kp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
-          vr[u][r][j] = ok ? ptx::ldg_stream(vp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
-        }
-        if constexpr (L::kTail) {
-          const uint2 kt = ok ? ptx::ldg_stream8(kp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
-          const uint2 vt = ok ? ptx::ldg_stream8(vp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
-          kr[u][r][J32] = make_uint4(kt.x, kt.y, 0, 0);
-          vr[u][r][J32] = make_uint4(vt.x, vt.y, 0, 0);
-        }
+      for (int j = 0; j < J32; ++j) {
+        ch.k[r][j] = ok ? ptx::ldg_stream_256(kp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
+        ch.v[r][j] = ok ? ptx::ldg_stream_256(vp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
+      }
+      if constexpr (L::kTail) {
+        const uint2 kt = ok ? ptx::ldg_stream8_256(kp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
+        const uint2 vt = ok ? ptx::ldg_stream8_256(vp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
+        ch.k[r][J32] = make_uint4(kt.x, kt.y, 0, 0);
+        ch.v[r][J32] = make_uint4(vt.x, vt.y, 0, 0);
       }
     }
+  };
+  auto attend = [&](int first, const Chunk& ch) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const int j = ks < 2 * J32 ? ks >> 1 : J32;
-        const int h = ks < 2 * J32 ? ks & 1 : 0;
-        const uint4& lo_row = kr[u][0][j];
-        const uint4& hi_row = kr[u][1][j];
-        const uint32_t a[4] = {h ? lo_row.z : lo_row.x, h ? hi_row.z : hi_row.x,
-                               h ? lo_row.w : lo_row.y, h ? hi_row.w : hi_row.y};
-        mma16816<T>(s, a, qh[ks][0], qh[ks][1]);
-        mma16816<T>(s, a, ql[ks][0], ql[ks][1]);
-      }
-      const int tok = first + 16 * u + gq;
-      if (tok >= t_end) s[0] = s[1] = -INFINITY;
-      if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
-      float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-      }
-      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-      const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-      const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
-      m0 = n0;
-      m1 = n1;
-      const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u1);
-      const float p2 = exp2f(s[2] - u0), p3 = exp2f(s[3] - u1);
-      l0 = fmaf(l0, a0, p0 + p2);
-      l1 = fmaf(l1, a1, p1 + p3);
-#pragma unroll
-      for (int mt = 0; mt < KS; ++mt) {
-        o[mt][0] *= a0;
-        o[mt][1] *= a1;
-        o[mt][2] *= a0;
-        o[mt][3] *= a1;
-      }
-      uint32_t ph0, pl0, ph1, pl1;
-      split_pair<T>(p0, p1, ph0, pl0);
-      split_pair<T>(p2, p3, ph1, pl1);
-      ph0 = transpose_fragment(ph0);
-      pl0 = transpose_fragment(pl0);
-      ph1 = transpose_fragment(ph1);
-      pl1 = transpose_fragment(pl1);
-      // O^T += V^T P^T: m-tile (j, t) = blocks 2 t (rows 0-7) and 2 t + 1 (rows 8-15) of
-      // group j; a block is one register of each row's 16 bytes, transposed.
-#pragma unroll
-      for (int mt = 0; mt < KS; ++mt) {
-        const int j = mt < 2 * J32 ? mt >> 1 : J32;
-        const int t = mt < 2 * J32 ? mt & 1 : 0;
-        const uint4& lo_row = vr[u][0][j];
-        const uint4& hi_row = vr[u][1][j];
-        const uint32_t b0 = t ? lo_row.z : lo_row.x, b1 = t ? lo_row.w : lo_row.y;
-        const uint32_t c0 = t ? hi_row.z : hi_row.x, c1 = t ? hi_row.w : hi_row.y;
-        const uint32_t a[4] = {transpose_fragment(b0), transpose_fragment(b1),
-                               transpose_fragment(c0), transpose_fragment(c1)};
-        mma16816<T>(o[mt], a, ph0, ph1);
-        mma16816<T>(o[mt], a, pl0, pl1);
-      }
+    for (int ks = 0; ks < KS; ++ks) {
+      const int j = ks < 2 * J32 ? ks >> 1 : J32;
+      const int h = ks < 2 * J32 ? ks & 1 : 0;
+      const uint4& lo_row = ch.k[0][j];
+      const uint4& hi_row = ch.k[1][j];
+      const uint32_t a[4] = {h ? lo_row.z : lo_row.x, h ? hi_row.z : hi_row.x,
+                             h ? lo_row.w : lo_row.y, h ? hi_row.w : hi_row.y};
+      mma16816<T>(s, a, qh[ks][0], qh[ks][1]);
+      mma16816<T>(s, a, ql[ks][0], ql[ks][1]);
     }
+    const int tok = first + gq;
+    if (tok >= t_end) s[0] = s[1] = -INFINITY;
+    if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+    float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
+    m0 = n0;
+    m1 = n1;
+    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u1);
+    const float p2 = exp2f(s[2] - u0), p3 = exp2f(s[3] - u1);
+    l0 = fmaf(l0, a0, p0 + p2);
+    l1 = fmaf(l1, a1, p1 + p3);
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      o[mt][0] *= a0;
+      o[mt][1] *= a1;
+      o[mt][2] *= a0;
+      o[mt][3] *= a1;
+    }
+    uint32_t ph0, pl0, ph1, pl1;
+    split_pair<T>(p0, p1, ph0, pl0);
+    split_pair<T>(p2, p3, ph1, pl1);
+    ph0 = transpose_fragment(ph0);
+    pl0 = transpose_fragment(pl0);
+    ph1 = transpose_fragment(ph1);
+    pl1 = transpose_fragment(pl1);
+    // O^T += V^T P^T: m-tile (j, t) = blocks 2 t (rows 0-7) and 2 t + 1 (rows 8-15) of
+    // group j; a block is one register of each row's 16 bytes, transposed.
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      const int j = mt < 2 * J32 ? mt >> 1 : J32;
+      const int t = mt < 2 * J32 ? mt & 1 : 0;
+      const uint4& lo_row = ch.v[0][j];
+      const uint4& hi_row = ch.v[1][j];
+      const uint32_t b0 = t ? lo_row.z : lo_row.x, b1 = t ? lo_row.w : lo_row.y;
+      const uint32_t c0 = t ? hi_row.z : hi_row.x, c1 = t ? hi_row.w : hi_row.y;
+      const uint32_t a[4] = {transpose_fragment(b0), transpose_fragment(b1),
+                             transpose_fragment(c0), transpose_fragment(c1)};
+      mma16816<T>(o[mt], a, ph0, ph1);
+      mma16816<T>(o[mt], a, pl0, pl1);
+    }
+  };
+
+  // Warp w takes chunks w, w + kWarps, ... of [t0, t_end), two buffers rolling: the next
+  // chunk's loads are in flight while this one's math runs.
+  constexpr int kStep = 16 * L::kWarps;
+  Chunk a, b;
+  int first = t0 + 16 * warp;
+  if (first < t_end) load(first, a);
+  while (first < t_end) {
+    const int next = first + kStep;
+    if (next < t_end) load(next, b);
+    attend(first, a);
+    if (next >= t_end) break;
+    const int after = next + kStep;
+    if (after < t_end) load(after, a);
+    attend(next, b);
+    first = after;
   }
   ptx::griddep_launch_dependents();
 
