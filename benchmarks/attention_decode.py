@@ -342,7 +342,7 @@ def cluster_sweep(heads=(32, 64, 128), contexts=(4096, 16384), sizes=(1, 2, 3, 4
                 except Exception as exc:  # noqa: BLE001 - report, keep sweeping
                     print(f"  h{h} ctx{ctx} cluster {n} failed: {type(exc).__name__}: {str(exc)[:200]}")
             best = min(times, key=times.get)
-            rows.append({"case": f"mha h{h} ctx{ctx} fp16", "best_config": best, "ours_us": times[best],
+            rows.append({"case": f"mha-h{h} b1 ctx{ctx} fp16", "best_config": best, "ours_us": times[best],
                          "roofline_fraction": nbytes / bw * 1e6 / times[best], "bytes": nbytes,
                          **{f"n{n}_us": t for n, t in times.items()}})
             print(f"  {rows[-1]['case']:24s} best n{best} " + ", ".join(f"{n}={t:.0f}" for n, t in times.items()))

@@ -2,7 +2,8 @@
 # One call on the GPU machine: build there, run the GPU tests, the sanitizers
 # and the named benchmarks; logs packed into $OUT/logs.tgz (default ./gpu_out), a short
 # table last and in $OUT/summary.txt.
-#   bash benchmarks/gpu_check.sh [--tests PATTERN] [--no-sanitize] [bench ...]
+#   bash benchmarks/gpu_check.sh [--tests PATHS] [-k EXPR] [--no-sanitize] [bench ...]
+#   (bench: a script under benchmarks/ without .py, e.g. swiglu or probes/swiglu_mixed)
 #   e.g. bash benchmarks/gpu_check.sh cluster_collectives
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +11,12 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 TESTS="tests"
 SANITIZE=1
+SELECT=()
 BENCHES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS="$2"; shift 2 ;;
+    -k) SELECT=(-k "$2"); shift 2 ;;
     --no-sanitize) SANITIZE=0; shift ;;
     *) BENCHES+=("$1"); shift ;;
   esac
@@ -38,13 +41,18 @@ if [ -n "${JC_BUILD_DIR:-}" ]; then build_args=(-C "build-dir=$JC_BUILD_DIR"); f
 # 3-minute build of a fresh machine), e.g. with a Python 3.12 venv holding jax 0.11.2:
 #   JAX_CLUSTER_CUDA=ON pip wheel --no-build-isolation --no-deps -w .carry/wheel .
 # and run(carry=[".carry/wheel"]) with JC_WHEEL=$(ls .carry/wheel/*.whl).
+# JC_SAVE_WHEEL=1: build a wheel into $OUT (it comes back: carry it to the next fresh machine
+# as JC_WHEEL, skipping its build) and install that.
 if [ -n "${JC_WHEEL:-}" ]; then
   step install-wheel build.log python3 -m pip install --no-deps --force-reinstall "$JC_WHEEL"
+elif [ -n "${JC_SAVE_WHEEL:-}" ]; then
+  step build build.log bash -c "python3 -m pip wheel --no-build-isolation --no-deps -v -w '$OUT' . &&
+    python3 -m pip install --no-deps --force-reinstall '$OUT'/jax_cluster-*.whl"
 else
   step build build.log python3 -m pip install --no-build-isolation --no-deps -v "${build_args[@]}" .
 fi || { tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
 # -P: the source tree (no compiled modules) must not shadow the installed package
-step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider $TESTS
+step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${SELECT[@]}" $TESTS
 tail -5 "$OUT/gpu_tests.log"
 for b in "${BENCHES[@]}"; do
   step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}
@@ -109,5 +117,5 @@ fi
   for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done
 } | tee "$OUT/summary.txt"
 # The device tool returns at most 8 files from $OUT: everything else goes into one archive.
-tar -czf /tmp/gpu_check_logs.tgz -C "$OUT" --exclude=summary.txt . &&
-  find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv /tmp/gpu_check_logs.tgz "$OUT/logs.tgz"
+tar -czf /tmp/gpu_check_logs.tgz -C "$OUT" --exclude=summary.txt --exclude='*.whl' . &&
+  find "$OUT" -mindepth 1 ! -name summary.txt ! -name '*.whl' -delete && mv /tmp/gpu_check_logs.tgz "$OUT/logs.tgz"

@@ -160,6 +160,22 @@ def test_vmap_folds_batch(rng):
     assert rel_l2(y[1], ry) < 1e-5
 
 
+
+def test_vmap_over_weights_maps_sequentially(rng):
+    """vmap over the weights too (two layers' steps at once): not foldable into the batch,
+    so the batching rule maps the op over them; each slice is the reference step."""
+    layers = [make_inputs(rng, batch=2, hidden=64, hq=4, hkv=2, dh=16, max_seq=6, dtype="float32",
+                          lengths=[5, 1]) for _ in range(2)]
+    (args0, kw), (args1, _) = layers
+    stacked = {k: jnp.stack([args0[k], args1[k]]) for k in ("x", "w_qkv", "w_o", "k_cache", "v_cache")}
+    f = lambda x, wq, wo, kc, vc: jc.attention_decode(  # noqa: E731
+        x, wq, wo, kc, vc, args0["lengths"], args0["inv_freq"], **kw)
+    y, k, v = jax.jit(jax.vmap(f))(*stacked.values())
+    for i, args in enumerate((args0, args1)):
+        ry, rk, rv = reference.attention_decode(**{**args, "lengths": args0["lengths"],
+                                                  "inv_freq": args0["inv_freq"]}, **kw)
+        assert rel_l2(y[i], ry) < 1e-5 and rel_l2(k[i], rk) < 1e-6 and rel_l2(v[i], rv) < 1e-6
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -454,7 +470,7 @@ def test_gpu_split_head_deterministic_and_agrees(rng):
     args = jax.device_put(args, _gpu())
     f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, dataflow="split_head")[0])
     first = np.asarray(f(args))
-    for _ in range(10):
+    for _ in range(20):
         np.testing.assert_array_equal(np.asarray(f(args)), first)
     token = np.asarray(jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4)[0])(args))
     assert rel_l2(first, token) <= TOLERANCE["float16"]
@@ -530,17 +546,27 @@ def test_gpu_long_context_and_interleaved(rng, pipeline):
     check(args, kw, _gpu(), impl="kernel", pipeline=pipeline)
 
 
+DETERMINISM_CONFIGS = [dict(cluster_size=n) for n in (1, 2, 3, 4, 8, 16)] + [
+    dict(cluster_size=4, pipeline="tma"), dict(cluster_size=8, heads_per_cluster=2),
+    dict(cluster_size=4, dataflow="split_head"), dict(cluster_size=16, dataflow="split_head"),
+    dict(cluster_size=4, rows_per_cluster=4), dict(impl="splitk"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", ["registers", "tma"])
-@pytest.mark.parametrize("n", [3, 4])
-def test_gpu_deterministic(rng, pipeline, n):
+@pytest.mark.parametrize("config", DETERMINISM_CONFIGS,
+                         ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_gpu_deterministic(rng, config):
+    """Output and caches bitwise equal over 20 runs, for every dataflow, pipeline and
+    combine path (cluster reductions, fixed-order combine kernels, no atomics)."""
     args, kw = make_inputs(rng, batch=4, hidden=1024, hq=16, hkv=4, dh=128, max_seq=2048,
                            dtype="float16")
     args = jax.device_put(args, _gpu())
-    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=n, pipeline=pipeline)[0])
-    first = np.asarray(f(args))
+    f = jax.jit(lambda a: jc.attention_decode(**a, **kw, **config))
+    first = [np.asarray(t) for t in f(args)]
     for _ in range(20):
-        np.testing.assert_array_equal(np.asarray(f(args)), first)
+        for got, want in zip(f(args), first):
+            np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.gpu
@@ -709,7 +735,7 @@ def test_gpu_batch_tiled_deterministic_and_agrees(rng, rows):
     args = jax.device_put(args, _gpu())
     f = jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4, rows_per_cluster=rows)[0])
     first = np.asarray(f(args))
-    for _ in range(10):
+    for _ in range(20):
         np.testing.assert_array_equal(np.asarray(f(args)), first)
     one = np.asarray(jax.jit(lambda a: jc.attention_decode(**a, **kw, cluster_size=4,
                                                            rows_per_cluster=1)[0])(args))
@@ -767,3 +793,80 @@ def test_gpu_splitk_linear_projections(rng, monkeypatch, dtype):
     args, kw = make_inputs(rng, batch=16, hidden=512, hq=8, hkv=2, dh=128, max_seq=300,
                            dtype=dtype, lengths=lengths)
     check(args, kw, _gpu(), impl="splitk")
+
+
+# ---------------------------------------------------------------- GPU: the issue's size limits
+LIMIT_CONFIGS = [dict(cluster_size=4, impl="kernel"), dict(cluster_size=8, pipeline="tma", impl="kernel"),
+                 dict(cluster_size=2, dataflow="split_head", impl="kernel"),
+                 dict(cluster_size=2, rows_per_cluster=4, impl="kernel"), dict(impl="splitk")]
+_limit_ids = lambda v: "-".join(f"{k}={x}" for k, x in v.items())  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def cache_of_128k_slots():
+    """Two rows of a 131072-slot bf16 cache (the issue's largest S_max; 64-bit offsets
+    past 2^31 bytes per cache), made once for the module: the new token in the last
+    slot, past the middle, and a row's first token."""
+    rng = np.random.default_rng(128)
+    return make_inputs(rng, batch=3, hidden=512, hq=8, hkv=2, dh=128, max_seq=131072,
+                       dtype="bfloat16", lengths=[131071, 70001, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", LIMIT_CONFIGS, ids=_limit_ids)
+def test_gpu_cache_of_128k_slots(cache_of_128k_slots, config):
+    args, kw = cache_of_128k_slots
+    check(args, kw, _gpu(), **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", LIMIT_CONFIGS + [dict(impl="auto")], ids=_limit_ids)
+def test_gpu_batch_64(rng, config, tmp_path, monkeypatch):
+    """Batch 64 (the issue's largest), lengths different per row, first and last slot."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    lengths = rng.integers(0, 333, size=64)
+    lengths[0], lengths[-1] = 0, 332
+    args, kw = make_inputs(rng, batch=64, hidden=512, hq=8, hkv=2, dh=64, max_seq=333,
+                           dtype="float16", lengths=lengths, bias=True)
+    kw["residual"] = True
+    check(args, kw, _gpu(), **config)
+
+
+@pytest.mark.gpu
+def test_gpu_explicit_cluster_size_skips_the_tuner(rng, tmp_path, monkeypatch):
+    """cluster_size= overrides the tuner (impl="auto" measures nothing); with
+    JAX_CLUSTER_TUNING=0 the tuner returns the heuristic without measuring or caching."""
+    from jax_cluster import tuning
+    from jax_cluster.ops import attention_decode as ad
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    args, kw = make_inputs(rng, batch=2, hidden=512, hq=8, hkv=2, dh=128, max_seq=200,
+                           dtype="float16", lengths=[199, 3])
+
+    def measured(*_, **__):
+        raise AssertionError("the tuner measured candidates")
+
+    monkeypatch.setattr(tuning, "pick", measured)
+    check(args, kw, _gpu(), cluster_size=4)
+    monkeypatch.undo()
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "0")
+    sms = _gpu().core_count
+    assert ad.autotune(2, 512, 8, 2, 200, 128, jnp.float16) == ad.default_cluster_size(2, 2, 4, sms)
+    check(args, kw, _gpu())
+    assert not (tmp_path / "tuning.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(96, 4, 2, 64, "float16"), (512, 4, 2, 128, "float32")],
+                         ids=["hidden-96", "float32"])
+def test_gpu_fallback_warns_once(rng, shape):
+    """A shape or dtype the kernel does not take runs XLA's ops, with one warning per
+    shape: the second call is silent."""
+    import warnings
+    hidden, hq, hkv, dh, dtype = shape
+    args, kw = make_inputs(rng, batch=2, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=20, dtype=dtype)
+    with pytest.warns(UserWarning, match="using XLA's ops"):
+        check(args, kw, _gpu())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(args, kw, _gpu())

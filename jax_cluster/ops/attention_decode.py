@@ -267,9 +267,10 @@ def _choose_cluster_size(on_gpu, batch, hidden, hq, hkv, max_seq, head_dim, dtyp
     def measure(choice):
         parsed = parse_choice(choice)
         n, heads, pipeline, rows = (None, None, None, 1) if isinstance(parsed, str) else parsed
-        # drawn on the device: numpy took seconds per candidate for a batch-16 cache
+        # drawn on the device (numpy took seconds per candidate for a batch-16 cache) and in
+        # the caches' dtype: an fp32 draw of a batch-64, 128K-slot cache would be 34 GB
         keys = iter(jax.random.split(jax.random.key(0), 8))
-        f = lambda *s, sc=1.0: (jax.random.normal(next(keys), s, jnp.float32) * sc).astype(dtype)  # noqa: E731
+        f = lambda *s, sc=1.0: jax.random.normal(next(keys), s, dtype) * jnp.asarray(sc, dtype)  # noqa: E731
         kc, vc = f(batch, hkv, ctx, head_dim), f(batch, hkv, ctx, head_dim)
         consts = (f(hidden, (hq + 2 * hkv) * head_dim, sc=hidden ** -0.5),
                   f(hq * head_dim, hidden, sc=0.02), jnp.full((batch,), ctx - 1, jnp.int32),
