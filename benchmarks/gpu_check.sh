@@ -41,13 +41,19 @@ if [ -n "${JC_BUILD_DIR:-}" ]; then build_args=(-C "build-dir=$JC_BUILD_DIR"); f
 # 3-minute build of a fresh machine), e.g. with a Python 3.12 venv holding jax 0.11.2:
 #   JAX_CLUSTER_CUDA=ON pip wheel --no-build-isolation --no-deps -w .carry/wheel .
 # and run(carry=[".carry/wheel"]) with JC_WHEEL=$(ls .carry/wheel/*.whl).
-# JC_SAVE_WHEEL=1: build a wheel into $OUT (it comes back: carry it to the next fresh machine
-# as JC_WHEEL, skipping its build) and install that.
+# JC_SAVE_WHEEL=1: build a wheel, install it, and return it in 15 MB pieces ($OUT/wheel.part.*;
+# the device tool returns files of at most 16 MiB): joined here with
+#   cat .../wheel.part.* > .carry/wheel/jax_cluster-0.1.0-cp312-cp312-linux_x86_64.whl
+# it is carried to the next fresh machine as JC_WHEEL. A carried wheel's compiled modules are
+# kept, its Python files replaced by the tree's (Python changes need no rebuild).
+site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 if [ -n "${JC_WHEEL:-}" ]; then
-  step install-wheel build.log python3 -m pip install --no-deps --force-reinstall "$JC_WHEEL"
+  step install-wheel build.log bash -c "python3 -m pip install --no-deps --force-reinstall '$JC_WHEEL' &&
+    cp -r jax_cluster flax_models '$site'/"
 elif [ -n "${JC_SAVE_WHEEL:-}" ]; then
-  step build build.log bash -c "python3 -m pip wheel --no-build-isolation --no-deps -v -w '$OUT' . &&
-    python3 -m pip install --no-deps --force-reinstall '$OUT'/jax_cluster-*.whl"
+  step build build.log bash -c "python3 -m pip wheel --no-build-isolation --no-deps -v -w /tmp/jc_wheel . &&
+    python3 -m pip install --no-deps --force-reinstall /tmp/jc_wheel/jax_cluster-*.whl &&
+    split -b 15000000 /tmp/jc_wheel/jax_cluster-*.whl '$OUT'/wheel.part."
 else
   step build build.log python3 -m pip install --no-build-isolation --no-deps -v "${build_args[@]}" .
 fi || { tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
@@ -55,7 +61,7 @@ fi || { tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
 step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${SELECT[@]}" $TESTS
 tail -5 "$OUT/gpu_tests.log"
 for b in "${BENCHES[@]}"; do
-  step "bench-$b" "bench_$b.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}
+  step "bench-$b" "bench_${b//\//_}.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}
   cp benchmarks/results/"$b".* "$OUT"/ 2>/dev/null
 done
 if [ "$SANITIZE" = 1 ]; then
@@ -117,5 +123,5 @@ fi
   for b in "${BENCHES[@]}"; do cat "benchmarks/results/$b.md" 2>/dev/null | tail -n +7; done
 } | tee "$OUT/summary.txt"
 # The device tool returns at most 8 files from $OUT: everything else goes into one archive.
-tar -czf /tmp/gpu_check_logs.tgz -C "$OUT" --exclude=summary.txt --exclude='*.whl' . &&
-  find "$OUT" -mindepth 1 ! -name summary.txt ! -name '*.whl' -delete && mv /tmp/gpu_check_logs.tgz "$OUT/logs.tgz"
+tar -czf /tmp/gpu_check_logs.tgz -C "$OUT" --exclude=summary.txt --exclude='wheel.part.*' . &&
+  find "$OUT" -mindepth 1 ! -name summary.txt ! -name 'wheel.part.*' -delete && mv /tmp/gpu_check_logs.tgz "$OUT/logs.tgz"

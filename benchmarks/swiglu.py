@@ -29,7 +29,7 @@ from common import RESULTS_DIR, dtype_tag, measure_bandwidth, merge_results, tim
 
 SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
 MS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("split", "split_row", "fused", "fused_row", "stream", "gemv", "tma")
+VARIANTS = ("split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "tma+xla")
 COLUMNS = ["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction", "pick", "auto_vs_best",
            "config"]
 EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuning.steady_seconds; parts from "
@@ -87,8 +87,17 @@ def ours(variant):
     return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)
 
 
+def _up_spec(spec):
+    """(our kernels' spec, whether XLA's dot does the down GEMM) of a variant."""
+    mixed = spec.endswith(sw.XLA_DOWN)
+    return (spec[:-len(sw.XLA_DOWN)] if mixed else spec), mixed
+
+
 def _describe(spec, m, d, f, sms):
-    return "XLA dots" if spec == "xla" else sw.make_config(spec, m, d, f, True, sms).describe()
+    if spec == "xla":
+        return "XLA dots"
+    up, mixed = _up_spec(spec)
+    return sw.make_config(up, m, d, f, not mixed, sms).describe() + ("; XLA's down dot" if mixed else "")
 
 
 def main(argv=None):
@@ -148,10 +157,11 @@ def main(argv=None):
                 t_jnp = time_us(plain_jnp, inputs)
                 measured, times = {}, {}
                 for v in variants:  # variants whose configuration coincides are timed once
-                    if v.startswith("gemv") and m > sw.gemv_max_rows(
-                            sw.make_config(v, 1, d, f, True, sms).gemv_mma):
+                    up, mixed = _up_spec(v)
+                    if up.startswith("gemv") and m > sw.gemv_max_rows(
+                            sw.make_config(up, 1, d, f, True, sms).gemv_mma):
                         continue  # it would run in row chunks, re-reading the weights
-                    cfg = sw.make_config(v, m, d, f, True, sms).effective(m)
+                    cfg = (sw.make_config(up, m, d, f, not mixed, sms).effective(m), mixed)
                     if cfg in measured:
                         times[v] = times[measured[cfg]]
                         continue

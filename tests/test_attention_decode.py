@@ -865,8 +865,11 @@ def test_gpu_fallback_warns_once(rng, shape):
     import warnings
     hidden, hq, hkv, dh, dtype = shape
     args, kw = make_inputs(rng, batch=2, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=20, dtype=dtype)
+    # float32: XLA's GPU dots run TF32 at JAX's default precision (~4e-4 here)
+    tol = 2e-3 if dtype == "float32" else TOLERANCE[dtype]
+    ry, _, _ = reference.attention_decode(**args, **kw)
     with pytest.warns(UserWarning, match="using XLA's ops"):
-        check(args, kw, _gpu())
+        assert rel_l2(run(args, kw, _gpu())[0], ry) <= tol
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check(args, kw, _gpu())
+        assert rel_l2(run(args, kw, _gpu())[0], ry) <= tol

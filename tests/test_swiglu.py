@@ -21,7 +21,7 @@ from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 DTYPES = ["float16", "bfloat16"]
 MS = [1, 3, 8, 16, 33, 64, 128]
 VARIANTS = ["split", "split_row", "fused", "fused_row", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1",
-            "xla"]
+            "xla", "tma+xla", "gemv:mma=0+xla"]
 # non-square, F = 21 * 64 (not a multiple of 128), D = 320 (down tile of 64 valid columns)
 SHAPES = [(256, 512), (320, 1344), (512, 192)]
 
@@ -227,7 +227,9 @@ def test_bad_dtypes_and_variants():
                          ("auto:n=2", "takes no knobs"), ("fused:g=0", "must be >= 1"), ("stream:c=0", "c= in 1..65535"),
                          ("gemv:ku=0", "K chunks must be >= 1"), ("tma:p=2", "p= is 0 or 1"), ("gemv:mma=2", "mma= is 0 or 1"),
                          ("tma:wg=2", "wg= is 0 or 1"), ("gemv:wg=1", "a knob of 'tma' only"),
-                         ("tma:wg=1:rt=2", "rt= must be 4"),
+                         ("tma:wg=1:rt=2", "rt= must be 4"), ("xla+xla", "must be one of our up variants"),
+                         ("auto+xla", "must be one of our up variants"), ("tma+cublas", "variant must be one of"),
+                         ("tma:p=3+xla", "p= is 0 or 1"),
                          (3, "must be a string")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             jc.swiglu(x, w, w, w, variant=bad)
@@ -255,6 +257,16 @@ def test_cpu_auto_uses_heuristic_without_measuring(rng, tmp_path):
     assert not (tmp_path / "tuning.json").exists()
     for m in (1, 4, 16, 64):
         assert sw.resolve_variant("auto", m, 128, 192, jnp.float16, True) == "tma"
+
+
+def test_scheduler_candidates():
+    """XLA's dots always; our up stage before XLA's down dot only where there is a down GEMM;
+    the gemv kernels only at their row limits."""
+    for m in (1, 8, 16, 64):
+        full, up = sw.candidates(m, True), sw.candidates(m, False)
+        assert full[-1] == "xla" and "tma+xla" in full and "tma+xla" not in up
+        assert ("gemv" in full) == (m <= sw.GEMV_MMA_MAX_ROWS)
+        assert ("gemv:mma=0" in full) == (m <= sw.GEMV_MAX_ROWS)
 
 
 def test_timing_loop_chains():
@@ -365,7 +377,7 @@ def test_gpu_variants(rng, variant, dtype):
 def test_gpu_up_only(rng, dtype):
     for d, f in SHAPES:
         for m in MS:
-            for variant in ("split", "split_row", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1"):
+            for variant in ("split", "split_row", "stream", "gemv", "gemv:mma=0", "tma", "tma:wg=1", "tma+xla"):
                 inputs = _inputs(rng, m, d, f, dtype, down=False)
                 _check(_run(_gpu(), variant, *inputs), *inputs)
 

@@ -54,6 +54,12 @@ Variants (``variant=``), all deterministic (kernels/swiglu.h has the details):
                two warpgroups on wgmma (64-row tiles, both operands read from the stage);
                slower than mma.sync (session 20, M = 64: ~1.07x its time), so not a
                scheduler candidate.
+  "tma+xla"    our up stage (variant "tma"; any up-capable variant before "+xla") writes A2,
+               then XLA's dot does the down GEMM with the residual: at small M the pair
+               beat both pure forms at some points (H100, session 26,
+               benchmarks/probes/swiglu_mixed.py: Llama-2-7B M = 8 96.0 us against 97.9
+               for "xla" and 98.5 for "tma"; 70b-tp4 M = 16 124.3 / 129.2 / 126.8), so the
+               scheduler weighs it. Without w_down it is the up variant alone.
   "xla"        no kernel: XLA's own dots (16-bit in and out, fp32 accumulation) and fused
                elementwise. A candidate of the scheduler, so "auto" is never slower than
                plain XLA where our kernels lose (H100, benchmarks/results/swiglu.md: at
@@ -91,6 +97,7 @@ from jax_cluster import reference, tuning
 from jax_cluster.ops._primitive import ffi_primitive
 
 VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "xla")
+XLA_DOWN = "+xla"  # suffix: our up stage, then XLA's down dot (see "tma+xla" above)
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
@@ -282,6 +289,12 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     """'fused:n=16:g=2' -> ('fused', {'n': 16, 'g': 2}); ValueError naming what is wrong."""
     if not isinstance(spec, str):
         raise ValueError(f"swiglu: variant must be a string, got {spec!r}")
+    if spec.endswith(XLA_DOWN):
+        up = spec[:-len(XLA_DOWN)]
+        if up.split(":")[0] in ("auto", "xla"):
+            raise ValueError(f"swiglu: {spec!r}: the stage before '{XLA_DOWN}' must be one of our "
+                             f"up variants {VARIANTS[1:-1]}, got {up!r}")
+        return parse_variant(up)
     name, *knobs = spec.split(":")
     if name not in VARIANTS:
         raise ValueError(f"swiglu: variant must be one of {VARIANTS} (optionally with knobs, "
@@ -392,7 +405,8 @@ def heuristic_variant(m: int, has_down: bool) -> str:
 
 
 def candidates(m: int, has_down: bool) -> list[str]:
-    """What the scheduler measures for one shape (XLA's dots included: never slower).
+    """What the scheduler measures for one shape (XLA's dots included: never slower; with
+    the down GEMM also "tma+xla", our up stage before XLA's down dot).
     Measured on H100 (benchmarks/results/swiglu.md): "stream" was 5-15% slower than
     "split" and "fused" 2.5-10x at every shape, and neither ever beat XLA, so they are not
     measured (each candidate costs a compilation and a timing at the first trace)."""
@@ -402,14 +416,14 @@ def candidates(m: int, has_down: bool) -> list[str]:
     out = ["tma"] + gemv + ["split"]
     if m > 16:
         out += ["split_row"]
-    return out + ["xla"]
+    return out + ["tma" + XLA_DOWN, "xla"]
 
 
 def _m_bucket(m: int) -> int:
     return _pow2_ceil(m)
 
 
-KERNEL_VERSION = 12  # bump when the kernels (or how they are timed) change: cached choices are re-measured
+KERNEL_VERSION = 13  # bump when the kernels (or how they are timed) change: cached choices are re-measured
 
 
 def tuning_key(m: int, d: int, f: int, dtype, has_down: bool) -> str:
@@ -487,17 +501,22 @@ def _xla_swiglu(x2, w_gate, w_up, w_down, residual2):
     Llama-2-7B M=1), SiLU*mul in fp32."""
     g, u = x2 @ w_gate, x2 @ w_up
     a2 = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
-    if w_down is None:
-        return a2
+    return a2 if w_down is None else _xla_down(a2, w_down, residual2)
+
+
+def _xla_down(a2, w_down, residual2):
     y = a2 @ w_down
     if residual2 is not None:
-        y = (y.astype(jnp.float32) + residual2.astype(jnp.float32)).astype(x2.dtype)
+        y = (y.astype(jnp.float32) + residual2.astype(jnp.float32)).astype(a2.dtype)
     return y
 
 
 def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
     if spec == "xla":
         return _xla_swiglu(x2, w_gate, w_up, w_down, residual2)
+    if spec.endswith(XLA_DOWN):
+        a2 = _apply(x2, w_gate, w_up, None, None, spec[:-len(XLA_DOWN)])
+        return a2 if w_down is None else _xla_down(a2, w_down, residual2)
     m, d = x2.shape
     f = w_gate.shape[1]
     has_down = w_down is not None
@@ -570,7 +589,8 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, variant: str = "auto"
     x [..., D]; w_gate, w_up [D, F]; w_down [F, D] or None (returns A2 [..., F]);
     residual [..., D] or None (added in fp32 before the single rounding of y).
     variant: see the module docstring ("auto", "split", "split_row", "fused", "fused_row",
-    optionally with knobs).
+    "stream", "gemv", "tma", "xla", optionally with knobs; "<up variant>+xla": our up stage,
+    XLA's down dot).
     """
     d, f = _validate(x, w_gate, w_up, w_down, residual, variant)
     lead = tuple(x.shape[:-1])
