@@ -11,6 +11,7 @@ Run: python benchmarks/attention_decode.py [--quick]
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 
@@ -20,7 +21,7 @@ import numpy as np
 
 import jax_cluster as jc
 from jax_cluster.ops import attention_decode as ad_op  # the module: its tuner
-from common import (dtype_tag, measure_bandwidth, merge_results, print_timeline, random_normal, time_fn,
+from common import (RESULTS_DIR, dtype_tag, measure_bandwidth, merge_results, print_timeline, random_normal, time_fn,
                     write_results)
 
 MODELS = {  # hidden, q heads, kv heads, head dim
@@ -202,6 +203,9 @@ def main(argv=None):
                         help="only the cluster-size sweep (ClusterFusion Fig. 11): MHA, 32/64/128 heads")
     parser.add_argument("--chain", default=CHAIN, choices=("unrolled", "fori"),
                         help="how the timed steps follow each other inside the jit (steps_call)")
+    parser.add_argument("--split-head-report", default=None, metavar="PART",
+                        help="no run: SplitToken against SplitHead, from one part measured with both "
+                             "(results/attention_decode_split_head)")
     parser.add_argument("--trace", default=None,
                         help="no benchmark: the kernel timeline of each comma-listed spec "
                              "'model:batch:context:choice' (choice: jnp, pallas, auto, impl=xla, impl=pallas or a "
@@ -217,6 +221,8 @@ def main(argv=None):
         return None
     if args.cluster_sweep:
         return cluster_sweep()
+    if args.split_head_report:
+        return split_head_report(args.split_head_report)
     global RESULT_NAME
     RESULT_NAME = f"parts/{args.part}" if args.part else "attention_decode"
     if args.merge:
@@ -376,6 +382,36 @@ EXPLAIN = ("Times are per call in a loop of back-to-back calls (jax_cluster.tuni
            "projections (session 24, parts s24_*: --splitk-linear); "
            "auto = what impl='auto' runs: the tuner's pick among all of these, XLA's ops ('xla') and "
            "Pallas' decode attention between XLA's ops ('pallas', from session 19; parts s19_auto_*) (pick).")
+
+
+def split_head_report(part):
+    """ClusterFusion's Fig. 20 on our kernels: per case, the best SplitToken configuration
+    ("kernel" rows) against the best SplitHead one, both measured in the same run."""
+    data = json.loads((RESULTS_DIR / "parts" / f"{part}.json").read_text())
+    by_case = {}
+    for row in data["rows"]:
+        case, variant = row["case"].rsplit(" ", 1)
+        by_case.setdefault(case, {})[variant] = row
+    rows = []
+    for case, v in by_case.items():
+        if "kernel" in v and "split_head" in v:
+            token, head = v["kernel"], v["split_head"]
+            rows.append({"case": case, "ours_us": token["ours_us"], "split_head_us": head["ours_us"],
+                         "speedup_vs_split_head": head["ours_us"] / token["ours_us"],
+                         "split_token_config": token["best_config"], "split_head_config": head["best_config"],
+                         "roofline_fraction": token["roofline_fraction"],
+                         "split_head_roofline_fraction": head["roofline_fraction"],
+                         "jnp_us": token["jnp_us"], "pallas_us": token["pallas_us"], "bytes": token["bytes"]})
+    return write_results("attention_decode_split_head", rows,
+                         columns=["case", "ours_us", "split_head_us", "speedup_vs_split_head", "split_token_config",
+                                  "split_head_config", "roofline_fraction", "split_head_roofline_fraction",
+                                  "jnp_us", "pallas_us"],
+                         extra={k: data[k] for k in ("device", "versions", "date")} | {"part": part},
+                         notes=(f"From part {part} (`{data['command']}`): ours = the fused kernel's SplitToken "
+                                "dataflow (blocks split the KV tokens) at its best configuration among those "
+                                "measured; split_head = dataflow='split_head' (blocks split the head dimension, "
+                                "ClusterFusion App. B.2) at its best cluster size; both per decode step in the "
+                                "same run, with the jnp and Pallas peers of that run. " + EXPLAIN))
 
 
 def save(rows, bw):
