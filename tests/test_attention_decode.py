@@ -160,7 +160,6 @@ def test_vmap_folds_batch(rng):
     assert rel_l2(y[1], ry) < 1e-5
 
 
-
 def test_vmap_over_weights_maps_sequentially(rng):
     """vmap over the weights too (two layers' steps at once): not foldable into the batch,
     so the batching rule maps the op over them; each slice is the reference step."""
@@ -175,6 +174,7 @@ def test_vmap_over_weights_maps_sequentially(rng):
         ry, rk, rv = reference.attention_decode(**{**args, "lengths": args0["lengths"],
                                                   "inv_freq": args0["inv_freq"]}, **kw)
         assert rel_l2(y[i], ry) < 1e-5 and rel_l2(k[i], rk) < 1e-6 and rel_l2(v[i], rv) < 1e-6
+
 
 @pytest.mark.parametrize(
     "change, message",

@@ -3,7 +3,9 @@ small M? Issue 4's "never slower than jnp" misses are at M <= 8 (Llama-2-7B, 70b
 the scheduler runs XLA's dots and our best kernel is 0.96-1.00x them. Times, per MLP call
 (fp16, residual fused, calls chained directly inside one jit as benchmarks/swiglu.py does):
   pure forms   xla, tma, gemv (M <= 16), gemv:mma=0 (M <= 8)
-  mixed forms  "<up>+xla": our up stage (A2 in HBM) then XLA's down dot;
+  mixed forms  "<up>+xla": our up stage (A2 in HBM) then XLA's down dot (the op's variant of
+               that name since session 26; logs/session26/swiglu_mixed_probe.log ran this probe's
+               first form of it, whose down dot rounded an fp32 result once with the residual);
                "xla+linear": XLA's up (dots + fused SiLU*mul) then jc.linear's down GEMM
     python benchmarks/probes/swiglu_mixed.py [--models llama2-7b,70b-tp4] [--ms 1,4,8,16]
 """
@@ -22,21 +24,12 @@ from common import time_fn  # noqa: E402
 from swiglu import SHAPES  # noqa: E402
 
 
-def xla_down(a2, wd, res):
-    y = jnp.dot(a2, wd, preferred_element_type=jnp.float32)
-    return (y + res.astype(jnp.float32)).astype(a2.dtype)
-
-
 def form(name):
     """fn(x, wg, wu, wd, res) for one pure or mixed form."""
-    if "+" not in name:
-        return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=name)
-    up, down = name.split("+")
-    if down == "xla":
-        return lambda x, wg, wu, wd, res: xla_down(jc.swiglu(x, wg, wu, None, variant=up), wd, res)
-    assert up == "xla" and down == "linear", name
-    return lambda x, wg, wu, wd, res: jc.linear(jc.swiglu(x, wg, wu, None, variant="xla"), wd,
-                                                residual=res)
+    if name == "xla+linear":
+        return lambda x, wg, wu, wd, res: jc.linear(jc.swiglu(x, wg, wu, None, variant="xla"), wd,
+                                                    residual=res)
+    return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=name)
 
 
 def forms(m):

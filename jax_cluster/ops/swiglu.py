@@ -548,7 +548,7 @@ def _check(name, array, shape, dtype):
 def _validate(x, w_gate, w_up, w_down, residual, variant):
     parse_variant(variant)
     if x.ndim < 1:
-        raise ValueError(f"swiglu: x must be [..., D], got a scalar")
+        raise ValueError("swiglu: x must be [..., D], got a scalar")
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16),
                                   jnp.dtype(jnp.float32)):
         raise ValueError(f"swiglu: x dtype must be float16 or bfloat16 (float32 runs the "
