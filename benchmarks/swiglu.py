@@ -87,16 +87,10 @@ def ours(variant):
     return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)
 
 
-def _up_spec(spec):
-    """(our kernels' spec, whether XLA's dot does the down GEMM) of a variant."""
-    mixed = spec.endswith(sw.XLA_DOWN)
-    return (spec[:-len(sw.XLA_DOWN)] if mixed else spec), mixed
-
-
 def _describe(spec, m, d, f, sms):
     if spec == "xla":
         return "XLA dots"
-    up, mixed = _up_spec(spec)
+    up, mixed = sw.split_xla_down(spec)
     return sw.make_config(up, m, d, f, not mixed, sms).describe() + ("; XLA's down dot" if mixed else "")
 
 
@@ -157,7 +151,7 @@ def main(argv=None):
                 t_jnp = time_us(plain_jnp, inputs)
                 measured, times = {}, {}
                 for v in variants:  # variants whose configuration coincides are timed once
-                    up, mixed = _up_spec(v)
+                    up, mixed = sw.split_xla_down(v)
                     if up.startswith("gemv") and m > sw.gemv_max_rows(
                             sw.make_config(up, 1, d, f, True, sms).gemv_mma):
                         continue  # it would run in row chunks, re-reading the weights

@@ -98,6 +98,13 @@ from jax_cluster.ops._primitive import ffi_primitive
 
 VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "xla")
 XLA_DOWN = "+xla"  # suffix: our up stage, then XLA's down dot (see "tma+xla" above)
+
+
+def split_xla_down(spec: str) -> tuple[str, bool]:
+    """(the spec of our kernels, whether XLA's dot does the down GEMM): "tma+xla" -> ("tma", True)."""
+    if spec.endswith(XLA_DOWN):
+        return spec[:-len(XLA_DOWN)], True
+    return spec, False
 ALIGN = 64
 FUSED_MAX_ROWS = 64  # the fused op handles larger M in chunks of this many rows
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
@@ -289,8 +296,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     """'fused:n=16:g=2' -> ('fused', {'n': 16, 'g': 2}); ValueError naming what is wrong."""
     if not isinstance(spec, str):
         raise ValueError(f"swiglu: variant must be a string, got {spec!r}")
-    if spec.endswith(XLA_DOWN):
-        up = spec[:-len(XLA_DOWN)]
+    up, xla_down = split_xla_down(spec)
+    if xla_down:
         if up.split(":")[0] in ("auto", "xla"):
             raise ValueError(f"swiglu: {spec!r}: the stage before '{XLA_DOWN}' must be one of our "
                              f"up variants {VARIANTS[1:-1]}, got {up!r}")
@@ -514,8 +521,9 @@ def _xla_down(a2, w_down, residual2):
 def _apply(x2, w_gate, w_up, w_down, residual2, spec: str):
     if spec == "xla":
         return _xla_swiglu(x2, w_gate, w_up, w_down, residual2)
-    if spec.endswith(XLA_DOWN):
-        a2 = _apply(x2, w_gate, w_up, None, None, spec[:-len(XLA_DOWN)])
+    up, xla_down = split_xla_down(spec)
+    if xla_down:
+        a2 = _apply(x2, w_gate, w_up, None, None, up)
         return a2 if w_down is None else _xla_down(a2, w_down, residual2)
     m, d = x2.shape
     f = w_gate.shape[1]
