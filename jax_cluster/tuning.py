@@ -22,15 +22,21 @@ Environment:
   JAX_CLUSTER_TUNING_CACHE=P   the cache file (default: $XDG_CACHE_HOME/jax_cluster/
                                tuning.json, else ~/.cache/jax_cluster/tuning.json)
 
-The file holds ``{"version": 1, "entries": {"<op>|<key>": {"winner": ..., "times_us":
-{...}, "date": ...}}}``. A corrupt file, a file of another version, or an entry whose
-winner is not among the op's current candidates (stale: the op changed) is ignored with
-a warning and replaced on the next write; nothing here raises because of the cache. On
-CPU there is nothing to tune: ops do not call :func:`pick` there.
+A candidate is a string (a path that takes no launch choices, e.g. "xla") or an op's
+frozen config dataclass; in the file it is JSON: the string, or ``{"type": <class name>,
+<field>: <value>, ...}``. Keys have one format, made by :func:`make_key`:
+``"v<op version> <device name> <name><value> ..."`` under the op's name.
+
+The file holds ``{"version": 2, "entries": {"<op>|<key>": {"winner": <JSON choice>,
+"times_us": {...}, "date": ...}}}``. A corrupt file, a file of another version, or an entry
+whose winner is not among the op's current candidates (stale: the op changed) is ignored
+with a warning and replaced on the next write; nothing here raises because of the cache.
+On CPU there is nothing to tune: ops do not call :func:`pick` there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -45,7 +51,7 @@ from typing import Callable, Mapping, Sequence
 
 ENV_ENABLE = "JAX_CLUSTER_TUNING"
 ENV_CACHE = "JAX_CLUSTER_TUNING_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 # INFO: one line when a shape starts being measured (it can take tens of seconds, inside
 # the first jit trace) and one with the times. flax_models.generate turns it on.
@@ -58,6 +64,7 @@ __all__ = [
     "device_name",
     "enabled",
     "lookup",
+    "make_key",
     "pick",
     "record",
     "run_outside_trace",
@@ -130,6 +137,31 @@ def _full_key(op: str, key: str) -> str:
     return f"{op}|{key}"
 
 
+def make_key(version: int, **fields) -> str:
+    """The one key format: ``"v<version> <device> <name><value> ..."`` in the given order
+    (e.g. ``make_key(3, m=16, d=4096, dtype="float16")`` -> ``"v3 NVIDIA H100 ... m16
+    d4096 dtypefloat16"``). Bump `version` when an op's kernels or candidates change."""
+    words = " ".join(f"{k}{v}" for k, v in fields.items())
+    return f"v{version} {device_name()} {words}".strip()
+
+
+def encode(choice):
+    """A candidate as JSON: a string as is; a config dataclass as {"type": name, **fields}."""
+    if isinstance(choice, str):
+        return choice
+    if dataclasses.is_dataclass(choice) and not isinstance(choice, type):
+        return {"type": type(choice).__name__, **dataclasses.asdict(choice)}
+    raise TypeError(f"jax_cluster.tuning: a candidate must be a str or a config dataclass, got {choice!r}")
+
+
+def _encoded_key(choice) -> str:
+    return json.dumps(encode(choice), sort_keys=True)
+
+
+def _describe(choice) -> str:
+    return choice if isinstance(choice, str) else str(choice)
+
+
 def lookup(op: str, key: str, candidates: Sequence | None = None):
     """The cached winner for (op, key), or None. A winner not among `candidates` is stale:
     ignored with a warning."""
@@ -138,20 +170,26 @@ def lookup(op: str, key: str, candidates: Sequence | None = None):
     if entry is None:
         return None
     winner = entry.get("winner")
-    if candidates is not None and winner not in list(candidates):
+    if candidates is None:
+        return winner
+    by_json = {_encoded_key(c): c for c in candidates}
+    try:
+        found = by_json.get(json.dumps(winner, sort_keys=True))
+    except TypeError:
+        found = None
+    if found is None:
         warnings.warn(f"jax_cluster.tuning: ignoring stale cache entry {_full_key(op, key)!r} "
                       f"(winner {winner!r} is not a current candidate); re-measuring",
                       stacklevel=3)
-        return None
-    return winner
+    return found
 
 
 def record(op: str, key: str, winner, times_s: Mapping | None = None) -> None:
     """Stores a winner in memory and in the cache file (atomic replace; entries written by
     other processes meanwhile are kept). A file that cannot be written only warns."""
-    entry = {"winner": winner, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    entry = {"winner": encode(winner), "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if times_s:
-        entry["times_us"] = {str(k): (round(v * 1e6, 3) if math.isfinite(v) else None)
+        entry["times_us"] = {_describe(k): (round(v * 1e6, 3) if math.isfinite(v) else None)
                              for k, v in times_s.items()}
     path = cache_path()
     with _lock:
@@ -301,8 +339,8 @@ def pick(op: str, key: str, candidates: Sequence, measure: Callable[[object], fl
                       f"using the heuristic {heuristic!r}", stacklevel=2)
         return heuristic
     winner = min(finite, key=finite.get)
-    summary = (f"{op} {key}: " + ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items())
-               + f" -> {winner} (tuned in {time.perf_counter() - t_start:.1f} s)")
+    summary = (f"{op} {key}: " + ", ".join(f"{_describe(c)}={t * 1e6:.1f}us" for c, t in times.items())
+               + f" -> {_describe(winner)} (tuned in {time.perf_counter() - t_start:.1f} s)")
     log.info("tuned %s", summary)
     if verbose:
         print(f"jax_cluster.tuning: {summary}")

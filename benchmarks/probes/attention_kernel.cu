@@ -30,7 +30,7 @@ constexpr int kPhaseBlocks = 4096;
 constexpr int kPhaseMarks = 16;
 __device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks];
 #endif
-#include "kernels/attention_decode.cu"
+#include "ops/attention_block/launch.cu"
 
 // The batch-tiled kernels live in their own files: compiled in with AK_WITH_TILED (fp16).
 namespace jax_cluster {

@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "kernels/decode_attention.cu"
+#include "ops/decode_attention/launch.cu"
 
 #include "probe_check.h"
 

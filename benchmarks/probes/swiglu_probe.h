@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdlib>
 
-#include "kernels/swiglu.h"
+#include "ops/swiglu/params.h"
 
 namespace jax_cluster {
 

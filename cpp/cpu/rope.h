@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/attention_decode.h"  // RopeLayout
+#include "ops/attention_block/params.h"  // RopeLayout
 
 namespace jax_cluster::cpu {
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import reference
-from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster._ffi import ffi_primitive
 from jax_cluster.ops.attention_decode_xla import (attention_decode_pallas, attention_decode_splitk,
                                                   attention_decode_xla, pallas_supported)
 from jax_cluster.ops.decode_attention import MAX_GROUP as SPLITK_MAX_GROUP

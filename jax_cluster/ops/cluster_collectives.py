@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster.ops._primitive import ffi_primitive, fold_batch_axis
+from jax_cluster._ffi import ffi_primitive, fold_batch_axis
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)

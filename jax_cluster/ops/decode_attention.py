@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster.ops._primitive import ffi_primitive, fold_batch_axis
+from jax_cluster._ffi import ffi_primitive, fold_batch_axis
 
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 

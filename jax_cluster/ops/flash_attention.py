@@ -37,7 +37,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import reference
-from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster._ffi import ffi_primitive
 from jax_cluster.parallel import local_attention as la
 from jax_cluster.parallel.local_attention import State
 

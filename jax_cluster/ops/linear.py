@@ -35,7 +35,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import reference
-from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster._ffi import ffi_primitive
 
 ALIGN = 64  # kLinearAlign
 TILE_COLS = 256  # kSwigluTmaDownCols: output columns per work tile

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster._ffi import ffi_primitive
 
 
 def _abstract(x, *, chunks):

@@ -94,7 +94,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import reference, tuning
-from jax_cluster.ops._primitive import ffi_primitive
+from jax_cluster._ffi import ffi_primitive
 
 VARIANTS = ("auto", "split", "split_row", "fused", "fused_row", "stream", "gemv", "tma", "xla")
 XLA_DOWN = "+xla"  # suffix: our up stage, then XLA's down dot (see "tma+xla" above)

@@ -5,7 +5,7 @@
 //    bulk_store the other way (a finished tile leaving through the copy engine);
 //  * tma_load_{2,4}d: one box of a tensor described by a CUtensorMap (passed to the
 //    kernel by value as a __grid_constant__ parameter; encoded on the host by
-//    kernels/tma_host.h);
+//    jax_cluster/tma_host.h);
 //  * both complete as transaction bytes on an mbarrier (the stage's `full` barrier);
 //  * Ring<S>: S stages with full/empty barriers. One producer thread issues copies
 //    into stage i after the consumers released it; consumers wait on `full`, read,

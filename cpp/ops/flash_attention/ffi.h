@@ -1,0 +1,171 @@
+// Decodes and validates flash_attention's FFI arguments into one FlashAttentionParams,
+// shared by the CPU and CUDA handlers. The Python wrapper checks the same things first
+// with friendlier messages; this is the last line of defence against a malformed call.
+//
+// Operands (variadic): q_0 .. q_{nq-1}, k_0 .. k_{nkv-1}, v_0 .. v_{nkv-1}, then
+// (o_in_i, lse_in_i) for each query chunk i whose bit is set in `state_mask`, in order.
+// Results: (o_i, lse_i) for each query chunk. Attributes: num_q, num_kv, state_mask,
+// scale, finalize, kernel (a FlashKernel: which CUDA kernel; the CPU handler ignores it).
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "ffi/common.h"
+#include "ops/flash_attention/params.h"
+
+namespace jax_cluster {
+
+namespace ffi = xla::ffi;
+
+inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(
+    ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,
+    int64_t state_mask, float scale, bool finalize, int64_t kernel) {
+  auto fail = [](const std::string& m) {
+    return ffi::Unexpected(ffi_util::invalid("flash_attention: " + m));
+  };
+  if (num_q < 1 || num_q > kFlashMaxQChunks) {
+    return fail("num_q must be in 1.." + std::to_string(kFlashMaxQChunks));
+  }
+  if (num_kv < 0 || num_kv > kFlashMaxKVChunks) {
+    return fail("num_kv must be in 0.." + std::to_string(kFlashMaxKVChunks));
+  }
+  if (state_mask < 0 || (num_q < 63 && (state_mask >> num_q) != 0)) {
+    return fail("state_mask has bits beyond num_q");
+  }
+  int64_t num_states = 0;
+  for (int64_t i = 0; i < num_q; ++i) num_states += (state_mask >> i) & 1;
+  if (args.size() != static_cast<size_t>(num_q + 2 * num_kv + 2 * num_states)) {
+    return fail("expected " + std::to_string(num_q + 2 * num_kv + 2 * num_states) +
+                " operands (q chunks, k chunks, v chunks, states), got " +
+                std::to_string(args.size()));
+  }
+  if (rets.size() != static_cast<size_t>(2 * num_q)) {
+    return fail("expected " + std::to_string(2 * num_q) + " results (o, lse per q chunk)");
+  }
+  if (!std::isfinite(scale)) return fail("scale must be finite");
+  if (kernel < 0 || kernel >= kFlashNumKernels) {
+    return fail("kernel must be in 0.." + std::to_string(kFlashNumKernels - 1));
+  }
+
+  FlashAttentionParams p{};
+  p.scale = scale;
+  p.finalize = finalize;
+  p.kernel = static_cast<FlashKernel>(kernel);
+  p.num_q = static_cast<int>(num_q);
+  p.num_kv = static_cast<int>(num_kv);
+  ffi::DataType elem = ffi::DataType::INVALID;
+  auto check_qkv = [&](const ffi::AnyBuffer& buf, const std::string& name,
+                       int64_t* len) -> ffi::Error {
+    auto d = buf.dimensions();
+    if (d.size() != 4 || d[0] != p.batch || d[2] != p.heads || d[3] != p.head_dim ||
+        buf.element_type() != elem) {
+      return ffi_util::invalid("flash_attention: " + name + " must be [B=" +
+                               std::to_string(p.batch) + ", L, H=" + std::to_string(p.heads) +
+                               ", Dh=" + std::to_string(p.head_dim) +
+                               "] with q's dtype, got " + ffi_util::dims_str(d));
+    }
+    *len = d[1];
+    return ffi::Error::Success();
+  };
+
+  // q chunks (q_0 fixes B, H, Dh and the dtype)
+  for (int64_t i = 0; i < num_q; ++i) {
+    auto q = args.get<ffi::AnyBuffer>(i);
+    if (!q) return ffi::Unexpected(q.error());
+    if (i == 0) {
+      auto d = q->dimensions();
+      if (d.size() != 4) return fail("q[0] must be [B, L, H, Dh], got " + ffi_util::dims_str(d));
+      auto dt = ffi_util::to_dtype(q->element_type(), "q");
+      if (!dt) return ffi::Unexpected(dt.error());
+      elem = q->element_type();
+      p.dtype = *dt;
+      p.batch = d[0];
+      p.heads = d[2];
+      p.head_dim = d[3];
+      if (p.head_dim < 1) return fail("head_dim must be >= 1");
+    }
+    auto err = check_qkv(*q, "q[" + std::to_string(i) + "]", &p.q[i].len);
+    if (err.failure()) return ffi::Unexpected(std::move(err));
+    p.q[i].q = q->untyped_data();
+  }
+  // kv chunks
+  for (int64_t j = 0; j < num_kv; ++j) {
+    auto k = args.get<ffi::AnyBuffer>(num_q + j);
+    auto v = args.get<ffi::AnyBuffer>(num_q + num_kv + j);
+    if (!k) return ffi::Unexpected(k.error());
+    if (!v) return ffi::Unexpected(v.error());
+    int64_t lk = 0, lv = 0;
+    auto err = check_qkv(*k, "k[" + std::to_string(j) + "]", &lk);
+    if (err.failure()) return ffi::Unexpected(std::move(err));
+    err = check_qkv(*v, "v[" + std::to_string(j) + "]", &lv);
+    if (err.failure()) return ffi::Unexpected(std::move(err));
+    if (lk != lv) return fail("k[" + std::to_string(j) + "] and v[" + std::to_string(j) + "] lengths differ");
+    p.kv[j] = {k->untyped_data(), v->untyped_data(), lk};
+  }
+  // states and results
+  int64_t next = num_q + 2 * num_kv;
+  for (int64_t i = 0; i < num_q; ++i) {
+    FlashQChunk& c = p.q[i];
+    const std::string tag = "[" + std::to_string(i) + "]";
+    if ((state_mask >> i) & 1) {
+      auto o_in = args.get<ffi::AnyBuffer>(next++);
+      auto lse_in = args.get<ffi::AnyBuffer>(next++);
+      if (!o_in) return ffi::Unexpected(o_in.error());
+      if (!lse_in) return ffi::Unexpected(lse_in.error());
+      auto od = o_in->dimensions(), ld = lse_in->dimensions();
+      if (o_in->element_type() != ffi::DataType::F32 || od.size() != 4 || od[0] != p.batch ||
+          od[1] != c.len || od[2] != p.heads || od[3] != p.head_dim) {
+        return fail("state o" + tag + " must be float32 [B, Lq, H, Dh], got " + ffi_util::dims_str(od));
+      }
+      if (lse_in->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch ||
+          ld[1] != p.heads || ld[2] != c.len) {
+        return fail("state lse" + tag + " must be float32 [B, H, Lq], got " + ffi_util::dims_str(ld));
+      }
+      c.o_in = static_cast<const float*>(o_in->untyped_data());
+      c.lse_in = static_cast<const float*>(lse_in->untyped_data());
+    }
+    auto o = rets.get<ffi::AnyBuffer>(2 * i);
+    auto lse = rets.get<ffi::AnyBuffer>(2 * i + 1);
+    if (!o) return ffi::Unexpected(o.error());
+    if (!lse) return ffi::Unexpected(lse.error());
+    const ffi::DataType o_type = finalize ? elem : ffi::DataType::F32;
+    auto od = (*o)->dimensions(), ld = (*lse)->dimensions();
+    if ((*o)->element_type() != o_type || od.size() != 4 || od[0] != p.batch || od[1] != c.len ||
+        od[2] != p.heads || od[3] != p.head_dim) {
+      return fail("result o" + tag + " must be [B, Lq, H, Dh] in " +
+                  (finalize ? "q's dtype" : std::string("float32")));
+    }
+    if ((*lse)->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch ||
+        ld[1] != p.heads || ld[2] != c.len) {
+      return fail("result lse" + tag + " must be float32 [B, H, Lq]");
+    }
+    c.o = (*o)->untyped_data();
+    c.lse = static_cast<float*>((*lse)->untyped_data());
+  }
+  return p;
+}
+
+// Ffi binding shared by both handlers (the CUDA one prepends the stream).
+template <typename Binding>
+auto bind_flash_attention(Binding&& b) {
+  return std::move(b)
+      .RemainingArgs()
+      .RemainingRets()
+      .template Attr<int64_t>("num_q")
+      .template Attr<int64_t>("num_kv")
+      .template Attr<int64_t>("state_mask")
+      .template Attr<float>("scale")
+      .template Attr<bool>("finalize")
+      .template Attr<int64_t>("kernel");
+}
+
+}  // namespace jax_cluster
+
+// The handler signature both platforms implement (after the optional stream).
+#define JAX_CLUSTER_FLASH_ATTENTION_ARGS                                                     \
+  ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,            \
+      int64_t state_mask, float scale, bool finalize, int64_t kernel
+#define JAX_CLUSTER_FLASH_ATTENTION_DECODE \
+  decode_flash_attention(args, rets, num_q, num_kv, state_mask, scale, finalize, kernel)

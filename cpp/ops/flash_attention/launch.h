@@ -1,0 +1,25 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ops/flash_attention/params.h"
+
+namespace jax_cluster {
+
+// Shapes with a CUDA kernel; others use the reference path (the Python wrapper decides).
+inline bool flash_attention_cuda_supports(const FlashAttentionParams& p) {
+  return (p.head_dim == 64 || p.head_dim == 128) && p.dtype != DType::kF32;
+}
+
+// One launch over every (query tile, head, batch); nothing launched when there are no
+// query rows. No host synchronisation, no allocation: chunk pointers are kernel parameters.
+// p.kernel picks the kernel (kAuto: the wgmma one where it serves the call).
+cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t stream);
+
+// The Hopper wgmma/TMA kernel (flash_attention_sm90.cu): head dims 64 / 128, fp16 / bf16,
+// scale >= 0. cudaErrorNotSupported (nothing launched) where it does not serve the call.
+bool flash_attention_sm90_serves(const FlashAttentionParams& p);
+cudaError_t launch_flash_attention_sm90(const FlashAttentionParams& p, cudaStream_t stream,
+                                        bool ping_pong = true);
+
+}  // namespace jax_cluster
