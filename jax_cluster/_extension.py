@@ -55,6 +55,12 @@ def register_targets() -> dict[str, tuple[str, ...]]:
     return registered
 
 
+def plans():
+    """The C++ launch-plan functions (cpp/ops/<op>/plan.cc), from the CPU module."""
+    register_targets()  # raises the clear error when the package was not built
+    return _cpu_module.plans
+
+
 def cuda_module_built() -> bool:
     return _cuda_module is not None
 
