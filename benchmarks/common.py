@@ -1,15 +1,23 @@
-"""Shared benchmark plumbing: timing inside one jit, HBM bandwidth, results files.
+"""Shared benchmark plumbing: timing inside one jit, HBM bandwidth, results tables.
 
-Results follow DESIGN.md: benchmarks/results/<name>.json (device, versions,
-date, command, rows) plus a Markdown table beside it.
+Every benchmark writes one current table: benchmarks/results/<name>.json (device, versions,
+date, command, notes, rows; one row per case) and <name>.md beside it. A grid too long for
+one GPU run is measured in slices, each run passing `part=` to write_results: its rows are
+merged into the same table (a case measured again replaces its row) and the table lists
+the runs it came from. Nothing but merged tables is kept under results/.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import functools
+import hashlib
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -21,6 +29,13 @@ import numpy as np
 from jax_cluster.tuning import time_call
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Scratch space of the benchmarks (compiled probes); `build/` is ignored by git.
+BUILD_DIR = Path(__file__).resolve().parent / "build"
+PROBE_SOURCE = Path(__file__).resolve().parent / "probes" / "stream_read.cu"
+PROBE_TARGET = "benchmarks_stream_read"
+
+# What the last measure_bandwidth() call measured (write_results records it in the table).
+LAST_BANDWIDTH: dict = {}
 
 
 def device_name() -> str:
@@ -57,41 +72,107 @@ def loop(step: Callable, iters: int) -> Callable:
     return run
 
 
+def _nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    for cand in (shutil.which("nvcc"), os.path.join(cuda_home, "bin", "nvcc")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _build_probe(nvcc: str) -> Path:
+    """benchmarks/probes/stream_read.cu as a shared library, compiled once per source and
+    jaxlib (the XLA FFI headers) and cached in BUILD_DIR."""
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    tag = hashlib.sha256(PROBE_SOURCE.read_bytes() + f"{jaxlib.__version__} {include}".encode()).hexdigest()[:12]
+    lib = BUILD_DIR / f"stream_read-{tag}.so"
+    if lib.exists():
+        return lib
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+           "-gencode=arch=compute_90a,code=sm_90a", "-isystem", include, str(PROBE_SOURCE), "-o", str(tmp)]
+    print("bandwidth: compiling " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    tmp.replace(lib)  # atomic: a concurrent run sees the whole library or none
+    return lib
+
+
+def _probe_call(x, chunks: int):
+    return jax.ffi.ffi_call(PROBE_TARGET, jax.ShapeDtypeStruct((chunks,), jnp.uint32))(
+        x, chunks=np.int64(chunks))
+
+
+@functools.cache
+def stream_read_probe() -> tuple[Callable | None, str]:
+    """(stream_read, "") with stream_read(x, chunks) -> uint32 [chunks], the XOR of the
+    32-bit words of each of `chunks` equal contiguous pieces of x (x.nbytes a multiple of
+    16 * chunks), run by the probe kernel; or (None, why it is not available here). The
+    probe is compiled on first use (nvcc, sm_90a) and checked against numpy before any
+    timing trusts it."""
+    if jax.default_backend() != "gpu":
+        return None, f"no GPU (backend {jax.default_backend()})"
+    nvcc = _nvcc()
+    if nvcc is None:
+        return None, "no nvcc on PATH or in CUDA_HOME"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build_probe(nvcc)))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        return None, f"the probe did not build or load: {exc}"
+    jax.ffi.register_ffi_target(PROBE_TARGET, jax.ffi.pycapsule(lib.stream_read), platform="CUDA")
+    rng = np.random.default_rng(0)
+    for chunks in (1, 3, 64):
+        words = rng.integers(0, 2**32, size=(chunks * 4 * 5,), dtype=np.uint64).astype(np.uint32)
+        got = np.asarray(jax.jit(_probe_call, static_argnums=1)(jnp.asarray(words.view(np.float32)), chunks))
+        expect = np.bitwise_xor.reduce(words.reshape(chunks, -1), axis=1)
+        if not np.array_equal(got, expect):
+            raise RuntimeError(f"stream_read probe: wrong XOR for {chunks} chunks: {got[:4]} != {expect[:4]}")
+    return _probe_call, ""
+
+
 def measure_bandwidth(gib: float = 1.0) -> float:
-    """Device memory bandwidth (bytes/s) a streaming kernel reaches: the best of an XLA
-    elementwise pass (read + write), an XLA reduction, and, where the CUDA module is built,
-    jax_cluster's stream_read probe (16-byte loads, many in flight: the access pattern of
-    weight streaming). XLA's passes alone read ~15% below what a kernel can stream on an
-    H100, which flattered every roofline fraction measured with them."""
-    n = int(gib * 2**30) // 4
+    """Device memory bandwidth (bytes/s) a streaming kernel reaches over a `gib` GiB buffer:
+    the best of an XLA elementwise pass (read + write), an XLA reduction and, on a GPU with
+    nvcc, the stream_read probe (benchmarks/probes/stream_read.cu: 16-byte loads, many in
+    flight, the access pattern of weight streaming). XLA's passes alone read below what a
+    kernel can stream on an H100, which would flatter every roofline fraction. Prints and
+    records (LAST_BANDWIDTH, then the results table) which method gave the number."""
+    n = int(gib * 2**30) // 4 // 4096 * 4096  # whole rows of the reduction
     x = jnp.arange(n, dtype=jnp.float32)
-    copy = 2 * n * 4 * 10 / time_fn(loop(lambda x: x * 1.0001 + 1.0, 10), x)
+    measured = {"elementwise": 2 * n * 4 * 10 / time_fn(loop(lambda x: x * 1.0001 + 1.0, 10), x)}
     # the scale depends on the carry, so XLA cannot hoist the sum out of the loop
     reduce = lambda c: (c[0], c[1] + jnp.sum(c[0] * (1.0 + c[1][0] * 1e-30), axis=0))  # noqa: E731
     carry = (x.reshape(-1, 4096), jnp.zeros((4096,), jnp.float32))
-    read = n * 4 * 10 / time_fn(loop(reduce, 10), carry)
-    best = max(copy, read)
-    print(f"bandwidth: elementwise {copy / 1e12:.3f}, reduction {read / 1e12:.3f} TB/s", flush=True)
-    if jax.default_backend() == "gpu":
-        from jax_cluster.ops.stream_read import stream_read
-
+    measured["reduction"] = n * 4 * 10 / time_fn(loop(reduce, 10), carry)
+    probe, why = stream_read_probe()
+    if probe is not None:
         chunks = 4 * 132  # several blocks per SM: no partial last wave matters
         buf = x[: n // (4 * chunks) * 4 * chunks]
 
         @jax.jit
         def reads(buf):  # buf is not returned: returning it made every call copy it
             acc = jnp.zeros((chunks,), jnp.uint32)
-            # written out, not a fori_loop: no loop kernels between the reads (1% on H100,
-            # session 18); the barrier ties buf to the step: no hoisting, no copy
+            # written out, not a fori_loop: no loop kernels between the reads; the barrier
+            # ties buf to the step: no hoisting, no copy
             for _ in range(10):
                 b, acc = jax.lax.optimization_barrier((buf, acc))
-                acc = acc ^ stream_read(b, chunks)
+                acc = acc ^ probe(b, chunks)
             return acc
 
-        streamed = buf.size * 4 * 10 / time_fn(reads, buf)
-        print(f"bandwidth: stream_read {streamed / 1e12:.3f} TB/s", flush=True)
-        best = max(best, streamed)
-    return best
+        measured["stream_read"] = buf.size * 4 * 10 / time_fn(reads, buf)
+    method = max(measured, key=measured.get)
+    LAST_BANDWIDTH.clear()
+    LAST_BANDWIDTH.update({"bytes_per_s": measured[method], "method": method, "buffer_gib": gib,
+                           "measured_bytes_per_s": measured, **({"probe_missing": why} if why else {})})
+    print("bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in measured.items())
+          + f" TB/s; roofline uses {method}" + (f" (stream_read probe not used: {why})" if why else ""),
+          flush=True)
+    return measured[method]
 
 
 def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2,
@@ -140,45 +221,104 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
 
 
 def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",
-                  extra: dict | None = None) -> Path:
-    (RESULTS_DIR / name).parent.mkdir(parents=True, exist_ok=True)  # name may be parts/<part>
+                  extra: dict | None = None, part: str | None = None) -> Path:
+    """Writes results/<name>.json and <name>.md: this run's device, versions, date, command,
+    notes, `extra` fields and rows (each a dict with a unique "case").
+
+    part: this run measured one slice of a grid (a name for it). Its rows are merged into the
+    table already there: a case measured again replaces its row in place, new cases are
+    appended, and the table's "runs" lists every run that contributed (part, command,
+    device, date, bandwidth). Without part the table is replaced.
+
+    A name starting with "parts/" writes a scratch file under results/parts/ (not kept in
+    git) for merge_results; prefer part=."""
+    path = RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": device_name(),
         "versions": versions(),
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "notes": notes,
+        **({"bandwidth": dict(LAST_BANDWIDTH)} if LAST_BANDWIDTH else {}),
         **(extra or {}),
-        "rows": list(rows),
     }
-    path = RESULTS_DIR / f"{name}.json"
+    rows = list(rows)
+    if part is not None:
+        run = {"part": part, **{k: payload[k] for k in ("command", "device", "date")}}
+        bw = payload.pop("bandwidth", None)  # per run: each slice has its own
+        if bw:
+            run.update(bandwidth_bytes_per_s=bw["bytes_per_s"], bandwidth_method=bw["method"])
+        runs, merged = [run], {row["case"]: row for row in rows}
+        if path.exists():
+            old = json.loads(path.read_text())
+            runs = [r for r in old.get("runs", [_as_run(old)]) if r.get("part") != part] + [run]
+            merged = {row["case"]: row for row in old["rows"]}
+            merged.update({row["case"]: row for row in rows})
+        payload["runs"] = runs
+        payload["parts"] = [r["part"] for r in runs if r.get("part")]
+        rows = list(merged.values())
+    payload["rows"] = rows
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    lines = [f"# {name}", "", f"{payload['device']}, jax {payload['versions']['jax']}, {payload['date']}",
-             "", f"`{payload['command']}`", ""]
-    if notes:
-        lines += [notes, ""]
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
-    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".md").write_text(_markdown(name, payload, columns))
     return path
 
 
+def _as_run(table: dict) -> dict:
+    """A table written without part, as one entry of a merged table's runs."""
+    run = {"part": None, **{k: table.get(k) for k in ("command", "device", "date")}}
+    measured = table.get("bandwidth") or {}
+    bw = measured.get("bytes_per_s") or table.get("bandwidth_bytes_per_s")
+    if bw:
+        run["bandwidth_bytes_per_s"] = bw
+    if measured.get("method"):
+        run["bandwidth_method"] = measured["method"]
+    return run
+
+
+def _describe_run(run: dict) -> str:
+    bw = run.get("bandwidth_bytes_per_s")
+    how = f" ({run['bandwidth_method']})" if run.get("bandwidth_method") else ""
+    return (f"`{run['command']}` ({run['device']}, {run['date']}" + (f", {bw / 1e9:.0f} GB/s{how}" if bw else "")
+            + ")")
+
+
+def _markdown(name: str, payload: dict, columns: Sequence[str]) -> str:
+    lines = [f"# {name}", "", f"{payload['device']}, jax {payload['versions']['jax']}, {payload['date']}", ""]
+    if "runs" in payload:
+        lines += ["Joined from runs in parts (roofline per part from its own bandwidth): "
+                  + "; ".join(_describe_run(r) for r in payload["runs"]) + ".", ""]
+    else:
+        lines += [f"`{payload['command']}`", ""]
+    bw = payload.get("bandwidth")
+    if bw and "runs" not in payload:
+        lines += [f"Bandwidth for the roofline: {bw['bytes_per_s'] / 1e9:.0f} GB/s ({bw['method']}, "
+                  + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in bw["measured_bytes_per_s"].items())
+                  + " GB/s measured in this run)", ""]
+    if payload.get("notes"):
+        lines += [payload["notes"], ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in payload["rows"]:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def merge_results(name: str, parts: Sequence[str], *, columns: Sequence[str], notes: str = "") -> Path:
-    """One table from a grid measured in parts (results/parts/<part>.json, written by runs
-    with a part name): one GPU session is too short for some grids. A case measured again
-    in a later part replaces the earlier row; each part keeps the bandwidth of its own run."""
+    """One table from scratch files results/parts/<part>.json (runs that wrote a name
+    "parts/<part>"): a case measured again in a later part replaces the earlier row; each
+    part keeps the bandwidth of its own run. write_results(..., part=) merges as it goes."""
     rows, runs = {}, []
     for part in parts:
         data = json.loads((RESULTS_DIR / "parts" / f"{part}.json").read_text())
         rows.update({row["case"]: row for row in data["rows"]})
-        bw = data.get("bandwidth_bytes_per_s")
-        runs.append(f"`{data['command']}` ({data['device']}, {data['date']}"
-                    + (f", {bw / 1e9:.0f} GB/s" if bw else "") + ")")
+        runs.append({**_as_run(data), "part": part})
     same = {k: data[k] for k in ("device", "versions", "date")}  # the GPU runs', not this machine's
-    return write_results(name, list(rows.values()), columns=columns, extra={**same, "parts": list(parts)},
-                         notes=f"Joined from runs in parts (roofline per part from its own bandwidth): "
-                               + "; ".join(runs) + ". " + notes)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {**same, "command": runs[-1]["command"], "notes": notes, "runs": runs, "parts": list(parts),
+               "rows": list(rows.values())}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.with_suffix(".md").write_text(_markdown(name, payload, columns))
+    return path
 
 
 def _fmt(v) -> str:

@@ -161,19 +161,3 @@ def test_deterministic(rng):
     for _ in range(10):
         np.testing.assert_array_equal(np.asarray(f(x)), first)
 
-
-# ---------------------------------------------------------------- the bandwidth probe
-@pytest.mark.parametrize("chunks", [1, 3, 64])
-def test_stream_read_xors_each_chunk(rng, chunks):
-    """stream_read (the benchmarks' bandwidth probe) returns each chunk's 32-bit XOR."""
-    from jax_cluster.ops.stream_read import stream_read
-
-    words = rng.integers(0, 2**32, size=(chunks * 4 * 5,), dtype=np.uint64).astype(np.uint32)
-    x = jax.numpy.asarray(words.view(np.float32))
-    expect = np.bitwise_xor.reduce(words.reshape(chunks, -1), axis=1)
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: stream_read(a, chunks))(x)), expect)
-    if any(d.platform == "gpu" for d in jax.devices()):
-        gpu = jax.device_put(x, jax.devices("gpu")[0])
-        np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: stream_read(a, chunks))(gpu)), expect)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        stream_read(x[:-1], chunks)
