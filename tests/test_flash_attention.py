@@ -273,7 +273,7 @@ def test_ffi_validation_errors():
         ((q, k, k, q.astype(jnp.float32), jnp.zeros((1, 2, 3), jnp.float32)), {"state_mask": 1},
          "state lse[0] must be float32 [B, H, Lq]"),
         ((q, k, k), {"scale": np.float32(np.inf)}, "scale must be finite"),
-        ((q, k, k), {"kernel": 4}, "kernel must be in 0..3"),
+        ((q, k, k), {"kernel": 3}, "kernel must be in 0..2"),
     ]
     for operands, change, message in cases:
         with pytest.raises(Exception, match=re.escape(message)):

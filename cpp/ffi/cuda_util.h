@@ -1,11 +1,12 @@
-// CUDA-side FFI helpers: turning launch errors into FFI errors.
+// CUDA-side FFI helpers: turning launch errors into FFI errors, and the CUDA handler of the
+// binding pattern described in ffi/common.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <string>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi/common.h"
 
 namespace jax_cluster::ffi_util {
 
@@ -16,3 +17,14 @@ inline xla::ffi::Error from_cuda(cudaError_t err, const char* what) {
 }
 
 }  // namespace jax_cluster::ffi_util
+
+// The CUDA handler jax_cluster_<op>_cuda: stream first, then decode's parameters; run is
+// ffi::Error(const Params&, cudaStream_t). Every handler is command-buffer compatible
+// (XLA may capture it in a CUDA graph): launchers never synchronise or allocate.
+#define JAX_CLUSTER_FFI_CUDA_HANDLER(op, decode, run)                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                             \
+      jax_cluster_##op##_cuda,                                                               \
+      (&::jax_cluster::ffi_util::Handler<&decode>::with_stream<cudaStream_t, &run>),         \
+      ::jax_cluster::ffi_util::Handler<&decode>::bind(                                       \
+          ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()),          \
+      {::xla::ffi::Traits::kCmdBufferCompatible})

@@ -80,11 +80,11 @@ def _validate(kind: str, x, cluster_size, impl: str, repeat: int) -> int:
 
 
 def _abstract(kind):
-    def abstract_eval(x, *, op, impl, repeat, all_blocks):
+    def abstract_eval(x, *, op, exchange, repeat, all_blocks):
         groups, n, size = x.shape
         per_copy = (n * size,) if kind == "gather" else (size,)
         out_shape = (groups, n) + per_copy if all_blocks else (groups,) + per_copy
-        impl_name = "global" if impl == _IMPLS["global"] else "dsmem"
+        impl_name = "global" if exchange == _IMPLS["global"] else "dsmem"
         workspace = _workspace_bytes(x.dtype, groups, n, size, impl_name)
         return ShapedArray(out_shape, x.dtype), ShapedArray((workspace,), np.uint8)
 
@@ -130,7 +130,7 @@ def cluster_reduce(
         raise ValueError(f"cluster_reduce: op must be 'sum' or 'max', got {op!r}")
     _validate("reduce", x, cluster_size, impl, repeat)
     out, _ = _PRIMS["reduce"].bind(
-        x, op=_OPS[op], impl=_IMPLS[impl], repeat=repeat, all_blocks=bool(all_blocks)
+        x, op=_OPS[op], exchange=_IMPLS[impl], repeat=repeat, all_blocks=bool(all_blocks)
     )
     return out
 
@@ -151,6 +151,6 @@ def cluster_gather(
     """
     _validate("gather", x, cluster_size, impl, repeat)
     out, _ = _PRIMS["gather"].bind(
-        x, op=0, impl=_IMPLS[impl], repeat=repeat, all_blocks=bool(all_blocks)
+        x, op=0, exchange=_IMPLS[impl], repeat=repeat, all_blocks=bool(all_blocks)
     )
     return out

@@ -46,7 +46,7 @@ MAX_Q_CHUNKS = 32  # mirrors kFlashMaxQChunks / kFlashMaxKVChunks (cpp/kernels/f
 MAX_KV_CHUNKS = 32
 IMPLS = ("auto", "kernel", "jnp", "reference")
 # cuda_kernel -> the FFI attribute `kernel` (FlashKernel in cpp/kernels/flash_attention.h)
-CUDA_KERNELS = {"auto": 0, "wgmma": 1, "mma": 2, "wgmma_no_pingpong": 3}
+CUDA_KERNELS = {"auto": 0, "wgmma": 1, "mma": 2}
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 

@@ -16,7 +16,7 @@ void cluster_reduce(const ClusterCollectiveParams& p) {
     for (int c = 0; c < p.repeat; ++c) {
       // The off-chip baseline and the direct schedule of sizes that are not powers of two:
       // rank order in fp32, one rounding.
-      if (p.impl == CollectiveImpl::kGlobal || (n & (n - 1)) != 0) {
+      if (p.exchange == ClusterExchange::kGlobal || (n & (n - 1)) != 0) {
         for (int64_t i = 0; i < size; ++i) {
           float acc = cur[i];
           for (int b = 1; b < n; ++b) {

@@ -1,11 +1,11 @@
-// Harness kernels exposing the cluster collectives as ops (tests, Table 1
-// microbenchmark). One cluster per group; `repeat` collective calls per kernel
-// so a benchmark can separate the collective's cost from the launch and the
-// HBM traffic of loading x.
+// Kernels exposing the cluster collectives as ops (tests, the collectives' benchmark).
+// One cluster per group; `repeat` collective calls per kernel so a benchmark can separate
+// the collective's cost from the launch and the HBM traffic of loading x.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "jax_cluster/cluster_collectives.cuh"
+#include "jax_cluster/dispatch.cuh"
 #include "ops/cluster_collectives/launch.h"
 #include "jax_cluster/launch.cuh"
 
@@ -205,8 +205,8 @@ template <typename T>
 cudaError_t launch_reduce_typed(const ClusterCollectiveParams& p, cudaStream_t stream) {
   const SliceLayout s = slice_layout(p);
   const dim3 grid(static_cast<unsigned>(p.groups * p.cluster_size)), block(kThreads);
-  const size_t smem = cluster_reduce_smem_bytes(p.dtype, p.cluster_size, p.size, p.impl);
-  const bool dsmem = p.impl == CollectiveImpl::kDsmem;
+  const size_t smem = cluster_collective_smem_bytes(false, p.dtype, p.cluster_size, p.size, p.exchange);
+  const bool dsmem = p.exchange == ClusterExchange::kDsmem;
   if (p.op == ReduceOp::kSum) {
     return launch_cluster(dsmem ? reduce_dsmem_kernel<T, ReduceOp::kSum>
                                 : reduce_global_kernel<T, ReduceOp::kSum>,
@@ -221,30 +221,24 @@ template <typename T>
 cudaError_t launch_gather_typed(const ClusterCollectiveParams& p, cudaStream_t stream) {
   const SliceLayout s = slice_layout(p);
   const dim3 grid(static_cast<unsigned>(p.groups * p.cluster_size)), block(kThreads);
-  const size_t smem = cluster_gather_smem_bytes(p.dtype, p.cluster_size, p.size, p.impl);
+  const size_t smem = cluster_collective_smem_bytes(true, p.dtype, p.cluster_size, p.size, p.exchange);
   return launch_cluster(
-      p.impl == CollectiveImpl::kDsmem ? gather_dsmem_kernel<T> : gather_global_kernel<T>, grid,
-      block, smem, p.cluster_size, stream, p, s);
+      p.exchange == ClusterExchange::kDsmem ? gather_dsmem_kernel<T> : gather_global_kernel<T>,
+      grid, block, smem, p.cluster_size, stream, p, s);
 }
 
 }  // namespace
 
 cudaError_t launch_cluster_reduce(const ClusterCollectiveParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kF32: return launch_reduce_typed<float>(p, stream);
-    case DType::kF16: return launch_reduce_typed<__half>(p, stream);
-    case DType::kBF16: return launch_reduce_typed<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_float(p.dtype, [&](auto t) {
+    return launch_reduce_typed<typename decltype(t)::type>(p, stream);
+  });
 }
 
 cudaError_t launch_cluster_gather(const ClusterCollectiveParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kF32: return launch_gather_typed<float>(p, stream);
-    case DType::kF16: return launch_gather_typed<__half>(p, stream);
-    case DType::kBF16: return launch_gather_typed<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_float(p.dtype, [&](auto t) {
+    return launch_gather_typed<typename decltype(t)::type>(p, stream);
+  });
 }
 
 }  // namespace jax_cluster

@@ -1,11 +1,11 @@
-// Decodes and validates flash_attention's FFI arguments into one FlashAttentionParams,
-// shared by the CPU and CUDA handlers. The Python wrapper checks the same things first
-// with friendlier messages; this is the last line of defence against a malformed call.
+// The FFI binding of flash_attention (the pattern of ffi/common.h): decodes and validates
+// the arguments into one FlashAttentionParams, shared by the CPU and CUDA handlers. The
+// Python wrapper checks the same things first with friendlier messages; this is the last
+// line of defence against a malformed call.
 //
 // Operands (variadic): q_0 .. q_{nq-1}, k_0 .. k_{nkv-1}, v_0 .. v_{nkv-1}, then
 // (o_in_i, lse_in_i) for each query chunk i whose bit is set in `state_mask`, in order.
-// Results: (o_i, lse_i) for each query chunk. Attributes: num_q, num_kv, state_mask,
-// scale, finalize, kernel (a FlashKernel: which CUDA kernel; the CPU handler ignores it).
+// Results: (o_i, lse_i) for each query chunk. Attributes: FlashAttentionAttrs.
 #pragma once
 
 #include <cmath>
@@ -17,11 +17,35 @@
 
 namespace jax_cluster {
 
+struct FlashAttentionAttrs {
+  int64_t num_q, num_kv;
+  int64_t state_mask;  // bit i: query chunk i comes with an incoming state
+  float scale;
+  bool finalize;
+  int64_t kernel;  // a FlashKernel: which CUDA kernel (the CPU handler ignores it)
+};
+
+}  // namespace jax_cluster
+
+JAX_CLUSTER_FFI_ATTRS(jax_cluster::FlashAttentionAttrs,
+                      xla::ffi::StructMember<int64_t>("num_q"),
+                      xla::ffi::StructMember<int64_t>("num_kv"),
+                      xla::ffi::StructMember<int64_t>("state_mask"),
+                      xla::ffi::StructMember<float>("scale"),
+                      xla::ffi::StructMember<bool>("finalize"),
+                      xla::ffi::StructMember<int64_t>("kernel"));
+
+namespace jax_cluster {
+
 namespace ffi = xla::ffi;
 
-inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(
-    ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,
-    int64_t state_mask, float scale, bool finalize, int64_t kernel) {
+inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingArgs args,
+                                                                 ffi::RemainingRets rets,
+                                                                 FlashAttentionAttrs a) {
+  const int64_t num_q = a.num_q, num_kv = a.num_kv, state_mask = a.state_mask;
+  const float scale = a.scale;
+  const bool finalize = a.finalize;
+  const int64_t kernel = a.kernel;
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("flash_attention: " + m));
   };
@@ -147,25 +171,4 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(
   return p;
 }
 
-// Ffi binding shared by both handlers (the CUDA one prepends the stream).
-template <typename Binding>
-auto bind_flash_attention(Binding&& b) {
-  return std::move(b)
-      .RemainingArgs()
-      .RemainingRets()
-      .template Attr<int64_t>("num_q")
-      .template Attr<int64_t>("num_kv")
-      .template Attr<int64_t>("state_mask")
-      .template Attr<float>("scale")
-      .template Attr<bool>("finalize")
-      .template Attr<int64_t>("kernel");
-}
-
 }  // namespace jax_cluster
-
-// The handler signature both platforms implement (after the optional stream).
-#define JAX_CLUSTER_FLASH_ATTENTION_ARGS                                                     \
-  ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num_q, int64_t num_kv,            \
-      int64_t state_mask, float scale, bool finalize, int64_t kernel
-#define JAX_CLUSTER_FLASH_ATTENTION_DECODE \
-  decode_flash_attention(args, rets, num_q, num_kv, state_mask, scale, finalize, kernel)

@@ -1,5 +1,5 @@
 // flash_attention: several query chunks x several KV chunks in one launch, folded into a
-// running (o, lse) state (see kernels/flash_attention.h for the math and layouts).
+// running (o, lse) state (see ops/flash_attention/params.h for the math and layouts).
 //
 // FlashAttention-2 structure (StreamFusion App. C, Alg. 2), per block of 128 threads:
 //  * grid (sum_i ceil(Lq_i / 128), H, B): block x is a 128-row tile of one query chunk
@@ -19,14 +19,16 @@
 //    (-inf where l = 0); fp32 state or, with finalize, o in the input dtype.
 // Deterministic: every output element is written once by one thread, no atomics.
 //
-// Since the Hopper kernel (flash_attention_sm90.cu, ~1.9x faster on Flux L = 16K) this one
-// runs what that one does not serve (a negative scale, a buffer TMA cannot map) and on
-// request (cuda_kernel="mma"): launch_flash_attention below tries the wgmma kernel first.
+// The Hopper kernel (launch_wgmma.cu) is faster; this one runs what that one does not
+// serve (a negative scale, a buffer TMA cannot map) and on request
+// (FlashAttentionConfig(kernel="mma")): launch_flash_attention below tries the wgmma kernel
+// first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <climits>
 
+#include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
@@ -358,9 +360,8 @@ cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t s
       p.num_kv < 0 || p.num_kv > kFlashMaxKVChunks) {
     return cudaErrorInvalidValue;
   }
-  if (p.kernel != FlashKernel::kMma) {  // the Hopper kernel first (flash_attention_sm90.cu)
-    const cudaError_t err =
-        launch_flash_attention_sm90(p, stream, p.kernel != FlashKernel::kWgmmaNoPingPong);
+  if (p.kernel != FlashKernel::kMma) {  // the Hopper kernel first (launch_wgmma.cu)
+    const cudaError_t err = launch_flash_attention_sm90(p, stream);
     if (err != cudaErrorNotSupported || p.kernel != FlashKernel::kAuto) return err;
   }
   FlashArgs args{};
@@ -388,13 +389,11 @@ cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t s
   if (q_tiles == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;  // nothing to do
   if (p.heads > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   const int qt = static_cast<int>(q_tiles), bs = static_cast<int>(p.batch);
-  const bool bf16 = p.dtype == DType::kBF16;
-  if (p.head_dim == 64) {
-    return bf16 ? launch<__nv_bfloat16, 64>(args, qt, bs, stream)
-                : launch<__half, 64>(args, qt, bs, stream);
-  }
-  return bf16 ? launch<__nv_bfloat16, 128>(args, qt, bs, stream)
-              : launch<__half, 128>(args, qt, bs, stream);
+  return dispatch_half(p.dtype, [&](auto t) {
+    return dispatch_int<64, 128>(p.head_dim, [&](auto d) {
+      return launch<typename decltype(t)::type, decltype(d)::value>(args, qt, bs, stream);
+    });
+  });
 }
 
 }  // namespace jax_cluster

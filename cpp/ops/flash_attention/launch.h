@@ -16,10 +16,9 @@ inline bool flash_attention_cuda_supports(const FlashAttentionParams& p) {
 // p.kernel picks the kernel (kAuto: the wgmma one where it serves the call).
 cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t stream);
 
-// The Hopper wgmma/TMA kernel (flash_attention_sm90.cu): head dims 64 / 128, fp16 / bf16,
+// The Hopper wgmma/TMA kernel (launch_wgmma.cu): head dims 64 / 128, fp16 / bf16,
 // scale >= 0. cudaErrorNotSupported (nothing launched) where it does not serve the call.
 bool flash_attention_sm90_serves(const FlashAttentionParams& p);
-cudaError_t launch_flash_attention_sm90(const FlashAttentionParams& p, cudaStream_t stream,
-                                        bool ping_pong = true);
+cudaError_t launch_flash_attention_sm90(const FlashAttentionParams& p, cudaStream_t stream);
 
 }  // namespace jax_cluster

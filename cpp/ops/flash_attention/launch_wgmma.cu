@@ -1,6 +1,6 @@
 // flash_attention on Hopper (sm_90a): the FlashAttention-3 structure (warp specialisation,
 // TMA, wgmma) over several query chunks x several KV chunks in one launch, folded into a
-// running (o, lse) state (math and layouts: kernels/flash_attention.h).
+// running (o, lse) state (math and layouts: ops/flash_attention/params.h).
 //
 // Per block (384 threads = 3 warpgroups), one 128-row query tile of one (head, batch):
 //  * warpgroup 0 is the producer: it gives registers away (setmaxnreg) and one thread
@@ -29,17 +29,14 @@
 // Resources (ptxas, sm_90a): 168 registers per thread at entry (384 x 168 <= 64K), then
 // setmaxnreg: producer 24, consumers 240; no spills, no stack. Shared memory: Dh 128
 // 161 KB (Q 32 KB + 2 stages x (K 32 KB + V 32 KB)), Dh 64 113 KB (3 stages); 1 block/SM.
-// Measured (H100 SXM, bf16, batch 1, jax 0.11.2; benchmarks/results/flash_attention.md):
-// Flux (24 x 128) L = 16K: 5473 us = 603 TFLOP/s = 1.02x cuDNN (589), 1.91x the mma.sync
-// kernel, 1.53x Pallas' Triton kernel; 4 Q x 4 KV chunks +3%, fp32 state in/out +0.6%.
-// Not measured yet (device budget): CogVideoX (Dh 64), L = 32K / 64K, fp16, the variant
-// without ping-pong (cuda_kernel="wgmma_no_pingpong").
+// Measurements and what was tried: docs/flash_attention.md.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <climits>
 
+#include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/thread_group.cuh"
@@ -168,7 +165,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N / 2], float (&m)[2],
 }
 
 // ------------------------------------------------------------------ the kernel
-template <typename T, int D, bool kPingPong>
+template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_attention_sm90_kernel(const __grid_constant__ Sm90Args a) {
   using L = SmemLayout<D>;
@@ -325,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
 
-      if (kPingPong && wg == 0) ptx::named_barrier_arrive(kTurnBarrier, 256);  // 0 goes first
+      if (wg == 0) ptx::named_barrier_arrive(kTurnBarrier, 256);  // 0 goes first
       RingCursor ck, cv;
       float s[kBN / 2];
       float alpha[2];
@@ -346,12 +343,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // of S_t runs while P V still computes.
       for (int t = 1; t < kv_tiles; ++t) {
         const int valid = valid_keys(t);
-        if (kPingPong) ptx::named_barrier_sync(kTurnBarrier + wg, 256);
+        ptx::named_barrier_sync(kTurnBarrier + wg, 256);
         ring_wait(ring_k, ck);
         issue_qk(s, ck.stage);
         ring_wait(ring_v, cv);
         issue_pv(pf, cv.stage);
-        if (kPingPong) ptx::named_barrier_arrive(kTurnBarrier + 1 - wg, 256);
+        ptx::named_barrier_arrive(kTurnBarrier + 1 - wg, 256);
         wgmma::wait<1>();  // S_t done
         wgmma::fence_operand(s);
         ring_release(ring_k, ck);
@@ -370,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ring_release(ring_v, cv);
       // Takes warpgroup 1's last "your turn" (or 0's own first one): the barrier ends
       // with no pending arrivals.
-      if (kPingPong && wg == 0) ptx::named_barrier_sync(kTurnBarrier, 256);
+      if (wg == 0) ptx::named_barrier_sync(kTurnBarrier, 256);
     }
 
     // Epilogue: normalise, write o and lse of the rows inside the chunk.
@@ -425,16 +422,16 @@ cudaError_t encode_rows_map(CUtensorMap* map, DType dtype, const void* base, int
              : cudaErrorNotSupported;
 }
 
-template <typename T, int D, bool kPingPong>
+template <typename T, int D>
 cudaError_t launch(const Sm90Args& args, int q_tiles, int batch, cudaStream_t stream) {
-  auto kernel = flash_attention_sm90_kernel<T, D, kPingPong>;
+  auto kernel = flash_attention_sm90_kernel<T, D>;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
   kernel<<<dim3(q_tiles, args.heads, batch), kThreads, SmemLayout<D>::kAlloc, stream>>>(args);
   return cudaGetLastError();
 }
 
 template <int D>
-cudaError_t launch_for_dim(const FlashAttentionParams& p, cudaStream_t stream, bool ping_pong) {
+cudaError_t launch_for_dim(const FlashAttentionParams& p, cudaStream_t stream) {
   constexpr int kBN = TileConfig<D>::kBN;
   Sm90Args args{};
   args.heads = static_cast<int32_t>(p.heads);
@@ -471,13 +468,9 @@ cudaError_t launch_for_dim(const FlashAttentionParams& p, cudaStream_t stream, b
   if (q_tiles == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;  // nothing to do
   if (p.heads > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   const int qt = static_cast<int>(q_tiles), bs = static_cast<int>(p.batch);
-  const bool bf16 = p.dtype == DType::kBF16;
-  if (ping_pong) {
-    return bf16 ? launch<__nv_bfloat16, D, true>(args, qt, bs, stream)
-                : launch<__half, D, true>(args, qt, bs, stream);
-  }
-  return bf16 ? launch<__nv_bfloat16, D, false>(args, qt, bs, stream)
-              : launch<__half, D, false>(args, qt, bs, stream);
+  return dispatch_half(p.dtype, [&](auto t) {
+    return launch<typename decltype(t)::type, D>(args, qt, bs, stream);
+  });
 }
 
 }  // namespace
@@ -487,11 +480,11 @@ bool flash_attention_sm90_serves(const FlashAttentionParams& p) {
          p.num_q <= kFlashMaxQChunks && p.num_kv >= 0 && p.num_kv <= kFlashMaxKVChunks;
 }
 
-cudaError_t launch_flash_attention_sm90(const FlashAttentionParams& p, cudaStream_t stream,
-                                        bool ping_pong) {
+cudaError_t launch_flash_attention_sm90(const FlashAttentionParams& p, cudaStream_t stream) {
   if (!flash_attention_sm90_serves(p)) return cudaErrorNotSupported;
-  return p.head_dim == 64 ? launch_for_dim<64>(p, stream, ping_pong)
-                          : launch_for_dim<128>(p, stream, ping_pong);
+  return dispatch_int<64, 128>(p.head_dim, [&](auto d) {
+    return launch_for_dim<decltype(d)::value>(p, stream);
+  });
 }
 
 }  // namespace jax_cluster

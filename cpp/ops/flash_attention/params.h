@@ -38,14 +38,13 @@ struct FlashKVChunk {
   int64_t len;
 };
 
-// Which CUDA kernel runs a call (the FFI attribute `kernel`; tests and benchmarks pick).
+// Which CUDA kernel runs a call (the FFI attribute `kernel`, FlashAttentionConfig.kernel).
 enum class FlashKernel : int32_t {
-  kAuto = 0,          // the wgmma kernel where it serves the call, else the mma.sync one
-  kWgmma = 1,         // the wgmma/TMA kernel (an error where it does not serve the call)
-  kMma = 2,           // the mma.sync kernel
-  kWgmmaNoPingPong = 3,  // the wgmma kernel without the ping-pong between its warpgroups
+  kAuto = 0,   // the wgmma kernel where it serves the call, else the mma.sync one
+  kWgmma = 1,  // the wgmma/TMA kernel (an error where it does not serve the call)
+  kMma = 2,    // the mma.sync kernel
 };
-inline constexpr int kFlashNumKernels = 4;
+inline constexpr int kFlashNumKernels = 3;
 
 struct FlashAttentionParams {
   DType dtype;  // q, k, v (and o when finalize)
