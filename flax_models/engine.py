@@ -29,14 +29,29 @@ def _round_up(n: int, m: int) -> int:
 
 # Cache slots are allocated in multiples of this. XLA's attention matmuls contract over the
 # cache length and, for a length that is not a multiple of 32, pad a copy of the whole
-# V cache on every step (H100, session 19: Llama-3-8B b16, 4112 slots: 245 us per
-# attention layer against 145 at 4096 or 4160).
+# V cache on every step (docs/models.md has the measurement).
 CACHE_MULTIPLE = 128
 
 
 def cache_slots(tokens: int) -> int:
     """Cache length for `tokens` slots: rounded up to CACHE_MULTIPLE."""
     return _round_up(tokens, CACHE_MULTIPLE)
+
+
+def decode_routes(model, batch: int, cache_len: int, impl=None) -> list:
+    """How each block of one decode step runs (a list of :class:`flax_models.ops.Route`).
+
+    The step is traced abstractly: nothing is computed or allocated, so ``model`` may be the
+    abstract model of :func:`flax_models.loading.abstract_model`. Raises what the step would
+    raise, e.g. impl="fused" where a jax_cluster op does not cover the call.
+    """
+    impl = model.impl if impl is None else ops.normalize_impl(impl)
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, cache_len))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with ops.record_routes() as routes:
+        jax.eval_shape(lambda st, t, c: nnx.merge(graphdef, st).decode(t, c, impl=impl), state, tokens, cache)
+    return routes
 
 
 def _prefill(graphdef, sampling, state, tokens, lengths, cache, key):

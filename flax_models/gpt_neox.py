@@ -71,7 +71,7 @@ class GPTNeoX(CausalLM):
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
         ks, vs = [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            h, kc, vc = ops.decode_attention(
+            h, kc, vc = ops.attention_block(
                 x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                 norm_weight=layer.input_norm.weight[...], norm_bias=layer.input_norm.bias[...], norm="layer",
                 eps=c.layer_norm_eps, qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(),

@@ -1,7 +1,7 @@
 """Llama-2 / Llama-3 decoder (GQA, Llama-3 RoPE scaling, RMSNorm, SwiGLU, tied or untied head).
 
 Q, K and V projections are stored fused, one [hidden, (Hq + 2 Hkv) D] kernel with columns
-[Q heads | K heads | V heads], the layout jax_cluster.attention_decode takes.
+[Q heads | K heads | V heads], the layout jax_cluster.attention_block takes.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Llama(CausalLM):
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
         ks, vs = [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            x, kc, vc = ops.decode_attention(
+            x, kc, vc = ops.attention_block(
                 x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                 norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
                 qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,

@@ -90,6 +90,11 @@ class SafetensorsReader:
         self._stack.close()
 
 
+def checkpoint_dtype(hf: dict):
+    """The dtype a config.json declares (``dtype``, or the older ``torch_dtype``), float32 if none."""
+    return parse_dtype(hf.get("dtype") or hf.get("torch_dtype"), jnp.float32)
+
+
 def read_config(path) -> dict:
     path = Path(path)
     cfg_file = path / "config.json"
@@ -172,7 +177,7 @@ def from_pretrained(path, dtype=None, *, impl="auto", return_tokenizer: bool = F
     path = Path(os.fspath(path))
     hf = read_config(path)
     cfg = config_from_hf(hf)
-    dtype = parse_dtype(dtype, default=parse_dtype(hf.get("dtype") or hf.get("torch_dtype"), jnp.float32))
+    dtype = parse_dtype(dtype, default=checkpoint_dtype(hf))
     abstract = abstract_model(cfg, dtype, impl)
     reader = SafetensorsReader(path)
     try:

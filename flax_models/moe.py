@@ -89,6 +89,7 @@ class MoE(nnx.Module):
                              n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                              routed_scaling_factor=c.routed_scaling_factor)
         run = experts_gather if ids.size <= c.n_routed_experts else experts_grouped
+        ops.note_unfused("moe_experts", "no fused MoE op")
         y = run(x2, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...]).reshape(shape)
         if residual is not None:
             y = ops._add_residual(y, residual)

@@ -1,22 +1,39 @@
-"""Dispatch between plain-jnp ("xla") and jax_cluster fused ("fused") implementations.
+"""Decode-time blocks, each in plain jnp ("xla") or on a jax_cluster op ("fused").
 
-Every decode-time block the models run goes through one function here, so a fused kernel replaces a
-whole block (norm -> QKV -> RoPE -> cache write -> attention -> output projection (+ residual)) at once:
+Every block the models run at decode time goes through one function here, so a fused op replaces a
+whole block at once:
 
-* :func:`decode_attention`  -> ``jax_cluster.attention_decode``
-* :func:`swiglu_mlp`        -> ``jax_cluster.swiglu``
-* :func:`gelu_mlp`          -> no fused op yet (GPT-NeoX's MLP will come with ``decoder_layer``)
-* :func:`mla_decode`        -> ``jax_cluster.mla_decode`` (when it exists)
+=====================  ==========================================================================
+:func:`attention_block`  norm -> QKV -> RoPE -> cache write -> attention -> out-proj (+ residual):
+                         ``jax_cluster.attention_block``
+:func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
+:func:`gelu_mlp`         GPT-NeoX's MLP: no fused op (always XLA)
+:func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode`` once it exists
+=====================  ==========================================================================
 
-``impl``: "xla" = plain jnp; "fused" = the jax_cluster op, a RuntimeError naming the op when it is
-missing; "auto" = fused on a GPU backend for fp16/bf16 when the op exists (unsupported shapes are
-the op's business: it falls back to its reference with a warning), else xla. jax_cluster is imported
-lazily, on first use, never at import time of flax_models.
+Model-level ``impl`` (a string, or a dict per component ``{"attention": ..., "mlp": ...}``):
+
+* ``"xla"``: the plain jnp formulation below.
+* ``"fused"``: the jax_cluster op with ``impl="cuda"``: its CUDA kernel on a GPU, its C++ CPU
+  handler on CPU. A block the op cannot run (no such op, a dtype or shape it does not cover) is
+  an error at trace time, naming the block and the reason.
+* ``"auto"``: on a GPU, for float16 / bfloat16, the jax_cluster op with ``impl="auto"`` (its tuner
+  picks a CUDA configuration or XLA's own ops per shape; a shape without a kernel runs XLA with
+  a one-time warning); everywhere else the plain jnp formulation. On CPU "auto" therefore runs no
+  jax_cluster op: the C++ CPU handlers exist to test the FFI path, not to be fast.
+
+:func:`record_routes` collects, while a decode step is traced, which path each block took and
+why (the command line prints it). jax_cluster is imported lazily, on first use, never when
+flax_models is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +44,8 @@ from .rope import apply_rope, cos_sin
 
 IMPLS = ("auto", "xla", "fused")
 COMPONENTS = ("attention", "mlp")
+# The dtypes of the CUDA kernels (every jax_cluster kernel is 16-bit in, fp32 accumulation).
+KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,6 +65,10 @@ def fused_op(name: str):
 
 def fused_available(name: str) -> bool:
     return fused_op(name) is not None
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def normalize_impl(impl):
@@ -78,28 +101,102 @@ def component_impl(impl, component: str) -> str:
     return value
 
 
-def resolve(impl: str, op_name: str | None, dtype, *, fused_ok: bool = True, why_not: str = "") -> str:
-    """Turns "auto"/"xla"/"fused" into "xla" or "fused" for one call of op ``op_name``."""
+# ----------------------------------------------------------------------------- routes
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one block ran: ``runs`` is "xla" or "jax_cluster"; ``why`` says how or why not."""
+
+    block: str
+    runs: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.block}: {self.runs} ({self.why})"
+
+
+_routes: contextvars.ContextVar[list | None] = contextvars.ContextVar("flax_models_routes", default=None)
+
+
+@contextlib.contextmanager
+def record_routes():
+    """Collects a :class:`Route` per distinct (block, path, reason) traced inside the block."""
+    routes: list[Route] = []
+    token = _routes.set(routes)
+    try:
+        yield routes
+    finally:
+        _routes.reset(token)
+
+
+def _note(block: str, runs: str, why: str) -> None:
+    routes = _routes.get()
+    if routes is not None and Route(block, runs, why) not in routes:
+        routes.append(Route(block, runs, why))
+
+
+def _choose(impl: str, block: str, op_name: str | None, dtype, unsupported: str = ""):
+    """(op, op_impl) to run ``block`` on a jax_cluster op, or None for the jnp formulation.
+
+    unsupported: why this model's call cannot use the op at all (e.g. "MLP biases")."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "xla":
-        return "xla"
-    op = fused_op(op_name) if op_name else None
-    if impl == "fused":
+        _note(block, "xla", "impl=xla")
+        return None
+    mod, err = _load_jax_cluster()
+    op = getattr(mod, op_name, None) if (mod is not None and op_name) else None
+
+    def missing() -> str:
         if op_name is None:
-            raise RuntimeError(f"impl='fused': {why_not or 'there is no fused op for this block yet'}")
-        if op is None:
-            _, err = _load_jax_cluster()
-            reason = err or f"jax_cluster has no op {op_name!r} yet"
-            raise RuntimeError(f"impl='fused' needs jax_cluster.{op_name}, which is not available ({reason})")
-        if not fused_ok:
-            raise RuntimeError(f"impl='fused': jax_cluster.{op_name} does not support this call ({why_not})")
-        return "fused"
-    # auto
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    if on_gpu and op is not None and fused_ok and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16):
-        return "fused"
-    return "xla"
+            return "no fused op for this block"
+        if mod is None:
+            return f"jax_cluster is not available ({err})"
+        return "" if op is not None else f"jax_cluster has no op {op_name!r}"
+
+    if impl == "fused":
+        why_not = unsupported or missing()
+        if why_not:
+            raise RuntimeError(f"impl='fused' for {block}: {why_not} (a per-component impl such as "
+                               "attention=fused,mlp=xla fuses the other blocks)")
+        if on_gpu() and not mod.cuda_module_built():
+            raise RuntimeError(f"impl='fused' for {block}: jax_cluster was built without its CUDA kernels "
+                               "(reinstall with nvcc on PATH, JAX_CLUSTER_CUDA=ON)")
+        return op, "cuda"
+    why_not = unsupported or ("" if on_gpu() else "no GPU: impl=auto runs XLA on CPU")
+    if not why_not and jnp.dtype(dtype) not in KERNEL_DTYPES:
+        why_not = f"{jnp.dtype(dtype).name} has no CUDA kernel"
+    why_not = why_not or missing()
+    if not why_not and not mod.cuda_module_built():
+        why_not = "jax_cluster was built without its CUDA kernels"
+    if why_not:
+        _note(block, "xla", why_not)
+        return None
+    return op, "auto"
+
+
+def _run(block: str, op_name: str, op, op_impl: str, *args, **kw):
+    """Calls the jax_cluster op; notes the route (an op's own fallback warning included)."""
+    if op_impl == "cuda":
+        try:
+            out = op(*args, impl="cuda", **kw)
+        except ValueError as e:
+            raise ValueError(f"impl='fused' for {block}: jax_cluster.{op_name} does not cover this call: {e}") from e
+        _note(block, "jax_cluster", "CUDA kernel" if on_gpu() else "C++ CPU handler, no GPU")
+        return out
+    if _routes.get() is None:
+        return op(*args, impl=op_impl, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = op(*args, impl=op_impl, **kw)
+    fell_back = [w for w in caught if str(w.message).startswith(op_name)]
+    for w in caught:
+        if w not in fell_back:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if fell_back:
+        _note(block, "xla", f"jax_cluster fell back: {fell_back[0].message}")
+    else:
+        _note(block, "jax_cluster", "impl=auto: the tuner's pick per shape, a CUDA kernel configuration or XLA")
+    return out
 
 
 def _norm(x, norm, weight, bias, eps):
@@ -112,8 +209,14 @@ def _norm(x, norm, weight, bias, eps):
     raise ValueError(f"norm must be 'rms', 'layer' or None, got {norm!r}")
 
 
+def _add_residual(y, residual):
+    if residual is None:
+        return y
+    return (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(residual.dtype)
+
+
 # ----------------------------------------------------------------------------- attention block
-def decode_attention_xla(
+def attention_block_xla(
     x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, norm_weight=None, norm_bias=None,
     norm="rms", eps=1e-6, qkv_bias=None, o_bias=None, residual=False, rotary_dim, rope_layout="half",
     num_q_heads, num_kv_heads, scale, rope_factor=1.0,
@@ -141,27 +244,23 @@ def decode_attention_xla(
     o = attn.decode_attention_core(q, k_cache, v_cache, lengths, scale)
     y = dense(o.reshape(b, num_q_heads * d), w_o, o_bias)
     if residual:
-        y = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
+        y = _add_residual(y, x)
     return y, k_cache, v_cache
 
 
-def decode_attention(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
-    """Whole decode attention block; see :func:`decode_attention_xla` for the arguments."""
-    fused_ok = rope_factor == 1.0
-    which = resolve(impl, "attention_decode", x.dtype, fused_ok=fused_ok, why_not="rope attention factor != 1")
-    if which == "fused":
-        op = fused_op("attention_decode")
-        return op(x, w_qkv, w_o, k_cache, v_cache, lengths, jnp.asarray(inv_freq, jnp.float32), **kw)
-    return decode_attention_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
+    """The whole decode attention block; see :func:`attention_block_xla` for the arguments."""
+    op_name = "attention_block"
+    chosen = _choose(impl, op_name, op_name, x.dtype,
+                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    if chosen is None:
+        return attention_block_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+    op, op_impl = chosen
+    return _run(op_name, op_name, op, op_impl, x, w_qkv, w_o, k_cache, v_cache, lengths,
+                jnp.asarray(inv_freq, jnp.float32), **kw)
 
 
 # ----------------------------------------------------------------------------- MLPs
-def _add_residual(y, residual):
-    if residual is None:
-        return y
-    return (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(residual.dtype)
-
-
 def swiglu_mlp_xla(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None):
     """down(silu(x @ w_gate) * (x @ w_up)) (+ residual); intermediates rounded to x.dtype."""
     g = silu(dense(x, w_gate, b_gate))
@@ -171,17 +270,23 @@ def swiglu_mlp_xla(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=
 
 def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, impl="auto"):
     has_bias = any(t is not None for t in (b_gate, b_up, b_down))
-    which = resolve(impl, "swiglu", x.dtype, fused_ok=not has_bias, why_not="MLP biases")
-    if which == "fused":
-        return fused_op("swiglu")(x, w_gate, w_up, w_down, residual=residual)
-    return swiglu_mlp_xla(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down)
+    chosen = _choose(impl, "swiglu", "swiglu", x.dtype, unsupported="MLP biases" if has_bias else "")
+    if chosen is None:
+        return swiglu_mlp_xla(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down)
+    op, op_impl = chosen
+    return _run("swiglu", "swiglu", op, op_impl, x, w_gate, w_up, w_down, residual=residual)
 
 
 def gelu_mlp(x, w_in, b_in, w_out, b_out, residual=None, *, approximate=False, impl="auto"):
-    """fc_out(gelu(fc_in(x))) (+ residual). No fused op exists for it yet."""
-    resolve(impl, None, x.dtype, why_not="no fused GELU MLP op yet (it will come with decoder_layer); "
-            "use impl={'attention': 'fused', 'mlp': 'xla'}")
+    """fc_out(gelu(fc_in(x))) (+ residual). No fused op exists for it: impl="fused" is an error."""
+    _choose(impl, "gelu_mlp", None, x.dtype,
+            unsupported="no fused GELU MLP op")
     return _add_residual(dense(gelu(dense(x, w_in, b_in), approximate), w_out, b_out), residual)
+
+
+def note_unfused(block: str, why: str) -> None:
+    """Records a block that has no fused form at all (e.g. the MoE's routed experts)."""
+    _note(block, "xla", why)
 
 
 # ----------------------------------------------------------------------------- MLA (DeepSeek-V2)
@@ -233,7 +338,10 @@ def mla_decode_xla(x, w, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_
 def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
     """MLA decode block. Fused: ``jax_cluster.mla_decode(x, weights_dict, latent_cache, lengths,
     inv_freq, **same keywords)`` once that op lands; its contract is :func:`mla_decode_xla`."""
-    which = resolve(impl, "mla_decode", x.dtype, fused_ok=rope_factor == 1.0, why_not="rope attention factor != 1")
-    if which == "fused":
-        return fused_op("mla_decode")(x, w, latent_cache, lengths, jnp.asarray(inv_freq, jnp.float32), **kw)
-    return mla_decode_xla(x, w, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+    chosen = _choose(impl, "mla_decode", "mla_decode", x.dtype,
+                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    if chosen is None:
+        return mla_decode_xla(x, w, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+    op, op_impl = chosen
+    return _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache, lengths,
+                jnp.asarray(inv_freq, jnp.float32), **kw)

@@ -4,14 +4,15 @@ random weights generated directly in the target dtype on the default device."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import DeepseekV2Config, GPTNeoXConfig, LlamaConfig, RopeConfig
-from .loading import abstract_model, fill
+from .config import DeepseekV2Config, GPTNeoXConfig, LlamaConfig, RopeConfig, config_from_hf
+from .loading import abstract_model, fill, from_pretrained, parse_dtype, read_config
 
 PRESETS = {
     # tiny models: run anywhere in seconds
@@ -88,13 +89,29 @@ def random_model(cfg, dtype=jnp.float32, *, seed: int = 0, impl="auto", std: flo
     return fill(abstract, values)
 
 
+def resolve_model(name_or_path: str):
+    """A preset name or a Hugging Face checkpoint directory -> (config, directory or None).
+
+    Reads config.json only (no weights); a ValueError says what is wrong with the name."""
+    name = str(name_or_path)
+    if name in PRESETS:
+        return PRESETS[name], None
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{name!r} is a directory without config.json: not a Hugging Face checkpoint")
+        return config_from_hf(read_config(path)), path
+    if os.path.exists(path):
+        raise ValueError(f"{name!r} is a file; a checkpoint is a directory (config.json + *.safetensors)")
+    if os.sep in name or "/" in name or name.startswith((".", "~")):
+        raise ValueError(f"checkpoint directory {name!r} does not exist")
+    raise ValueError(f"{name!r} is neither a preset nor an existing checkpoint directory; "
+                     f"presets: {', '.join(sorted(PRESETS))}")
+
+
 def load_model(name_or_path, dtype=None, *, impl="auto", seed: int = 0):
     """A preset name or a Hugging Face directory -> (model, tokenizer or None)."""
-    import os  # noqa: PLC0415
-
-    from .loading import from_pretrained, parse_dtype  # noqa: PLC0415
-
-    if os.path.isdir(str(name_or_path)):
-        return from_pretrained(name_or_path, dtype, impl=impl, return_tokenizer=True)
-    cfg = preset_config(str(name_or_path))
+    cfg, path = resolve_model(name_or_path)
+    if path is not None:
+        return from_pretrained(path, dtype, impl=impl, return_tokenizer=True)
     return random_model(cfg, parse_dtype(dtype), seed=seed, impl=impl), None

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 import flax_models
+from flax_models import generate as generate_cli
+from flax_models import ops
 from flax_models.generate import main
 from flax_models.testing import fake_checkpoint
 
@@ -55,18 +57,87 @@ def test_cli_checkpoint_directory_with_tokenizer(tmp_path, capsys):
     assert len(text) == 5 and all(w in vocab for w in text)
 
 
-def test_cli_errors(capsys):
-    assert main(["--model", "no-such-model", "--no-progress"]) == 2
-    assert "unknown preset 'no-such-model'" in capsys.readouterr().err
-    assert main(["--top-p", "0", "--no-progress"]) == 2
-    assert main(["--impl", "attention=cuda", "--no-progress"]) == 2
-    assert "attention=cuda" in capsys.readouterr().err
+def _usage_error(capsys, monkeypatch, argv):
+    """main(argv) must fail with exit code 2 and one line on stderr, before any weight exists."""
+    def no_weights(*a, **k):
+        raise AssertionError("weights were made or loaded before the argument error")
+
+    monkeypatch.setattr(generate_cli, "load_model", no_weights)
+    assert main(argv + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m flax_models.generate: error: ")
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens: must be >= 1, got -1"),
+    (["--batch", "0"], "--batch: must be >= 1, got 0"),
+    (["--batch", "-2"], "--batch: must be >= 1, got -2"),
+    (["--model", "/no/such/checkpoint"], "checkpoint directory '/no/such/checkpoint' does not exist"),
+    (["--model", "no-such-model"], "'no-such-model' is neither a preset nor an existing checkpoint directory; "
+                                   "presets: deepseek-v2-lite, "),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--impl", "attention=cuda"], "attention=cuda"),
+    (["--impl", "fast"], "impl must be one of"),
+    (["--prompt", "x" * 4097], "prompt 0 is 4097 tokens, longer than the model's context of 4096 tokens"),
+    (["--prompt", "hi", "--prompt", "x" * 4000, "--max-new-tokens", "100"],
+     "prompt 1 (4000 tokens) + --max-new-tokens 100 exceeds the model's context of 4096 tokens"),
+    (["--model", "tiny-pythia", "--impl", "fused"], "impl='fused' for "),
+])
+def test_cli_bad_inputs_are_one_line_errors_before_anything_runs(capsys, monkeypatch, argv, message):
+    assert message in _usage_error(capsys, monkeypatch, argv)
+
+
+def test_cli_checkpoint_path_that_is_not_a_checkpoint(tmp_path, capsys, monkeypatch):
+    assert "without config.json" in _usage_error(capsys, monkeypatch, ["--model", str(tmp_path)])
+    (tmp_path / "weights.bin").write_bytes(b"")
+    assert "is a file" in _usage_error(capsys, monkeypatch, ["--model", str(tmp_path / "weights.bin")])
+
+
+def test_cli_fused_fp32_names_the_dtype(capsys, monkeypatch):
+    """tiny-llama's D and F are multiples of 64: what the SwiGLU op lacks is a float32 kernel."""
+    if not (ops.fused_available("attention_block") and ops.fused_available("swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    err = _usage_error(capsys, monkeypatch, ["--impl", "fused", "--dtype", "fp32"])
+    assert "swiglu" in err and "float32" in err
+    assert "multiple" not in err
+
+
+def test_cli_summary_says_what_ran_on_cpu(capsys):
+    assert main(["--max-new-tokens", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_block: xla (no GPU: impl=auto runs XLA on CPU)" in out
+    assert "swiglu: xla (no GPU: impl=auto runs XLA on CPU)" in out
+    assert "C++ CPU handlers" in out
+
+
+def test_cli_summary_names_a_fallback_and_its_reason(capsys, monkeypatch):
+    """On a GPU, impl=auto with a float32 model runs XLA for every block and says why."""
+    monkeypatch.setattr(ops, "on_gpu", lambda: True)
+    assert main(["--dtype", "fp32", "--max-new-tokens", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_block: xla (float32 has no CUDA kernel)" in out
+    assert "swiglu: xla (float32 has no CUDA kernel)" in out
+    assert "C++ CPU handlers" not in out
+
+
+def test_cli_fused_on_cpu_runs_the_cpu_handlers(capsys):
+    if not (ops.fused_available("attention_block") and ops.fused_available("swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    assert main(["--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_block: jax_cluster (C++ CPU handler, no GPU)" in out
+    assert "swiglu: jax_cluster (C++ CPU handler, no GPU)" in out
 
 
 def test_cli_per_component_impl(capsys):
     assert main(["--model", "tiny-pythia", "--impl", "attention=xla,mlp=xla", "--max-new-tokens", "2",
                  "--no-progress"]) == 0
-    assert "impl=attention=xla,mlp=xla" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "impl=attention=xla,mlp=xla" in out
+    assert "attention_block: xla (impl=xla)" in out and "gelu_mlp: xla (impl=xla)" in out
 
 
 def test_cli_as_module_with_progress_bar():

@@ -3,6 +3,7 @@ consistency of every architecture (prefill + decode == full forward), dtypes."""
 
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 
 from flax_models import moe, ops, rope
 from flax_models.config import RopeConfig
+from flax_models.engine import decode_routes
 from flax_models.presets import PRESETS, random_model
 
 
@@ -125,52 +127,104 @@ def _attn_args(b=2, hq=4, hkv=2, d=8, hidden=16, s=12):
 def test_fused_raises_clearly_when_jax_cluster_is_missing(monkeypatch):
     monkeypatch.setattr(ops, "_load_jax_cluster", lambda: (None, "ImportError: no module named jax_cluster"))
     args, kw = _attn_args()
-    with pytest.raises(RuntimeError, match="attention_decode"):
-        ops.decode_attention(*args, impl="fused", **kw)
-    y, kc, vc = jax.jit(lambda *a: ops.decode_attention(*a, impl="auto", **kw))(*args)  # falls back
-    y2, _, _ = jax.jit(lambda *a: ops.decode_attention_xla(*a, **kw))(*args)
+    with pytest.raises(RuntimeError, match="attention_block"):
+        ops.attention_block(*args, impl="fused", **kw)
+    y, kc, vc = jax.jit(lambda *a: ops.attention_block(*a, impl="auto", **kw))(*args)  # falls back
+    y2, _, _ = jax.jit(lambda *a: ops.attention_block_xla(*a, **kw))(*args)
     np.testing.assert_array_equal(y, y2)
     with pytest.raises(RuntimeError, match="GELU"):
         ops.gelu_mlp(args[0], jnp.ones((16, 4)), None, jnp.ones((4, 16)), None, impl="fused")
     with pytest.raises(ValueError, match="impl"):
-        ops.decode_attention(*args, impl="cuda", **kw)
+        ops.attention_block(*args, impl="cuda", **kw)
 
 
-def test_fused_calls_the_jax_cluster_op_with_the_documented_signature(monkeypatch):
-    calls = []
+class FakeJaxCluster:
+    """The two ops' documented signatures, computing with the jnp formulations."""
 
-    class FakeJaxCluster:
-        @staticmethod
-        def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kw):
-            calls.append(sorted(kw))
-            return ops.decode_attention_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kw)
+    calls: list = []
+    warn: str | None = None
 
-        @staticmethod
-        def swiglu(x, w_gate, w_up, w_down, residual=None):
-            calls.append("swiglu")
-            return ops.swiglu_mlp_xla(x, w_gate, w_up, w_down, residual)
+    @staticmethod
+    def cuda_module_built():
+        return True
 
+    @classmethod
+    def attention_block(cls, x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl, config=None, **kw):
+        cls.calls.append(sorted([*kw, "impl"]))
+        cls.calls.append(impl)
+        if cls.warn:
+            warnings.warn(cls.warn)
+        return ops.attention_block_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kw)
+
+    @classmethod
+    def swiglu(cls, x, w_gate, w_up, w_down=None, residual=None, *, impl, config=None):
+        cls.calls.append("swiglu")
+        return ops.swiglu_mlp_xla(x, w_gate, w_up, w_down, residual)
+
+
+@pytest.fixture
+def fake_jax_cluster(monkeypatch):
+    FakeJaxCluster.calls = []
+    FakeJaxCluster.warn = None
     monkeypatch.setattr(ops, "_load_jax_cluster", lambda: (FakeJaxCluster, None))
+    return FakeJaxCluster
+
+
+def test_fused_calls_the_jax_cluster_op_with_the_documented_signature(fake_jax_cluster):
+    calls = fake_jax_cluster.calls
     args, kw = _attn_args()
-    jax.eval_shape(lambda *a: ops.decode_attention(*a, impl="fused", **kw), *args)
-    assert calls[0] == sorted(kw)
+    jax.eval_shape(lambda *a: ops.attention_block(*a, impl="fused", **kw), *args)
+    assert calls[:2] == [sorted([*kw, "impl"]), "cuda"]
     model = random_model(PRESETS["tiny-llama"])
     cache = model.init_cache(1, 8)
     _, cache = jax.jit(lambda c: model.prefill(jnp.array([[1, 2, 3]]), jnp.array([3]), c))(cache)
     ref, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="xla"))(cache)
     calls.clear()
     got, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="fused"))(cache)
-    assert calls.count("swiglu") == model.config.num_layers and len(calls) == 2 * model.config.num_layers
+    assert calls.count("swiglu") == model.config.num_layers and len(calls) == 3 * model.config.num_layers
     np.testing.assert_allclose(got, ref, rtol=1e-6)
     calls.clear()
     jax.eval_shape(lambda c: model.decode(jnp.array([4]), c, impl="auto"), cache)  # CPU: auto stays on xla
     assert calls == []
 
 
+def test_decode_routes_say_how_each_block_runs(fake_jax_cluster, monkeypatch):
+    model = random_model(PRESETS["tiny-llama"], jnp.bfloat16)
+    routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
+    assert routes == ["attention_block: xla (no GPU: impl=auto runs XLA on CPU)",
+                      "swiglu: xla (no GPU: impl=auto runs XLA on CPU)"]
+    routes = [str(r) for r in decode_routes(model, 2, 32, "fused")]
+    assert routes == ["attention_block: jax_cluster (C++ CPU handler, no GPU)",
+                      "swiglu: jax_cluster (C++ CPU handler, no GPU)"]
+    monkeypatch.setattr(ops, "on_gpu", lambda: True)
+    fake_jax_cluster.calls.clear()
+    routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
+    assert "auto" in fake_jax_cluster.calls
+    assert routes[0].startswith("attention_block: jax_cluster (impl=auto: the tuner's pick")
+    fake_jax_cluster.warn = "attention_block: no CUDA kernel for head_dim=16; using XLA's ops"
+    routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
+    assert routes[0] == ("attention_block: xla (jax_cluster fell back: attention_block: no CUDA kernel for "
+                         "head_dim=16; using XLA's ops)")
+    routes = [str(r) for r in decode_routes(random_model(PRESETS["tiny-pythia"], jnp.float16), 1, 32,
+                                            {"attention": "xla"})]
+    assert routes == ["attention_block: xla (impl=xla)", "gelu_mlp: xla (no fused GELU MLP op)"]
+
+
+def test_fused_rejects_what_the_op_does_not_cover(fake_jax_cluster, monkeypatch):
+    def no_fp32(*a, **k):
+        raise ValueError("swiglu: float32 has no kernel")
+
+    monkeypatch.setattr(fake_jax_cluster, "swiglu", staticmethod(no_fp32))
+    model = random_model(PRESETS["tiny-llama"], jnp.float32)
+    with pytest.raises(ValueError, match="impl='fused' for swiglu: jax_cluster.swiglu does not cover this "
+                                         "call: swiglu: float32 has no kernel"):
+        decode_routes(model, 1, 16, "fused")
+
+
 def test_real_fused_ops_on_cpu_if_built():
-    op = ops.fused_op("attention_decode")
+    op = ops.fused_op("attention_block")
     if op is None:
-        pytest.skip("jax_cluster.attention_decode not available")
+        pytest.skip("jax_cluster.attention_block not available")
     model = random_model(PRESETS["tiny-llama"], jnp.float32, std=0.1)
     cache = model.init_cache(2, 16)
     _, cache = model.prefill(jnp.array([[1, 2, 3, 4], [5, 6, 0, 0]]), jnp.array([4, 2]), cache)
