@@ -208,4 +208,33 @@ __device__ __forceinline__ void st_async_16(uint32_t remote_addr, uint4 v, uint3
       : "memory");
 }
 
+
+// 8-byte store into another block's shared memory, completing transactions on its mbarrier.
+__device__ __forceinline__ void st_async_8(uint32_t remote_addr, uint2 v, uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+          remote_addr),
+      "r"(v.x), "r"(v.y), "r"(remote_bar)
+      : "memory");
+}
+
+// mbarrier_wait_cluster that traps after ~seconds instead of hanging forever: a protocol
+// error then surfaces as a launch failure (an error in JAX) rather than a hung device.
+// try_wait suspends in hardware between polls, so the bound is generous.
+__device__ __forceinline__ void mbarrier_wait_cluster_or_trap(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_addr(bar);
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins == (1u << 26)) __trap();
+  }
+}
+
 }  // namespace jax_cluster::ptx

@@ -1,13 +1,32 @@
-// Decodes and validates linear's FFI arguments into one LinearParams, shared by the CPU
-// and CUDA handlers. The Python wrapper (jax_cluster/ops/linear.py) checks the same
-// things first with friendlier messages; this is the last line of defence.
+// The FFI binding of linear (the pattern of ffi/common.h): one decode into LinearParams,
+// shared by the CPU and CUDA handlers. The Python wrapper (jax_cluster/ops/linear.py)
+// checks the same things first with friendlier messages.
+//
+// Operands: a [M, K], w [K, N], residual [M, N] (or empty). Results: y [M, N] (a's dtype or
+// float32), workspace (uint8). Attributes: LinearAttrs.
 #pragma once
 
 #include <string>
-#include <utility>
 
 #include "ffi/common.h"
 #include "ops/linear/params.h"
+
+namespace jax_cluster {
+
+struct LinearAttrs {
+  bool pdl;
+  int64_t max_blocks;
+  bool has_residual;
+  bool out_f32;
+};
+
+}  // namespace jax_cluster
+
+JAX_CLUSTER_FFI_ATTRS(jax_cluster::LinearAttrs,
+                      xla::ffi::StructMember<bool>("pdl"),
+                      xla::ffi::StructMember<int64_t>("max_blocks"),
+                      xla::ffi::StructMember<bool>("has_residual"),
+                      xla::ffi::StructMember<bool>("out_f32"));
 
 namespace jax_cluster {
 
@@ -17,8 +36,7 @@ inline ffi::ErrorOr<LinearParams> decode_linear(ffi::AnyBuffer a, ffi::AnyBuffer
                                                 ffi::AnyBuffer residual,
                                                 ffi::Result<ffi::AnyBuffer> out,
                                                 ffi::Result<ffi::AnyBuffer> workspace,
-                                                int64_t pdl, int64_t max_blocks,
-                                                bool has_residual, bool out_f32) {
+                                                LinearAttrs attrs) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("linear: " + m));
   };
@@ -44,21 +62,20 @@ inline ffi::ErrorOr<LinearParams> decode_linear(ffi::AnyBuffer a, ffi::AnyBuffer
     return fail("the output dtype must be a's or float32");
   }
   p.out_f32 = out->element_type() == ffi::DataType::F32;
-  if (p.out_f32 != out_f32) return fail("out_f32 must say whether the output is float32");
+  if (p.out_f32 != attrs.out_f32) return fail("out_f32 must say whether the output is float32");
   if (static_cast<int64_t>(out->element_count()) != p.m * p.n) {
     return fail("the output must be [M, N]");
   }
-  p.has_residual = has_residual;
-  if (has_residual && (residual.element_type() != a.element_type() ||
-                       static_cast<int64_t>(residual.element_count()) != p.m * p.n)) {
+  p.has_residual = attrs.has_residual;
+  if (p.has_residual && (residual.element_type() != a.element_type() ||
+                         static_cast<int64_t>(residual.element_count()) != p.m * p.n)) {
     return fail("residual must be [M, N] of a's dtype");
   }
-  if (pdl != 0 && pdl != 1) return fail("pdl must be 0 or 1");
-  if (max_blocks < 1 || max_blocks > 65535) return fail("max_blocks must be in 1..65535");
-  p.pdl = pdl != 0;
-  p.max_blocks = static_cast<int>(max_blocks);
+  if (attrs.max_blocks < 1 || attrs.max_blocks > 65535) return fail("max_blocks must be in 1..65535");
+  p.pdl = attrs.pdl;
+  p.max_blocks = static_cast<int>(attrs.max_blocks);
   p.row_tiles = linear_row_tiles(p.m);
-  if (static_cast<int64_t>(workspace->size_bytes()) < linear_workspace_bytes(p)) {
+  if (static_cast<int64_t>(workspace->size_bytes()) < linear_workspace_bytes(p.m, p.n, p.max_blocks)) {
     return fail("workspace too small");
   }
   p.a = a.untyped_data();
@@ -69,25 +86,4 @@ inline ffi::ErrorOr<LinearParams> decode_linear(ffi::AnyBuffer a, ffi::AnyBuffer
   return p;
 }
 
-// Ffi binding shared by both handlers (the CUDA one prepends the stream).
-template <typename Binding>
-auto bind_linear(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // a [M, K]
-      .template Arg<ffi::AnyBuffer>()                 // w [K, N]
-      .template Arg<ffi::AnyBuffer>()                 // residual [M, N] (or empty)
-      .template Ret<ffi::AnyBuffer>()                 // y [M, N]
-      .template Ret<ffi::AnyBuffer>()                 // workspace
-      .template Attr<int64_t>("pdl")
-      .template Attr<int64_t>("max_blocks")
-      .template Attr<bool>("has_residual")
-      .template Attr<bool>("out_f32");
-}
-
 }  // namespace jax_cluster
-
-#define JAX_CLUSTER_LINEAR_ARGS                                                       \
-  ffi::AnyBuffer a, ffi::AnyBuffer w, ffi::AnyBuffer residual,                         \
-      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, int64_t pdl, \
-      int64_t max_blocks, bool has_residual, bool out_f32
-#define JAX_CLUSTER_LINEAR_DECODE \
-  decode_linear(a, w, residual, out, workspace, pdl, max_blocks, has_residual, out_f32)

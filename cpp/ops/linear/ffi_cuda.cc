@@ -5,16 +5,11 @@
 namespace jax_cluster {
 namespace {
 
-ffi::Error linear_cuda(cudaStream_t stream, JAX_CLUSTER_LINEAR_ARGS) {
-  auto p = JAX_CLUSTER_LINEAR_DECODE;
-  if (!p) return p.error();
-  return ffi_util::from_cuda(launch_linear(*p, stream), "linear");
+ffi::Error run_linear(const LinearParams& p, cudaStream_t stream) {
+  return ffi_util::from_cuda(launch_linear(p, stream), "linear");
 }
 
 }  // namespace
 }  // namespace jax_cluster
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_cluster_linear_cuda, jax_cluster::linear_cuda,
-    jax_cluster::bind_linear(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_CLUSTER_FFI_CUDA_HANDLER(linear, jax_cluster::decode_linear, jax_cluster::run_linear);

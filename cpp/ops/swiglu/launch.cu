@@ -1,24 +1,29 @@
-// SwiGLU MLP kernels (see kernels/swiglu.h for the variants).
+// DeepFusionKernel's single deeply fused SwiGLU kernel (SwigluVariant::kFused, see
+// params.h): the whole MLP in ONE persistent cluster kernel, A2 never leaving the chip.
 //
-// Shared engine, per block of 256 threads (8 warps):
-//  * a stage is B = 64 K-rows x 128 columns (two 64-column halves: [w_gate | w_up] tile
-//    for the up GEMM, two adjacent 64-column chunks of w_down for the down GEMM), plus,
-//    for GEMMs whose A streams from global memory, A = R rows x 64 K-columns (x or A2);
-//    16-byte cp.async copies into XOR-swizzled shared memory, `stages` deep;
+// Engine, per block of 256 threads (8 warps):
+//  * a stage is B = 64 K-rows x 128 columns (two 64-column halves: the [w_gate | w_up]
+//    tile for the up GEMMs, two adjacent 64-column chunks of w_down for the down GEMM),
+//    plus, for the up GEMMs, A = R rows x 64 K-columns of x; 16-byte cp.async copies into
+//    XOR-swizzled shared memory, `stages` deep;
 //  * warp w owns columns [16w, 16w + 16) of the stage: per 16-deep K step one
 //    ldmatrix.x4.trans of B, one ldmatrix.x4 of A per 16-row tile and two
 //    mma.m16n8k16 (fp32 accumulators: row_tiles x 2 x 4 per thread);
-//  * the N blocks of a cluster split K; their fp32 partials are combined by a
-//    reduce-scatter over distributed shared memory (st.async into per-sender slots,
-//    one mbarrier with a transaction count, sums in rank order: deterministic).
+//  * the blocks of a cluster split D; their fp32 gate/up partials are combined by a
+//    reduce-scatter over distributed shared memory (st.async into per-sender slots, one
+//    mbarrier with a transaction count, sums in rank order: deterministic), A2 by an
+//    all-gather.
+// launch_swiglu (bottom) dispatches every variant.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "jax_cluster/activation.cuh"
+#include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/launch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
+#include "jax_cluster/tma.cuh"
 #include "jax_cluster/vec.cuh"
-#include "jax_cluster/launch.cuh"
 #include "ops/swiglu/launch.h"
 
 namespace jax_cluster {
@@ -27,67 +32,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kStageB = static_cast<int>(kSwigluStageB);  // bytes of B in a stage
 constexpr int kBRowBytes = 256;                           // B stage row: 128 x 16 bit
-
-// ------------------------------------------------------------------ PTX helpers
-// (swizzled tiles, cp.async, ldmatrix, mma: jax_cluster/mma.cuh)
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// Weight stream: read once, so first in line for eviction from L2 when asked.
-__device__ __forceinline__ void cp_async_16_weights(uint32_t dst, const void* src, bool hint,
-                                                    uint64_t policy) {
-  if (hint) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
-                 "l"(src), "l"(policy)
-                 : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  }
-}
-
-// Waits until at most n groups are pending (n = stages - 2 <= kSwigluMaxStages - 2).
-__device__ __forceinline__ void cp_async_wait_dyn(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    default: cp_async_wait<6>(); break;
-  }
-}
-
-// 8-byte remote store completing transactions on the receiver's mbarrier.
-__device__ __forceinline__ void st_async_8(uint32_t remote_addr, uint2 v, uint32_t remote_bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
-          remote_addr),
-      "r"(v.x), "r"(v.y), "r"(remote_bar)
-      : "memory");
-}
-
-// Cluster-scope mbarrier wait that traps after ~seconds instead of hanging forever: a
-// protocol error then surfaces as a launch failure (an error in JAX) rather than a hung
-// device. try_wait suspends in hardware between polls, so the bound is generous.
-__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = ptx::smem_addr(bar);
-  for (uint32_t spins = 0;; ++spins) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (spins == (1u << 26)) __trap();
-  }
-}
 
 // ------------------------------------------------------------------ math
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
@@ -169,8 +113,8 @@ __device__ __forceinline__ void issue_stage(uint32_t stage, const T* b0, const T
     const int v = tid + i * kThreads, row = v >> 4, chunk = v & 15;
     const T* base = chunk < 8 ? b0 : b1;
     if (base != nullptr) {
-      cp_async_16_weights(stage + swz(row, chunk, kBRowBytes),
-                          base + (k0 + row) * b_ld + (chunk & 7) * 8, hint, policy);
+      cp_async_16_hinted(stage + swz(row, chunk, kBRowBytes),
+                         base + (k0 + row) * b_ld + (chunk & 7) * 8, hint, policy);
     }
   }
   if (a != nullptr) {
@@ -210,7 +154,7 @@ __device__ __forceinline__ void send_pieces(const float* part, int ld, int seg_o
     ptx::st_async_16(ptx::map_to_rank(ptx::smem_addr(dst), peer), val,
                      ptx::map_to_rank(ptx::smem_addr(full), peer));
   }
-  mbarrier_wait_or_trap(full, parity);
+  ptx::mbarrier_wait_cluster_or_trap(full, parity);
 }
 
 // Sum over the cluster (rank order) of vector v of segment seg of row `row` of my piece.
@@ -225,290 +169,6 @@ __device__ __forceinline__ float4 sum_piece(const float* part, int ld, int seg_o
     s = add4(s, *reinterpret_cast<const float4*>(src));
   }
   return s;
-}
-
-// ------------------------------------------------------------------ split kernels
-struct TileArgs {
-  const void* a;       // A [m, K]: x (up) or A2 (down)
-  int64_t a_ld;        // D (up) or F (down)
-  const void* b0;      // w_gate (up) or w_down (down)
-  const void* b1;      // w_up (up) or null
-  int64_t b_ld;        // F (up) or D (down)
-  int64_t k_blocks;    // K / 64
-  int64_t col_tiles;   // F / 64 (up) or ceil(D / 128) (down)
-  int64_t row_groups;  // ceil(m / R)
-  int64_t m;
-  int64_t out_cols;    // F (up) or D (down)
-  const void* residual;  // down only; may be null
-  void* out;             // A2 [m, F] (up) or y [m, D] (down)
-  int cluster;
-  int stages;
-  bool up;
-  bool row_order;
-  bool hint;
-};
-
-// Work tile w (in tile order) -> its column tile and row group.
-__device__ __forceinline__ void locate_work_tile(const TileArgs& g, int64_t w, int64_t& tile,
-                                                 int64_t& group) {
-  if (g.row_order) {
-    group = w / g.col_tiles;
-    tile = w - group * g.col_tiles;
-  } else {
-    tile = w / g.row_groups;
-    group = w - tile * g.row_groups;
-  }
-}
-
-// The B stage sources of column tile `tile`: [w_gate | w_up] columns (up), or two
-// 64-column halves of w_down (down; *b1 null when the tile has only 64 valid columns).
-template <typename T>
-__device__ __forceinline__ void tile_weights(const TileArgs& g, int64_t tile, const T** b0,
-                                             const T** b1) {
-  *b0 = static_cast<const T*>(g.b0) + tile * (g.up ? 64 : 128);
-  *b1 = g.up ? static_cast<const T*>(g.b1) + tile * 64
-             : (tile * 128 + 64 < g.out_cols ? *b0 + 64 : nullptr);
-}
-
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, 2) swiglu_tile_kernel(const TileArgs args) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t full;
-  constexpr int R = 16 * MT;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = args.cluster;
-  const uint32_t rank = n > 1 ? ptx::cluster_rank() : 0;
-  int64_t tile, group;
-  locate_work_tile(args, blockIdx.x / n, tile, group);
-  const int64_t row0 = group * R;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(R), args.m - row0));
-  const int64_t kb0 = rank * args.k_blocks / n, kb1 = (rank + 1) * args.k_blocks / n;
-  const int nk = static_cast<int>(kb1 - kb0);
-  const int stage_bytes = kStageB + R * 128;
-  const uint32_t stages_addr = ptx::smem_addr(smem);
-  float* part = reinterpret_cast<float*>(smem);  // after the main loop only
-  float* recv = reinterpret_cast<float*>(smem + args.stages * stage_bytes);
-
-  if (n > 1) {
-    if (tid == 0) {
-      ptx::mbarrier_init(&full, 1);
-      ptx::fence_mbarrier_init_cluster();
-    }
-    ptx::cluster_arrive();  // barrier init visible to the peers (waited before the exchange)
-  }
-
-  const T* bt0;
-  const T* bt1;
-  tile_weights(args, tile, &bt0, &bt1);
-  const int valid_cols = bt1 != nullptr ? 128 : 64;
-  const T* at = static_cast<const T*>(args.a) + row0 * args.a_ld;
-  const uint64_t policy = evict_first_policy();
-
-  float acc[MT][2][4];
-  zero_acc(acc);
-  const int S = args.stages;
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < nk) {
-      issue_stage<T, MT>(stages_addr + s * stage_bytes, bt0, bt1, args.b_ld, (kb0 + s) * 64, at,
-                         args.a_ld, rows, (kb0 + s) * 64, args.hint, policy);
-    }
-    cp_async_commit();
-  }
-  for (int i = 0; i < nk; ++i) {
-    cp_async_wait_dyn(S - 2);
-    __syncthreads();  // stage i landed for every thread; stage i - 1 fully consumed
-    const int nxt = i + S - 1;
-    if (nxt < nk) {
-      issue_stage<T, MT>(stages_addr + (nxt % S) * stage_bytes, bt0, bt1, args.b_ld,
-                         (kb0 + nxt) * 64, at, args.a_ld, rows, (kb0 + nxt) * 64, args.hint,
-                         policy);
-    }
-    cp_async_commit();
-    const uint32_t st = stages_addr + (i % S) * stage_bytes;
-    if (warp * 16 < valid_cols) mma_stage<T, MT>(acc, st + kStageB, 128, 0, st, warp, lane);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the stage buffers become the partial tile
-  store_acc<MT, false>(part, 128, warp * 16, acc, lane);
-
-  // Piece of this rank: up = gate columns [r w, r w + w) and the same up columns (+64);
-  // down = output columns [r w, r w + w) of the 128-column tile.
-  const int nseg = args.up ? 2 : 1;
-  const int w = (args.up ? 64 : 128) / n;
-  const int vw = w / 4;
-  if (n > 1) {
-    ptx::cluster_wait();
-    __syncthreads();
-    send_pieces(part, 128, 64, recv, rows, nseg, w, &full, 0, n, rank);
-  } else {
-    __syncthreads();
-  }
-  for (int i = tid; i < rows * vw; i += kThreads) {
-    const int row = i / vw, v = i - row * vw;
-    const int64_t m = row0 + row;
-    if (args.up) {
-      const float4 g = sum_piece(part, 128, 64, recv, rows, 2, w, row, 0, v, n, rank);
-      const float4 u = sum_piece(part, 128, 64, recv, rows, 2, w, row, 1, v, n, rank);
-      const int64_t col = tile * 64 + static_cast<int64_t>(rank) * w + 4 * v;
-      *reinterpret_cast<uint2*>(static_cast<T*>(args.out) + m * args.out_cols + col) =
-          pack4<T>(silu(g.x) * u.x, silu(g.y) * u.y, silu(g.z) * u.z, silu(g.w) * u.w);
-    } else {
-      const int64_t col = tile * 128 + static_cast<int64_t>(rank) * w + 4 * v;
-      if (col >= args.out_cols) continue;
-      float4 y = sum_piece(part, 128, 0, recv, rows, 1, w, row, 0, v, n, rank);
-      if (args.residual != nullptr) {
-        y = add4(y, unpack4<T>(*reinterpret_cast<const uint2*>(
-                        static_cast<const T*>(args.residual) + m * args.out_cols + col)));
-      }
-      *reinterpret_cast<uint2*>(static_cast<T*>(args.out) + m * args.out_cols + col) =
-          pack4<T>(y.x, y.y, y.z, y.w);
-    }
-  }
-  if (n > 1) ptx::cluster_sync();  // no block leaves while a peer may still address it
-}
-
-// ------------------------------------------------------------------ stream-K kernels
-struct StreamArgs {
-  TileArgs t;               // the GEMM (t.cluster = 1)
-  unsigned int* counters;   // [work tiles], zero before the launch
-  float* slots;             // fp32 partials [segments][slot_rows][128]
-  int64_t slot_rows;
-};
-
-// The block (of G over U units, block b owning [b U / G, (b + 1) U / G)) that owns unit u.
-__device__ __forceinline__ int64_t owner_block(int64_t u, int64_t units, int64_t blocks) {
-  return ((u + 1) * blocks - 1) / units;
-}
-
-// Issues unit u (work tile u / K, K block u % K) into `stage`.
-template <typename T, int MT>
-__device__ __forceinline__ void issue_unit(const TileArgs& g, int64_t u, uint32_t stage,
-                                           uint64_t policy) {
-  constexpr int R = 16 * MT;
-  const int64_t w = u / g.k_blocks, kb = u - w * g.k_blocks;
-  int64_t tile, group;
-  locate_work_tile(g, w, tile, group);
-  const int64_t row0 = group * R;
-  const T* b0;
-  const T* b1;
-  tile_weights(g, tile, &b0, &b1);
-  issue_stage<T, MT>(stage, b0, b1, g.b_ld, kb * 64, static_cast<const T*>(g.a) + row0 * g.a_ld,
-                     g.a_ld, g.m - row0, kb * 64, g.hint, policy);
-}
-
-// Rows [0, rows) of the accumulators (store_acc's layout) to dst [rows][128] (fp32).
-template <int MT>
-__device__ __forceinline__ void store_acc_rows(float* dst, const float (&acc)[MT][2][4], int warp,
-                                               int lane, int rows) {
-  const int r = lane >> 2, c = 2 * (lane & 3);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = mt * 16 + r + 8 * h;
-        if (row < rows) {
-          *reinterpret_cast<float2*>(dst + row * 128 + warp * 16 + nt * 8 + c) =
-              make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-        }
-      }
-}
-
-// The last block of work tile w: sums the partial slots of blocks first..last in block
-// order and writes A2 (up: SiLU(gate) * up) or y (down: + residual).
-template <typename T, int MT>
-__device__ __forceinline__ void finish_work_tile(const StreamArgs& s, int64_t w, int64_t first,
-                                                 int64_t last) {
-  constexpr int R = 16 * MT;
-  const TileArgs& g = s.t;
-  int64_t tile, group;
-  locate_work_tile(g, w, tile, group);
-  const int64_t row0 = group * R;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - row0));
-  const int64_t slot_floats = s.slot_rows * 128;
-  const int vpr = g.up ? 16 : 32;  // float4 outputs per row
-  for (int i = threadIdx.x; i < rows * vpr; i += kThreads) {
-    const int row = i / vpr, v = i - row * vpr;
-    const int64_t m = row0 + row;
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-    for (int64_t blk = first; blk <= last; ++blk) {
-      const float* slot = s.slots + (blk + w) * slot_floats + row * 128 + 4 * v;
-      a = add4(a, __ldcg(reinterpret_cast<const float4*>(slot)));
-      if (g.up) b = add4(b, __ldcg(reinterpret_cast<const float4*>(slot + 64)));
-    }
-    if (g.up) {
-      *reinterpret_cast<uint2*>(static_cast<T*>(g.out) + m * g.out_cols + tile * 64 + 4 * v) =
-          pack4<T>(silu(a.x) * b.x, silu(a.y) * b.y, silu(a.z) * b.z, silu(a.w) * b.w);
-    } else {
-      const int64_t col = tile * 128 + 4 * v;
-      if (col >= g.out_cols) continue;
-      if (g.residual != nullptr) {
-        a = add4(a, unpack4<T>(*reinterpret_cast<const uint2*>(
-                        static_cast<const T*>(g.residual) + m * g.out_cols + col)));
-      }
-      *reinterpret_cast<uint2*>(static_cast<T*>(g.out) + m * g.out_cols + col) =
-          pack4<T>(a.x, a.y, a.z, a.w);
-    }
-  }
-}
-
-// gridDim.x <= units: every block owns at least one unit (finish_work_tile's count of a
-// tile's contributors, last - first + 1, relies on it).
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, 2) swiglu_stream_kernel(const StreamArgs args) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int tile_done;  // this block arrived last at the tile it just left
-  constexpr int R = 16 * MT;
-  const TileArgs& g = args.t;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t K = g.k_blocks, units = g.col_tiles * g.row_groups * K, blocks = gridDim.x;
-  const int64_t b = blockIdx.x;
-  const int64_t u0 = b * units / blocks;
-  const int n = static_cast<int>((b + 1) * units / blocks - u0);
-  const int stage_bytes = kStageB + R * 128;
-  const uint32_t stages_addr = ptx::smem_addr(smem);
-  const uint64_t policy = evict_first_policy();
-  const int S = g.stages;
-
-  float acc[MT][2][4];
-  zero_acc(acc);
-  for (int i = 0; i < S - 1; ++i) {
-    if (i < n) issue_unit<T, MT>(g, u0 + i, stages_addr + i * stage_bytes, policy);
-    cp_async_commit();
-  }
-  for (int i = 0; i < n; ++i) {
-    cp_async_wait_dyn(S - 2);
-    __syncthreads();  // unit i landed for every thread; unit i - 1 fully consumed
-    if (i + S - 1 < n) {
-      issue_unit<T, MT>(g, u0 + i + S - 1, stages_addr + ((i + S - 1) % S) * stage_bytes, policy);
-    }
-    cp_async_commit();
-    const int64_t u = u0 + i, w = u / K;
-    int64_t tile, group;
-    locate_work_tile(g, w, tile, group);
-    const bool half = !g.up && tile * 128 + 64 >= g.out_cols;  // down tile of 64 columns
-    const uint32_t st = stages_addr + (i % S) * stage_bytes;
-    if (!half || warp < 4) mma_stage<T, MT>(acc, st + kStageB, 128, 0, st, warp, lane);
-    if (u - w * K != K - 1 && i != n - 1) continue;
-    // ---- segment end: partial to slot b + w; the tile's last block finishes it
-    const int rows = static_cast<int>(min(static_cast<int64_t>(R), g.m - group * R));
-    store_acc_rows<MT>(args.slots + (b + w) * args.slot_rows * 128, acc, warp, lane, rows);
-    zero_acc(acc);
-    __threadfence();
-    __syncthreads();
-    const int64_t first = owner_block(w * K, units, blocks);
-    const int64_t last = owner_block(w * K + K - 1, units, blocks);
-    if (tid == 0) {
-      tile_done = atomicAdd(args.counters + w, 1u) == static_cast<unsigned int>(last - first);
-    }
-    __syncthreads();
-    if (tile_done) {
-      __threadfence();
-      finish_work_tile<T, MT>(args, w, first, last);
-    }
-  }
-  cp_async_wait<0>();
 }
 
 // ------------------------------------------------------------------ fused kernel
@@ -656,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
     ptx::cluster_arrive();
   }
   bool cluster_waited = false;
-  const uint64_t policy = evict_first_policy();
+  const uint64_t policy = ptx::l2_evict_first();
   const int S = args.stages;
 
   Cursor prod, cons;
@@ -729,10 +389,10 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
               const uint32_t off = swz(row, col >> 3, a2_row_bytes) + (col & 7) * 2;
               const uint2 val =
                   *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(a2) + off);
-              st_async_8(ptx::map_to_rank(a2_addr + off, peer), val,
+              ptx::st_async_8(ptx::map_to_rank(a2_addr + off, peer), val,
                          ptx::map_to_rank(ptx::smem_addr(&full_ag), peer));
             }
-            mbarrier_wait_or_trap(&full_ag, exchanges & 1);
+            ptx::mbarrier_wait_cluster_or_trap(&full_ag, exchanges & 1);
             __syncthreads();
           }
           ++exchanges;
@@ -818,83 +478,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
   }
 }
 
-// ------------------------------------------------------------------ launchers
-// The GEMM of the up (x @ [w_gate | w_up]) or down (A2 @ w_down) stage, for R-row blocks.
-TileArgs make_tile_args(const SwigluParams& p, bool up, int64_t R, void* a2, int stages) {
-  TileArgs a;
-  a.m = p.m;
-  a.row_groups = swiglu_ceil_div(p.m, R);
-  a.row_order = p.order == SwigluOrder::kRow;
-  a.stages = stages;
-  a.hint = a.row_groups == 1;  // each weight byte is read exactly once
-  a.up = up;
-  if (up) {
-    a.a = p.x;
-    a.a_ld = p.d;
-    a.b0 = p.w_gate;
-    a.b1 = p.w_up;
-    a.b_ld = p.f;
-    a.k_blocks = p.d / 64;
-    a.col_tiles = p.f / 64;
-    a.out_cols = p.f;
-    a.residual = nullptr;
-    a.out = p.has_down ? a2 : p.out;
-    a.cluster = p.cluster_up;
-  } else {
-    a.a = a2;
-    a.a_ld = p.f;
-    a.b0 = p.w_down;
-    a.b1 = nullptr;
-    a.b_ld = p.d;
-    a.k_blocks = p.f / 64;
-    a.col_tiles = swiglu_ceil_div(p.d, kSwigluDownTile);
-    a.out_cols = p.d;
-    a.residual = p.has_residual ? p.residual : nullptr;
-    a.out = p.out;
-    a.cluster = p.cluster_down;
-  }
-  return a;
-}
-
-template <typename T, int MT>
-cudaError_t launch_tile(const SwigluParams& p, bool up, cudaStream_t stream) {
-  const SwigluSmemPlan plan = swiglu_tile_smem(p);
-  if (plan.stages == 0) return cudaErrorInvalidValue;
-  const TileArgs a = make_tile_args(p, up, 16 * MT, p.workspace, plan.stages);
-  const int64_t blocks = a.col_tiles * a.row_groups * a.cluster;
-  return launch_cluster(swiglu_tile_kernel<T, MT>, dim3(static_cast<unsigned>(blocks)),
-                        dim3(kThreads), static_cast<size_t>(plan.bytes), a.cluster, stream, a);
-}
-
-// Both stream-K GEMMs (or the up one alone): one memset of every tile counter, then the
-// persistent kernels in stream order (the down kernel reads A2 from the workspace).
-template <typename T, int MT>
-cudaError_t launch_stream(const SwigluParams& p, cudaStream_t stream) {
-  const SwigluSmemPlan plan = swiglu_tile_smem(p);
-  if (plan.stages == 0 || p.num_clusters < 1) return cudaErrorInvalidValue;
-  const SwigluStreamLayout l = swiglu_stream_layout(p);
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
-  StreamArgs s;
-  s.slots = reinterpret_cast<float*>(ws + l.slots);
-  s.slot_rows = l.slot_rows;
-  for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
-    s.t = make_tile_args(p, up == 1, 16 * MT, ws, plan.stages);
-    s.t.cluster = 1;
-    s.counters = counters + (up == 1 ? 0 : l.tiles_up);
-    // At most one block per unit: then every block owns >= 1 unit, so the blocks between a
-    // tile's first and last owner all contribute (the kernel counts on it).
-    const int64_t units = s.t.col_tiles * s.t.row_groups * s.t.k_blocks;
-    const int64_t blocks = std::min<int64_t>(p.num_clusters, units);
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster(
-        swiglu_stream_kernel<T, MT>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
-        static_cast<size_t>(plan.bytes), 1, stream, s));
-  }
-  return cudaSuccess;
-}
-
+// The fused kernel: one launch (after a memset of the counters when several clusters
+// sum their partials).
 template <typename T, int MT>
 cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {
   const SwigluSmemPlan plan = swiglu_fused_smem(p);
@@ -911,8 +496,8 @@ cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {
   a.m = p.m;
   a.d = p.d;
   a.f = p.f;
-  a.cluster = p.cluster_up;
-  a.clusters = p.num_clusters;
+  a.cluster = p.cluster_size;
+  a.clusters = p.clusters;
   a.group = p.f_group;
   a.stages = plan.stages;
   a.passes = static_cast<int>(swiglu_ceil_div(p.m, 16 * MT));
@@ -926,34 +511,19 @@ cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {
                         static_cast<size_t>(plan.bytes), a.cluster, stream, a);
 }
 
-template <typename T, int MT>
-cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
-  if (p.variant == SwigluVariant::kStream) return launch_stream<T, MT>(p, stream);
-  if (!p.has_down) return launch_tile<T, MT>(p, true, stream);
-  if (p.variant == SwigluVariant::kFused) return launch_fused<T, MT>(p, stream);
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_tile<T, MT>(p, true, stream)));
-  return launch_tile<T, MT>(p, false, stream);
-}
-
-template <typename T>
-cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
-  switch (p.row_tiles) {
-    case 1: return launch_rows<T, 1>(p, stream);
-    case 2: return launch_rows<T, 2>(p, stream);
-    case 4: return launch_rows<T, 4>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 }  // namespace
 
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream) {
-  if (p.variant == SwigluVariant::kGemv) return launch_swiglu_gemv(p, stream);
-  if (p.variant == SwigluVariant::kTma) return launch_swiglu_tma(p, stream);
-  switch (p.dtype) {
-    case DType::kF16: return launch_typed<__half>(p, stream);
-    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
-    case DType::kF32: break;
+  switch (p.variant) {
+    case SwigluVariant::kGemv: return launch_swiglu_gemv(p, stream);
+    case SwigluVariant::kTma: return launch_swiglu_tma(p, stream);
+    case SwigluVariant::kFused:
+      return dispatch_half(p.dtype, [&](auto t) {
+        using T = typename decltype(t)::type;
+        return dispatch_int<1, 2, 4>(p.row_tiles, [&](auto mt) {
+          return launch_fused<T, decltype(mt)::value>(p, stream);
+        });
+      });
   }
   return cudaErrorInvalidValue;
 }

@@ -1,38 +1,33 @@
-// SwiGLU's GEMV regime (M <= 16): see SwigluVariant::kGemv in swiglu.h.
+// SwiGLU's GEMV regime (M <= 16): SwigluVariant::kGemv (params.h).
 //
 // Block = (128-column tile, K chunk), 256 threads. Weights stream from HBM straight into
-// registers (16-byte loads, 8 in flight per thread); x sits in shared memory. Two engines:
-//  * CUDA cores (M <= 8): lane l of warp w owns the 8 columns [8 (l % 16), +8) of the tile
-//    and walks the chunk's rows from row group
-//      up:   (w % 4) * 2 + l / 16, step 8  (warps 0-3 read w_gate, 4-7 w_up: same columns)
-//      down: w * 2 + l / 16, step 16
-//    FMA-ing each weight with every row of x (fp32 [row][MR] in shared memory): M FMAs per
-//    weight, which is what made this engine 1.3x slower than XLA at M = 4-8.
-//  * tensor cores (mma, M <= 16): a warp owns 64 columns (one half of the tile) and walks
-//    16-row steps; lane (g, c) = (l / 4, l % 4) loads rows 4c..4c+3 of the step at columns
-//    [8g, +8), and byte permutes turn the loads into mma.sync m16n8k16 A fragments of the
-//    transposed weights (two K rows per register; the K order inside a step is permuted,
-//    and x's B fragment uses the same permutation); x (16-bit [row][K], padded rows) is the
-//    B operand, so a step costs 4 mma per 8 rows of x whatever M is.
-//      up:   warps 0-3 w_gate, 4-7 w_up; in each, (half, one of 2 row groups)
-//      down: (half, one of 4 row groups)
+// registers (16-byte loads, 8 in flight per thread); x sits in shared memory. A warp owns
+// 64 columns (one half of the tile) and walks 16-row steps; lane (g, c) = (l / 4, l % 4)
+// loads rows 4c..4c+3 of the step at columns [8g, +8), and byte permutes turn the loads
+// into mma.sync m16n8k16 A fragments of the transposed weights (two K rows per register;
+// the K order inside a step is permuted, and x's B fragment uses the same permutation);
+// x (16-bit [row][K], padded rows) is the B operand, so a step costs 4 mma per 8 rows of x
+// whatever M is.
+//   up:   warps 0-3 w_gate, 4-7 w_up; in each, (half, one of 2 row groups)
+//   down: (half, one of 4 row groups)
 // Row groups are summed in a fixed order through shared memory, K chunks through fp32
 // slots in the workspace, summed in chunk order by whichever block of the tile arrives
 // last (deterministic).
 // Why tile-aligned K chunks, not equal flat chunks that would balance the SMs exactly: the
 // blocks of one K chunk start together and read the same weight rows of neighbouring
 // tiles at about the same time (DRAM pages shared); equal chunks starting at arbitrary rows
-// measured 20-30% slower on H100 (benchmarks/results/logs/session9).
+// measured 20-30% slower on H100 (docs/swiglu.md).
 // The down kernel is launched programmatically (PDL, SwigluParams::pdl): its blocks start
 // as up blocks retire and issue their first w_down loads before waiting for A2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "jax_cluster/activation.cuh"
+#include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/launch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
-#include "jax_cluster/launch.cuh"
 #include "ops/swiglu/launch.h"
 
 namespace jax_cluster {
@@ -40,17 +35,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kCols = static_cast<int>(kSwigluGemvCols);
-// CUDA cores: 16-byte weight loads in flight per thread (fewer at 8 rows: registers).
-template <int MR>
-constexpr int kUnroll = MR >= 8 ? 6 : 8;
-// Tensor cores: 16-row steps in flight per warp (4 loads per thread each). Two, not more:
-// 8 loads per thread (64 KB per SM at 2 blocks) read 1-3% faster than 12 or 16, and
-// refilling a step's registers before its math (more in flight) was slower still
-// (benchmarks/probes/gemv_kernel.cu, session 14, H100).
+// 16-row steps in flight per warp (4 loads per thread each). Two, not more: 8 loads per
+// thread (64 KB per SM at 2 blocks) read faster than 12 or 16, and refilling a step's
+// registers before its math (more in flight) was slower still (docs/swiglu.md).
 constexpr int kMmaUnroll = 2;
 // Blocks per SM (more loads in flight) as far as registers allow without spills.
-template <int MR, bool MMA>
-constexpr int kMinBlocks = !MMA && MR <= 2 ? 3 : 2;
+constexpr int kMinBlocks = 2;
 
 struct GemvArgs {
   const void* x;         // [m, k]: x (up) or A2 (down)
@@ -72,10 +62,7 @@ struct GemvArgs {
 __device__ __forceinline__ int tile_width(const GemvArgs& a) { return a.up ? 2 * kCols : kCols; }
 
 // Partial sums per matrix that a block adds up in shared memory (one per row group).
-template <bool MMA>
-__device__ __forceinline__ int row_groups(bool up) {
-  return MMA ? (up ? 2 : 4) : (up ? 4 : 8);
-}
+__device__ __forceinline__ int row_groups(bool up) { return up ? 2 : 4; }
 
 // Output element (row, tile column c) from its K-summed value(s): A2 = SiLU(g) * u (up),
 // or y = g (+ residual) (down).
@@ -93,89 +80,19 @@ __device__ __forceinline__ void emit(const GemvArgs& a, int64_t tile, int row, i
   }
 }
 
-// x chunk -> shared memory. CUDA cores: fp32 [row][MR]; tensor cores: 16-bit [MR][stride]
-// with rows of x past m zero.
-template <typename T, int MR, bool MMA>
+// x chunk -> shared memory: 16-bit [MR][stride] with rows of x past m zero (16-byte
+// copies: rows, r0 and k are multiples of 16).
+template <typename T, int MR>
 __device__ __forceinline__ void stage_x(const GemvArgs& a, int64_t r0, int rows, float* smem) {
   const T* x = static_cast<const T*>(a.x);
   const int m = static_cast<int>(a.m);
-  if constexpr (MMA) {  // 16-byte copies: rows, r0 and k are multiples of 16
-    T* xs = reinterpret_cast<T*>(smem);
-    const int vecs = rows / 8, stride = swiglu_gemv_mma_x_stride(rows);
-    for (int e = threadIdx.x; e < MR * vecs; e += kThreads) {
-      const int mi = e / vecs, q = e - mi * vecs;
-      const uint4 val = mi < m ? *reinterpret_cast<const uint4*>(x + mi * a.k + r0 + 8 * q)
-                               : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(xs + mi * stride + 8 * q) = val;
-    }
-  } else {
-    for (int e = threadIdx.x; e < MR * rows; e += kThreads) {
-      const int mi = e / rows, r = e - mi * rows;
-      smem[r * MR + mi] = mi < m ? to_float(x[mi * a.k + r0 + r]) : 0.f;
-    }
-  }
-}
-
-// CUDA cores: this warp's partial [MR][128] (its matrix, its row group) -> `red`. `w`
-// points at the chunk's first row and the tile's first column. `stage` fills shared
-// memory with x while the first weight loads fly.
-template <typename T, int MR, typename Stage>
-__device__ __forceinline__ void cuda_core_partial(const GemvArgs& a, const T* w, int cols,
-                                                  int rows, float* smem, float* red,
-                                                  Stage&& stage) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int step = a.up ? 8 : 16;
-  const int rg = a.up ? (warp & 3) * 2 + (lane >> 4) : warp * 2 + (lane >> 4);
-  const int c8 = (lane & 15) * 8;
-  const int load_rows = c8 < cols ? rows : 0;  // none where this lane's 8 columns do not exist
-  w += c8;
-  auto load = [&](int r) {
-    return r < load_rows ? ptx::ldg_stream(w + static_cast<int64_t>(r) * a.n)
-                         : make_uint4(0, 0, 0, 0);
-  };
-  uint4 v[kUnroll<MR>];
-#pragma unroll
-  for (int u = 0; u < kUnroll<MR>; ++u) v[u] = load(rg + u * step);
-  stage();
-  __syncthreads();
-
-  float acc[MR][8];
-#pragma unroll
-  for (int i = 0; i < MR; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-  // Rotating buffer: each consumed vector's register is refilled with the load kUnroll
-  // rows ahead at once, so about kUnroll loads stay in flight per thread throughout.
-  for (int r = rg; r < rows; r += step * kUnroll<MR>) {
-#pragma unroll
-    for (int u = 0; u < kUnroll<MR>; ++u) {
-      const int rr = r + u * step;
-      float f[8];
-      unpack<T>(v[u], f);
-      v[u] = load(rr + step * kUnroll<MR>);
-      if (rr >= rows) continue;
-      const float* xr = smem + rr * MR;
-#pragma unroll
-      for (int i = 0; i < MR; ++i) {
-        const float xv = xr[i];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(xv, f[j], acc[i][j]);
-      }
-    }
-  }
-  // Row groups of a warp's two half-warps (same columns): one shuffle.
-#pragma unroll
-  for (int i = 0; i < MR; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 16);
-  __syncthreads();  // x is dead: `red` overlays it
-  if (lane < 16) {
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-      float4* dst = reinterpret_cast<float4*>(red + i * kCols + c8);
-      dst[0] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-      dst[1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
-    }
+  T* xs = reinterpret_cast<T*>(smem);
+  const int vecs = rows / 8, stride = swiglu_gemv_x_stride(rows);
+  for (int e = threadIdx.x; e < MR * vecs; e += kThreads) {
+    const int mi = e / vecs, q = e - mi * vecs;
+    const uint4 val = mi < m ? *reinterpret_cast<const uint4*>(x + mi * a.k + r0 + 8 * q)
+                             : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(xs + mi * stride + 8 * q) = val;
   }
 }
 
@@ -183,7 +100,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Tensor cores: this warp's partial [MR][64] (its half of the tile, its row group) ->
+// This warp's partial [MR][64] (its half of the tile, its row group) ->
 // `red`. `w` points at the chunk's first row and the half's first column.
 template <typename T, int MR, typename Stage>
 __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int cols, int rows,
@@ -191,7 +108,7 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int c
                                             Stage&& stage) {
   constexpr int kTiles = MR / 8;  // n8 tiles of x rows
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int steps = rows / 16, stride = swiglu_gemv_mma_x_stride(rows);
+  const int steps = rows / 16, stride = swiglu_gemv_x_stride(rows);
   w += 4 * c * a.n + 8 * g;
   auto load = [&](uint4 (&v)[4], int s) {
     const bool ok = cols > 0 && s < steps;  // (a half's columns exist all or none)
@@ -251,9 +168,8 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int c
   }
 }
 
-template <typename T, int MR, bool MMA>
-__global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
-    swiglu_gemv_kernel(const GemvArgs a) {
+template <typename T, int MR>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) swiglu_gemv_kernel(const GemvArgs a) {
   extern __shared__ __align__(16) float smem[];  // x chunk, later the row-group partials
   __shared__ int is_last;
   if (a.trigger) ptx::griddep_launch_dependents();
@@ -263,12 +179,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
   const int64_t r0 = kc * a.chunk, r1 = min(a.k, r0 + a.chunk);
   const int rows = static_cast<int>(max(static_cast<int64_t>(0), r1 - r0));
   const int m = static_cast<int>(a.m);
-  const int groups = row_groups<MMA>(a.up);
+  const int groups = row_groups(a.up);
 
-  // Warp role: matrix (up: gate | up), half of the tile (tensor cores), row group.
+  // Warp role: matrix (up: gate | up), half of the tile, row group.
   const int matrix = a.up ? warp >> 2 : 0;
-  const int half = MMA ? warp & 1 : 0;
-  const int rg = MMA ? (a.up ? (warp >> 1) & 1 : warp >> 1) : (a.up ? warp & 3 : warp);
+  const int half = warp & 1;
+  const int rg = a.up ? (warp >> 1) & 1 : warp >> 1;
   const int64_t col0 = tile * kCols + half * 64;
   // columns of the matrix from col0 on, up to the tile's (a half: all or none, n % 64 == 0)
   const int cols = static_cast<int>(max(static_cast<int64_t>(0), min(a.n - col0, static_cast<int64_t>(kCols))));
@@ -277,13 +193,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
   // x is staged after the first weight loads are issued (for down, after A2 is done: PDL)
   auto stage = [&] {
     if (a.wait_prior) ptx::griddep_wait();
-    stage_x<T, MR, MMA>(a, r0, rows, smem);
+    stage_x<T, MR>(a, r0, rows, smem);
   };
-  if constexpr (MMA) {
-    mma_partial<T, MR>(a, w, cols, rows, rg, groups, smem, red, stage);
-  } else {
-    cuda_core_partial<T, MR>(a, w, cols, rows, smem, red, stage);
-  }
+  mma_partial<T, MR>(a, w, cols, rows, rg, groups, smem, red, stage);
   __syncthreads();
 
   // Per output: the row groups' partials summed in group order.
@@ -328,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<MR, MMA>))
   }
 }
 
-template <typename T, int MR, bool MMA>
+template <typename T, int MR>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   const SwigluGemvLayout l = swiglu_gemv_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
@@ -355,40 +267,25 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
     a.slots = reinterpret_cast<float*>(ws + l.slots);
     a.wait_prior = !a.up && p.pdl;
     a.trigger = a.up && p.has_down && p.pdl;
-    const size_t smem = swiglu_gemv_smem_bytes(a.chunk, MR, MMA);
+    const size_t smem = swiglu_gemv_smem_bytes(a.chunk, MR);
     const unsigned blocks = static_cast<unsigned>(a.tiles) * static_cast<unsigned>(a.splits);
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(swiglu_gemv_kernel<T, MR, MMA>,
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(swiglu_gemv_kernel<T, MR>,
                                                          dim3(blocks), dim3(kThreads), smem,
                                                          a.wait_prior, stream, a));
   }
   return cudaSuccess;
 }
 
-template <typename T>
-cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
-  if (p.gemv_mma) {
-    return swiglu_gemv_rows(p.m, true) <= 8 ? launch_rows<T, 8, true>(p, stream)
-                                            : launch_rows<T, 16, true>(p, stream);
-  }
-  switch (swiglu_gemv_rows(p.m, false)) {
-    case 1: return launch_rows<T, 1, false>(p, stream);
-    case 2: return launch_rows<T, 2, false>(p, stream);
-    case 4: return launch_rows<T, 4, false>(p, stream);
-    case 8: return launch_rows<T, 8, false>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 }  // namespace
 
 cudaError_t launch_swiglu_gemv(const SwigluParams& p, cudaStream_t stream) {
-  if (p.m > swiglu_gemv_max_rows(p.gemv_mma)) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kF16: return launch_typed<__half>(p, stream);
-    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
-    case DType::kF32: break;
-  }
-  return cudaErrorInvalidValue;
+  if (p.m > kSwigluGemvMaxRows) return cudaErrorInvalidValue;
+  return dispatch_half(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return dispatch_int<8, 16>(swiglu_gemv_rows(p.m), [&](auto rows) {
+      return launch_rows<T, decltype(rows)::value>(p, stream);
+    });
+  });
 }
 
 }  // namespace jax_cluster

@@ -1,18 +1,17 @@
-// SwiGLU's weight-streaming variant (SwigluVariant::kTma, see kernels/swiglu.h): each GEMM
-// (up: x @ [w_gate | w_up] -> SiLU * mul -> A2; down: A2 @ w_down + residual -> y) is ONE
+// SwiGLU's weight-streaming variant (SwigluVariant::kTma, params.h): each GEMM (up:
+// x @ [w_gate | w_up] -> SiLU * mul -> A2; down: A2 @ w_down + residual -> y) is ONE
 // persistent stream-K kernel whose blocks stream their weights with the bulk tensor copy
-// engine.
+// engine. The down GEMM is also the linear projection's engine (tma_gemm.h).
 //
 // Work: the flat sequence of units (work tile, 64-row K block), work tiles in column
 // order (a weight tile's row groups side by side), K fastest; block b of G owns units
-// [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM). A queue of
-// smaller work items (blocks taking the next item from an integer counter) measured slower
-// at every M on H100 (session 13: 1.3x at 4 items per block, M = 1): each more item end
-// is one more partial and tile-counter round trip under the weight stream.
+// [b U / G, (b + 1) U / G) (equal shares: no partial last wave, no idle SM). Not a queue
+// of smaller work items taken from a counter: each more item end is one more partial and
+// tile-counter round trip under the weight stream (slower at every M; docs/swiglu.md).
 //  * up: a work tile is 128 columns of w_gate AND the same 128 columns of w_up (plus one
 //    row group of x); down: 256 columns of w_down. Every weight row segment a block reads
-//    is 256 (up) or 512 (down) contiguous bytes: 64-column tiles (128-byte segments, read
-//    by the neighbouring blocks at other K offsets) streamed at only ~2.3 TB/s on H100.
+//    is 256 (up) or 512 (down) contiguous bytes: narrower segments, read by neighbouring
+//    blocks at other K offsets, stream slower from DRAM.
 //  * a unit = four 64 x 64 weight boxes (8 KB each, 128-byte rows, 128B-swizzled) plus the
 //    A box (x or A2: 16 MT rows x 64 K, rows past M zero-filled by the copy engine).
 //
@@ -21,17 +20,16 @@
 //  * the producer (one thread) waits for a free stage, announces its bytes and issues the
 //    five boxes (weights with an L2 evict-first hint when read once), running up to
 //    S units ahead, across tile boundaries and through the consumers' epilogues;
-//  * the consumers multiply each stage (mma.sync or wgmma: the tile policies below);
+//  * the consumers multiply each stage on mma.sync (MmaSyncTile);
 //  * at the end of a work tile's K range a block that owned the whole tile writes the
 //    output directly; otherwise it writes its fp32 partial to slot (b + tile) of the
 //    workspace and bumps the tile's integer counter. A split tile is summed, in block
 //    order (deterministic), by the blocks whose ranges end in it, once its counter says
 //    every partial is in: they all end at the kernel's end, together, so they share the
-//    sum instead of leaving it to the last block to arrive (which took up to 25 us of a
-//    150 us call at M = 64, the other blocks idle; session 20). The blocks wait on each
-//    other: the launcher never starts more blocks than the GPU holds at once, and two
-//    such grids must not share the GPU from different streams (each could hold SMs the
-//    other's waiting blocks need).
+//    sum instead of leaving it to the last block to arrive while the others idle. The
+//    blocks wait on each other: the launcher never starts more blocks than the GPU holds
+//    at once, and two such grids must not share the GPU from different streams (each
+//    could hold SMs the other's waiting blocks need).
 //
 // The down GEMM with one row group (M <= 64) and few column tiles (D / 256 <= SMs / 5)
 // runs in clusters instead: a cluster of c blocks owns one tile, and its partials are
@@ -46,25 +44,18 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "jax_cluster/activation.cuh"
+#include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/launch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/thread_group.cuh"
 #include "jax_cluster/tma.cuh"
-#include "jax_cluster/vec.cuh"
-#include "jax_cluster/wgmma.cuh"
-#include "jax_cluster/launch.cuh"
-#include "ops/linear/launch.h"
-#include "ops/swiglu/launch.h"
 #include "jax_cluster/tma_host.h"
-
-// Per-block phase timestamps for benchmarks/probes/tma_kernel.cu; nothing in the package.
-#ifndef SWIGLU_TMA_MARK
-#define SWIGLU_TMA_MARK(up, phase)
-#endif
-
+#include "jax_cluster/vec.cuh"
+#include "ops/swiglu/launch.h"
+#include "ops/swiglu/tma_gemm.h"
 
 namespace jax_cluster {
 namespace {
@@ -83,22 +74,19 @@ constexpr int kStagedPitch = 272;  // bytes per row of an up tile staged for the
 // 8 banks apart (two wavefronts, the least for 256 bytes)
 constexpr int kPartialPitch = 264;
 
-// Stages per block: 2 (~70-80 KB in flight per SM). 5-6 stages (~200 KB) were slower at
-// every M on H100 (session 20, benchmarks/probes/tma_kernel.cu): 26 MB in flight across
-// the GPU queue ~9 us deep at 3 TB/s, so each L2 round trip of a tile end (fence, counter,
-// partial sums) cost microseconds, and blocks with equal shares of the stream ended up to
-// 30 us apart (llama2-7b M = 64: up streams ended at 45-77 us; with 2 stages, 62-69 us).
-// An up grid that leaves a third of the SMs idle (Llama-2-7B: 86 tiles of 128 columns on
-// 132 SMs) has a third fewer bytes in flight at 2 stages; 3 stages bring them back (H100,
-// session 23, up kernel alone at M = 64: 77.8 -> 71.3 us; M = 1: 66.6 -> 64.3). At grids of
-// 112 (Llama-3-8B, 70B) 3 stages were 1-2% slower.
+// Stages per block: 2 (~70-80 KB in flight per SM). Deeper rings (~200 KB per SM) queue
+// the memory system microseconds deep: every L2 round trip of a tile end (fence, counter,
+// partial sums) then costs microseconds, and blocks with equal shares of the stream end
+// far apart. An up grid that leaves a third of the SMs idle has a third fewer bytes in
+// flight at 2 stages; 3 stages bring them back (slower on fuller grids). Measurements:
+// docs/swiglu.md.
 constexpr int kStages = 2;
 constexpr int kStagesFewBlocks = 3;
 template <int MT>
 constexpr uint32_t kStageBytes = kBoxes * kBoxBytes + MT * 16 * 128;  // multiple of 1024
 template <int MT, int S>
 constexpr size_t kSmemBytes = 1024 + static_cast<size_t>(S) * kStageBytes<MT>;
-static_assert(kSmemBytes<4, kStagesFewBlocks> <= 227 * 1024, "shared memory");
+static_assert(kSmemBytes<4, kStagesFewBlocks> <= kMaxSharedBytesPerBlock, "shared memory");
 
 struct TmaGemmArgs {  // aligned as CUtensorMap
   CUtensorMap a_map;     // A [m, K] (x or A2), box {64 K, 16 MT rows}
@@ -127,9 +115,8 @@ __device__ __forceinline__ int64_t owner(int64_t u, int64_t units, int64_t block
 
 // ------------------------------------------------------------------ producer
 // Units past the ring's stages whose weights a programmatically launched (down) kernel
-// pulls into L2 before it waits for the previous grid. H100 (session 20, down kernel
-// alone at 0/4/8/16 units): 8 units gave 3-5% at M <= 16, 4 units 1-3% at M = 32-64
-// (where 8 gave nothing: more bytes than the wait leaves idle time for).
+// pulls into L2 before it waits for the previous grid: fewer at 64 rows, where more bytes
+// than the wait leaves idle time for gained nothing (docs/swiglu.md).
 template <int MT>
 constexpr int kPrefetchUnits = MT == 4 ? 4 : 8;
 
@@ -176,7 +163,7 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<S>& ring, uin
   // PDL: the first S stages' weights go out before the wait for the previous grid; their
   // A boxes (A2, written by it) after it. The stages' barriers already expect them. The
   // next kPrefetchUnits units' weights are pulled into L2 then too: HBM is otherwise idle
-  // while the up grid sums its split tiles and drains (session 20). (Prefetched by the up
+  // while the up grid sums its split tiles and drains. (Prefetched by the up
   // kernel instead, they delayed its grid's completion, which the wait includes.)
   const int pro = g.wait_prior ? min(n, S) : 0;
   RingCursor cur;
@@ -199,12 +186,11 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<S>& ring, uin
 }
 
 // ------------------------------------------------------------------ consumers
-// A consumer tile policy holds one thread's accumulators of a work tile's 16 MT rows and
-// knows their layout: mma() adds one stage, slot_store() stores the fp32 partial (slot row
-// of 256: up [gate 128 | up 128], down the tile's 256 output columns; reduce_tile() sums
-// them), emit() writes A2 or y of a tile the block held whole.
-// Two engines: MmaSyncTile (8 warps x mma.sync over ldmatrix fragments, MT = 1, 2, 4) and
-// WgmmaTile (2 warpgroups x wgmma reading both operands from shared memory, MT = 4).
+// A consumer tile (MmaSyncTile: 8 warps x mma.sync over ldmatrix fragments, MT = 1, 2, 4)
+// holds one thread's accumulators of a work tile's 16 MT rows and knows their layout:
+// mma() adds one stage, slot_store() stores the fp32 partial (slot row of 256: up
+// [gate 128 | up 128], down the tile's 256 output columns; reduce_tile() sums them),
+// emit() writes A2 or y of a tile the block held whole.
 
 // y = acc (+ residual) of two adjacent output columns, or A2 = SiLU(gate) * up.
 template <typename T>
@@ -339,99 +325,12 @@ struct MmaSyncTile {
   }
 };
 
-// Warpgroup q of 2 owns all 64 rows and 128 slot columns as two 64-column halves t, one
-// weight box each (one m64n64k16 per half and K step): up: gate columns [64 q, 64 q + 64)
-// (box q) and the same up columns (box 2 + q), so SiLU * mul pairs acc[0][i] with
-// acc[1][i]; down: columns [128 q, 128 q + 128) (boxes 2 q, 2 q + 1). Both operands
-// straight from the stage: A (x / A2) K-major, the weights MN-major (wgmma.cuh); no
-// ldmatrix, no register fragments. Accumulator layout: acc[t][4 j + 2 h + e] =
-// D[16 w + lane / 4 + 8 h][8 j + 2 (lane % 4) + e] of half t, w the warp in the group.
-template <typename T>
-struct WgmmaTile {
-  float acc[2][32];
-  uint32_t box[2];  // byte offsets of the halves' weight boxes in a stage
-  int col0[2];      // slot column of each half's first column
-  int w, lane;
-
-  __device__ WgmmaTile(bool up, int warp, int lane_) : w(warp & 3), lane(lane_) {
-    const int q = warp >> 2;
-    box[0] = (up ? q : 2 * q) * kBoxBytes;
-    box[1] = (up ? 2 + q : 2 * q + 1) * kBoxBytes;
-    col0[0] = up ? 64 * q : 128 * q;
-    col0[1] = up ? 128 + 64 * q : 128 * q + 64;
-  }
-  __device__ void zero() {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[0][i] = acc[1][i] = 0.f;
-  }
-
-  __device__ void mma(uint32_t st, bool /*up*/) {
-    wgmma::fence();  // the accumulators were last written by ordinary instructions
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t a = wgmma::desc_k_major(st + kBoxes * kBoxBytes + kk * 32);
-      const uint32_t k_off = kk * 2048;  // 16 K rows of 128 bytes
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        wgmma::mma_ss<T, 64, true>(acc[t], a, wgmma::desc_mn_major(st + box[t] + k_off, kBoxBytes),
-                                   true);
-      }
-    }
-    wgmma::commit();
-    wgmma::wait<0>();  // the stage is released right after
-    wgmma::fence_operand(acc[0]);
-    wgmma::fence_operand(acc[1]);
-  }
-
-  __device__ int col(int t, int j) const { return col0[t] + 8 * j + 2 * (lane & 3); }
-
-  __device__ void slot_store(float* slot, int rows, bool /*up*/, int pitch = kSlotCols) const {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * w + (lane >> 2) + 8 * h;
-      if (row >= rows) continue;
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          slot_pair(slot + row * pitch + col(t, j), acc[t][4 * j + 2 * h],
-                           acc[t][4 * j + 2 * h + 1]);
-        }
-    }
-  }
-
-  __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * w + (lane >> 2) + 8 * h;
-      if (row >= rows) continue;
-      const int64_t base = (row0 + row) * g.out_cols;
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        if (g.up && t == 1) break;  // half 1 holds the up columns of half 0
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int64_t c = tile * g.tile_cols + col(t, j);
-          if (c >= g.out_cols) continue;  // columns past F / D of a last tile
-          const int i = 4 * j + 2 * h;
-          if (g.up) {
-            store_up<T>(g, base, c, acc[0][i], acc[0][i + 1], acc[1][i], acc[1][i + 1]);
-          } else {
-            store_down<T>(g, base, c, acc[t][i], acc[t][i + 1]);
-          }
-        }
-      }
-    }
-  }
-};
-
 // Sums the `count` partial slots of a split tile in block order (deterministic) and
 // writes A2 = SiLU(gate) * up or y (+ residual) for share `part` of `parts` of the tile's
 // (row, 4-column group) elements. Every block whose range ends in the tile sums a share
-// once all partials are in (they end together): one block summing a whole down tile at
-// M = 64 (~9 slots of 64 KB) took ~15 us with the other blocks idle (session 20). The
-// sum is latency-bound: each consumer thread loads kSlots slots of kElems elements per L2
-// round trip (16 float4 loads in flight).
+// once all partials are in (they end together), rather than one block summing a whole
+// tile while the others idle. The sum is latency-bound: each consumer thread loads kSlots
+// slots of kElems elements per L2 round trip (16 float4 loads in flight).
 template <typename T, bool kUp>
 __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* slot0, int count,
                                             int64_t tile, int64_t row0, int rows, int part,
@@ -491,9 +390,6 @@ __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* s
   }
 }
 
-template <typename T, int MT, bool kWgmma>
-using ConsumerTile = std::conditional_t<kWgmma, WgmmaTile<T>, MmaSyncTile<T, MT>>;
-
 // A down tile owned by a cluster of c blocks (one K range each, the tile's only row group),
 // every block's fp32 partial in its own shared memory: block `rank` sums its 1/c of the
 // tile's 4-column groups over all c partials, read over DSMEM in rank order
@@ -522,15 +418,14 @@ __device__ __forceinline__ void reduce_tile_in_cluster(const TmaGemmArgs& g, con
   }
 }
 
-// The final whole tile of a 64-row up kernel (mma.sync consumers): A2 staged in the free
-// ring, then one bulk copy per row. Its 16 4-byte stores per thread took 1.8 us longer
-// at Llama-2-7B M = 64 (H100, session 23: 111.4 -> 109.6 us per call); at 16-32 rows
-// there was no gain. Returns whether it wrote the tile.
-template <typename T, int MT, bool kWgmma>
+// The final whole tile of a 64-row up kernel: A2 staged in the free ring, then one bulk
+// copy per row, instead of 16 4-byte stores per thread (faster at 64 rows, no gain at
+// 16-32; docs/swiglu.md). Returns whether it wrote the tile.
+template <typename T, int MT>
 __device__ __forceinline__ bool emit_up_through_copy_engine(
-    const TmaGemmArgs& g, const ConsumerTile<T, MT, kWgmma>& tile_acc, uint8_t* stages,
+    const TmaGemmArgs& g, const MmaSyncTile<T, MT>& tile_acc, uint8_t* stages,
     const ThreadGroup& group_sync, int64_t tile, int64_t row0, int rows, int tid) {
-  if constexpr (kWgmma || MT != 4) {
+  if constexpr (MT != 4) {
     return false;
   } else {
     if (!g.up) return false;
@@ -550,10 +445,9 @@ __device__ __forceinline__ bool emit_up_through_copy_engine(
   }
 }
 
-template <typename T, int MT, bool kWgmma, int S>
+template <typename T, int MT, int S>
 __global__ void __launch_bounds__(kThreads, 1)
     swiglu_tma_kernel(const __grid_constant__ TmaGemmArgs g) {
-  static_assert(!kWgmma || MT == 4, "wgmma tiles are 64 rows");
   constexpr int R = 16 * MT;
   extern __shared__ uint8_t smem_raw[];
   __shared__ Ring<S> ring;
@@ -582,12 +476,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers
   const ThreadGroup group_sync{kConsumers, kConsumerBarrier};
-  SWIGLU_TMA_MARK(g.up, 0);
   if (g.wait_prior) ptx::griddep_wait();  // slots and counters are the previous grid's too
-  SWIGLU_TMA_MARK(g.up, 1);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   const int64_t slot_floats = g.slot_rows * kSlotCols;
-  ConsumerTile<T, MT, kWgmma> tile_acc(g.up, warp, lane);
+  MmaSyncTile<T, MT> tile_acc(g.up, warp, lane);
   tile_acc.zero();
   // Where work tile w ends its K range: rows, and the blocks owning its first and last unit.
   auto tile_end = [&](int64_t w, int64_t& tile, int64_t& row0, int& rows, int64_t& first,
@@ -621,48 +513,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     tile_acc.zero();
   }
-  SWIGLU_TMA_MARK(g.up, 2);
 
   // ---- the final tile end (tile w): a whole tile is written directly. A split one waits
   // for every block's partial; then the blocks whose ranges end in it (all but `last`
   // when its range runs on into the next tile) sum a share each. No block waits before
   // its own increments, so the waits cannot form a cycle (the launcher keeps every block
-  // resident). Tried and not kept (session 20, no measurable gain): the one summing block
-  // of a 2-block tile adding the other's partial to its own accumulators (its partial
-  // never through L2), and writing finished tiles through shared memory in 16-byte rows.
+  // resident).
   const int64_t w = (u0 + n - 1) / K;
   int64_t tile, row0, first, last;
   int rows;
   tile_end(w, tile, row0, rows, first, last);
   if (g.cluster > 1) {  // a cluster's tile (row0 = 0): its partials meet in shared memory
     static_assert(16 * MT * kPartialPitch * 4 <= S * kStageBytes<MT>, "a partial fits the ring");
-    SWIGLU_TMA_MARK(g.up, 6);
     float* partial = reinterpret_cast<float*>(stages);
     group_sync.sync();  // every consumer is done with the last stage
     tile_acc.slot_store(partial, rows, false, kPartialPitch);
-    SWIGLU_TMA_MARK(g.up, 7);
     ptx::cluster_sync();
-    SWIGLU_TMA_MARK(g.up, 5);
     reduce_tile_in_cluster<T>(g, partial, tile, rows, static_cast<int>(ptx::cluster_rank()),
                               tid);
     ptx::cluster_sync();  // no block leaves while the others read its shared memory
-    SWIGLU_TMA_MARK(g.up, 3);
     return;
   }
   const int count = static_cast<int>(last - first + 1);
   const bool split = count > 1;
-  SWIGLU_TMA_MARK(g.up, 6);
   if (split) {
     tile_acc.slot_store(g.slots + (b + w) * slot_floats, rows, g.up);
-  } else if (!emit_up_through_copy_engine<T, MT, kWgmma>(g, tile_acc, stages, group_sync, tile,
+  } else if (!emit_up_through_copy_engine<T, MT>(g, tile_acc, stages, group_sync, tile,
                                                          row0, rows, tid)) {
     tile_acc.emit(g, tile, row0, rows);
   }
-  SWIGLU_TMA_MARK(g.up, 7);
   if (split || pending >= 0) {
     __threadfence();  // the partials are visible before the counters say they are there
     group_sync.sync();
-    SWIGLU_TMA_MARK(g.up, 4);
     if (tid == 0) {
       if (pending >= 0) atomicAdd(g.counters + pending, 1u);
       if (split) {
@@ -672,7 +554,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (split) {
       group_sync.sync();
-      SWIGLU_TMA_MARK(g.up, 5);
       const float* slot0 = g.slots + (first + w) * slot_floats;
       const bool last_sums = (last + 1) * units / blocks == (w + 1) * K;
       const int part = static_cast<int>(b - first), parts = last_sums ? count : count - 1;
@@ -683,17 +564,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  SWIGLU_TMA_MARK(g.up, 3);
 }
 
 // ------------------------------------------------------------------ launcher
 // The up GEMM's grid. When its work tiles fit on the GPU: tiles x k blocks, k the largest
 // power of two with tiles x k <= cap that divides the tile's K blocks, so every block owns
-// one whole tile or exactly 1/k of one, and ends together with the tile's other blocks.
-// H100, M = 64 (session 20, benchmarks/probes/tma_kernel.cu): the up kernel took 89.0
-// instead of 99.5 us with 112 blocks (Llama-3-8B: 112 tiles) and 88.2 instead of 96.6 with
-// 112 (70B: 56 tiles, halves), 77.6 instead of 80.9 with 86 (Llama-2-7B), though fewer SMs
-// stream. The down GEMM (16-32 tiles) keeps every SM.
+// one whole tile or exactly 1/k of one, and ends together with the tile's other blocks
+// (faster, though fewer SMs stream; docs/swiglu.md). The down GEMM keeps every SM.
 int64_t up_blocks(int64_t tiles, int64_t k_blocks, int64_t cap) {
   if (tiles > cap) return cap;
   int64_t k = 1;
@@ -704,13 +581,13 @@ int64_t up_blocks(int64_t tiles, int64_t k_blocks, int64_t cap) {
 // One GEMM's grid: at most one block per unit (every block owns >= 1 unit: the kernel
 // counts on it), at most the blocks the GPU holds at once (they wait on each other's
 // partials), the up GEMM's rule on top.
-template <typename T, int MT, bool kWgmma, int S>
+template <typename T, int MT, int S>
 cudaError_t grid_blocks(const TmaGemmArgs& a, int64_t max_blocks, int64_t* blocks) {
   const int64_t units = a.col_tiles * a.row_groups * a.k_blocks;
   int resident = 0;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      resident_blocks(reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, kWgmma, S>),
-                      kThreads, kSmemBytes<MT, S>, &resident));
+      resident_blocks(reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, S>), kThreads,
+                      kSmemBytes<MT, S>, &resident));
   *blocks = std::min<int64_t>({max_blocks, units, resident});
   if (a.up) *blocks = up_blocks(a.col_tiles * a.row_groups, a.k_blocks, *blocks);
   return cudaSuccess;
@@ -718,21 +595,21 @@ cudaError_t grid_blocks(const TmaGemmArgs& a, int64_t max_blocks, int64_t* block
 
 // Launches `blocks` (at most grid_blocks of this S) blocks of S stages; in clusters of
 // a.cluster blocks when it is > 1.
-template <typename T, int MT, bool kWgmma, int S>
+template <typename T, int MT, int S>
 cudaError_t launch_gemm(const TmaGemmArgs& a, int64_t blocks, cudaStream_t stream) {
   int64_t most = 0;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kWgmma, S>(a, blocks, &most)));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, S>(a, blocks, &most)));
   if (most < blocks) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (a.cluster > 1) {
     if (!a.wait_prior) {
-      return launch_cluster(swiglu_tma_kernel<T, MT, kWgmma, S>, grid, dim3(kThreads),
-                            kSmemBytes<MT, S>, a.cluster, stream, a);
+      return launch_cluster(swiglu_tma_kernel<T, MT, S>, grid, dim3(kThreads), kSmemBytes<MT, S>,
+                            a.cluster, stream, a);
     }
-    return launch_cluster_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>, grid,
-                                       dim3(kThreads), kSmemBytes<MT, S>, a.cluster, stream, a);
+    return launch_cluster_programmatic(swiglu_tma_kernel<T, MT, S>, grid, dim3(kThreads),
+                                       kSmemBytes<MT, S>, a.cluster, stream, a);
   }
-  return launch_programmatic(swiglu_tma_kernel<T, MT, kWgmma, S>, grid, dim3(kThreads),
+  return launch_programmatic(swiglu_tma_kernel<T, MT, S>, grid, dim3(kThreads),
                              kSmemBytes<MT, S>, a.wait_prior, stream, a);
 }
 
@@ -740,13 +617,10 @@ cudaError_t launch_gemm(const TmaGemmArgs& a, int64_t blocks, cudaStream_t strea
 // cluster of c blocks, which sums its partials over DSMEM at the end: the largest c in
 // 5..8 with tiles x c within the grid, at most one block per K block, and every cluster
 // resident at once (so the tiles end together; the GPU's GPCs decide, not its SM count:
-// an H100 holds 15 clusters of 8, not 16, and the 16th ran as a second wave, +20 us).
-// 1: the stream-K grid with partials in global slots.
-// H100, session 23, x nonzero (benchmarks/probes/tma_kernel.cu), D = 4096 (16 tiles,
-// clusters of 6: 96 blocks): M = 64 112.4 -> 109.4 us (Llama-2-7B), 135.2 -> 132.0
-// (Llama-3-8B); M = 16 equal / 124.0 -> 121.7. D = 8192 (32 tiles, clusters of 4) was
-// 0.7-1.3% slower than the slots, whose sums there are only ~4 partials deep: hence c >= 5.
-template <typename T, int MT, bool kWgmma, int S>
+// an H100 holds 15 clusters of 8, not 16, and a 16th would run as a second wave).
+// 1: the stream-K grid with partials in global slots. Below 5 blocks per tile the slot
+// sums are shallow enough that the slots were faster (docs/swiglu.md).
+template <typename T, int MT, int S>
 cudaError_t down_cluster_size(const TmaGemmArgs& a, int64_t grid, int* size) {
   *size = 1;
   if (a.up || a.row_groups != 1) return cudaSuccess;
@@ -754,8 +628,8 @@ cudaError_t down_cluster_size(const TmaGemmArgs& a, int64_t grid, int* size) {
     if (a.col_tiles * c > grid || c > a.k_blocks) continue;
     int clusters = 0;
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(resident_clusters(
-        reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, kWgmma, S>), kThreads,
-        kSmemBytes<MT, S>, c, &clusters));
+        reinterpret_cast<const void*>(swiglu_tma_kernel<T, MT, S>), kThreads, kSmemBytes<MT, S>,
+        c, &clusters));
     if (clusters >= a.col_tiles) {
       *size = c;
       return cudaSuccess;
@@ -765,60 +639,65 @@ cudaError_t down_cluster_size(const TmaGemmArgs& a, int64_t grid, int* size) {
 }
 
 // One GEMM of `a` on at most max_blocks blocks: the grid (blocks resident at once), the
-// ring depth, and clusters for a down-type GEMM where they apply (unless `slots`). Zeroes
-// the tile counters first when the grid sums split tiles through them.
-template <typename T, int MT, bool kWgmma>
-cudaError_t launch_one(TmaGemmArgs& a, int64_t max_blocks, bool slots, int64_t counters,
-                       cudaStream_t stream) {
+// ring depth, and clusters for a down GEMM where they apply. Zeroes `counters` tile
+// counters first when the grid sums split tiles through them (0: already zero).
+template <typename T, int MT>
+cudaError_t launch_one(TmaGemmArgs& a, int64_t max_blocks, int64_t counters, cudaStream_t stream) {
   int64_t blocks = 0;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kWgmma, kStages>(a, max_blocks, &blocks)));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((grid_blocks<T, MT, kStages>(a, max_blocks, &blocks)));
   int sms = 0, device = 0;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const bool few_blocks = a.up && 3 * blocks <= 2 * static_cast<int64_t>(sms);
-  a.cluster = 1;
-  if (!slots) {
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR((down_cluster_size<T, MT, kWgmma, kStages>(a, blocks, &a.cluster)));
-  }
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((down_cluster_size<T, MT, kStages>(a, blocks, &a.cluster)));
   if (a.cluster > 1) {
     blocks = a.col_tiles * a.cluster;
   } else if (counters > 0) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.counters, 0, 4 * counters, stream));
   }
-  return few_blocks ? launch_gemm<T, MT, kWgmma, kStagesFewBlocks>(a, blocks, stream)
-                    : launch_gemm<T, MT, kWgmma, kStages>(a, blocks, stream);
+  return few_blocks ? launch_gemm<T, MT, kStagesFewBlocks>(a, blocks, stream)
+                    : launch_gemm<T, MT, kStages>(a, blocks, stream);
 }
 
-// The fields of a down-type GEMM (y = a @ w (+ residual), 256-column work tiles) that
-// swiglu's down kernel and the linear projection share.
-cudaError_t plain_gemm_args(TmaGemmArgs& a, DType dtype, const void* act, int64_t m, int64_t k,
-                            const void* w, int64_t n, int rows) {
+// A down-type GEMM (y = a @ w (+ residual), 256-column work tiles): swiglu's down stage
+// and the linear projection.
+template <typename T, int MT>
+cudaError_t launch_down(const TmaGemm& g, cudaStream_t stream) {
+  constexpr int R = 16 * MT;
+  if (g.row_tiles != MT || g.max_blocks < 1) return cudaErrorInvalidValue;
   constexpr auto kSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   // Weight boxes have 128-byte rows whose neighbours belong to other tiles (streamed by
   // other blocks at other times): fetch exactly those rows.
   constexpr auto kWeights = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, dtype, act, m, k, rows, kBoxCols, kSwizzle));
+  TmaGemmArgs a;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.a_map, g.dtype, g.a, g.m, g.k, R, kBoxCols, kSwizzle));
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      encode_matrix_map(&a.b0_map, dtype, w, k, n, kKRows, kBoxCols, kSwizzle, kWeights));
+      encode_matrix_map(&a.b0_map, g.dtype, g.w, g.k, g.n, kKRows, kBoxCols, kSwizzle, kWeights));
   a.b1_map = a.b0_map;
   a.up = false;
-  a.m = m;
-  a.row_groups = swiglu_ceil_div(m, rows);
+  a.m = g.m;
+  a.row_groups = swiglu_ceil_div(g.m, R);
   a.hint = a.row_groups == 1;
-  a.out_cols = n;
-  a.out_f32 = false;
-  a.k_blocks = k / kKRows;
-  a.col_tiles = swiglu_ceil_div(n, kSwigluTmaDownCols);
+  a.out_cols = g.n;
+  a.k_blocks = g.k / kKRows;
+  a.col_tiles = swiglu_ceil_div(g.n, kSwigluTmaDownCols);
   a.tile_cols = static_cast<int>(kSwigluTmaDownCols);
   a.b1_off = 128;
-  a.trigger = false;
-  return cudaSuccess;
+  a.slot_rows = std::min<int64_t>(g.m, R);
+  a.counters = g.counters;
+  a.slots = g.slots;
+  a.residual = g.residual;
+  a.out = g.out;
+  a.out_f32 = g.out_f32;
+  a.wait_prior = g.wait_prior;
+  a.trigger = g.trigger;
+  return launch_one<T, MT>(a, g.max_blocks, g.zero_counters, stream);
 }
 
-template <typename T, int MT, bool kWgmma = false>
+template <typename T, int MT>
 cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   constexpr int R = 16 * MT;
-  if (p.row_tiles != MT || p.num_clusters < 1) return cudaErrorInvalidValue;
+  if (p.row_tiles != MT || p.blocks < 1) return cudaErrorInvalidValue;
   const SwigluTmaLayout l = swiglu_tma_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
@@ -853,77 +732,47 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   // would come between the two and hold the down kernel back from its early start.
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_one<T, MT, kWgmma>(up, p.num_clusters, true, 0, stream)));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_one<T, MT>(up, p.blocks, 0, stream)));
   if (!p.has_down) return cudaSuccess;
   // Down: A2 @ w_down (+ residual) -> y.
-  TmaGemmArgs down;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(plain_gemm_args(down, p.dtype, ws, p.m, p.f, p.w_down, p.d, R));
-  down.slot_rows = l.slot_rows;
-  down.slots = slots;
-  down.counters = counters + l.tiles_up;
+  TmaGemm down;
+  down.dtype = p.dtype;
+  down.m = p.m;
+  down.k = p.f;
+  down.n = p.d;
+  down.row_tiles = MT;
+  down.max_blocks = p.blocks;
+  down.a = ws;
+  down.w = p.w_down;
   down.residual = p.has_residual ? p.residual : nullptr;
   down.out = p.out;
+  down.out_f32 = false;
+  down.counters = counters + l.tiles_up;
+  down.slots = slots;
+  down.zero_counters = 0;
   down.wait_prior = p.pdl;
-  return launch_one<T, MT, kWgmma>(down, p.num_clusters, p.down_slots, 0, stream);
-}
-
-// The linear projection: one down-type GEMM of p.a.
-template <typename T, int MT>
-cudaError_t launch_linear_rows(const LinearParams& p, cudaStream_t stream) {
-  constexpr int R = 16 * MT;
-  if (p.row_tiles != MT || p.max_blocks < 1) return cudaErrorInvalidValue;
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  TmaGemmArgs a;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(plain_gemm_args(a, p.dtype, p.a, p.m, p.k, p.w, p.n, R));
-  a.slot_rows = std::min<int64_t>(p.m, R);
-  a.counters = reinterpret_cast<unsigned int*>(ws);
-  a.slots = reinterpret_cast<float*>(ws + linear_slots_offset(p));
-  a.residual = p.has_residual ? p.residual : nullptr;
-  a.out = p.out;
-  a.out_f32 = p.out_f32;
-  a.wait_prior = p.pdl;
-  a.trigger = true;  // the next kernel may take SMs this grid leaves free, and wait there
-  return launch_one<T, MT, false>(a, p.max_blocks, false, linear_tiles(p), stream);
-}
-
-template <typename T>
-cudaError_t launch_typed(const SwigluParams& p, cudaStream_t stream) {
-  switch (p.row_tiles) {
-    case 1: return launch_rows<T, 1>(p, stream);
-    case 2: return launch_rows<T, 2>(p, stream);
-    case 4: return p.wgmma ? launch_rows<T, 4, true>(p, stream) : launch_rows<T, 4>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <typename T>
-cudaError_t launch_linear_typed(const LinearParams& p, cudaStream_t stream) {
-  switch (p.row_tiles) {
-    case 1: return launch_linear_rows<T, 1>(p, stream);
-    case 2: return launch_linear_rows<T, 2>(p, stream);
-    case 4: return launch_linear_rows<T, 4>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  down.trigger = false;
+  return launch_down<T, MT>(down, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_linear(const LinearParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kF16: return launch_linear_typed<__half>(p, stream);
-    case DType::kBF16: return launch_linear_typed<__nv_bfloat16>(p, stream);
-    case DType::kF32: break;
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch_swiglu_tma(const SwigluParams& p, cudaStream_t stream) {
+  return dispatch_half(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return dispatch_int<1, 2, 4>(p.row_tiles, [&](auto mt) {
+      return launch_rows<T, decltype(mt)::value>(p, stream);
+    });
+  });
 }
 
-cudaError_t launch_swiglu_tma(const SwigluParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kF16: return launch_typed<__half>(p, stream);
-    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
-    case DType::kF32: break;
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch_tma_gemm(const TmaGemm& g, cudaStream_t stream) {
+  return dispatch_half(g.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return dispatch_int<1, 2, 4>(g.row_tiles, [&](auto mt) {
+      return launch_down<T, decltype(mt)::value>(g, stream);
+    });
+  });
 }
 
 }  // namespace jax_cluster
