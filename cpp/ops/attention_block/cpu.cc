@@ -11,7 +11,7 @@
 namespace jax_cluster::cpu {
 namespace {
 
-void normalize(const AttentionDecodeParams& p, int64_t b, std::vector<float>& h) {
+void normalize(const AttentionBlockParams& p, int64_t b, std::vector<float>& h) {
   const int64_t d = p.hidden;
   for (int64_t i = 0; i < d; ++i) h[i] = load(p.dtype, p.x, b * d + i);
   if (p.norm == NormKind::kNone) return;
@@ -33,13 +33,13 @@ void normalize(const AttentionDecodeParams& p, int64_t b, std::vector<float>& h)
   }
 }
 
-void rope(const AttentionDecodeParams& p, float* v, int pos) {
+void rope(const AttentionBlockParams& p, float* v, int pos) {
   cpu::rope(v, pos, p.inv_freq, p.rotary_dim, p.rope_layout);
 }
 
 }  // namespace
 
-void attention_decode(const AttentionDecodeParams& p) {
+void attention_block(const AttentionBlockParams& p) {
   const int64_t D = p.hidden, Hq = p.num_q_heads, Hkv = p.num_kv_heads, Dh = p.head_dim;
   const int64_t cols = (Hq + 2 * Hkv) * Dh, G = p.group(), S = p.max_seq;
   std::vector<float> h(D), qkv(cols), attn(Hq * Dh), scores;

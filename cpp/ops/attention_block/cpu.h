@@ -6,6 +6,6 @@ namespace jax_cluster::cpu {
 
 // Plain loops, fp32 throughout; the new k, v are rounded to the cache dtype
 // before attention reads them, as the kernel does.
-void attention_decode(const AttentionDecodeParams& p);
+void attention_block(const AttentionBlockParams& p);
 
 }  // namespace jax_cluster::cpu

@@ -1,174 +1,161 @@
-// Decodes and validates attention_decode's FFI arguments into one
-// AttentionDecodeParams, shared by the CPU and CUDA handlers. The Python
-// wrapper checks the same things first with friendlier messages; this is the
+// attention_block's FFI binding, shared by the CPU and CUDA handlers: the attributes are
+// one struct (decoded by XLA from the call's attribute dictionary), the buffers are read by
+// position, and both are validated ONCE here into an AttentionBlockParams. The Python
+// wrapper checks the same step first (through plan.h, so the messages agree); this is the
 // last line of defence against a malformed custom call.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <utility>
 
 #include "ffi/common.h"
 #include "ops/attention_block/params.h"
+#include "ops/attention_block/plan.h"
 
 namespace jax_cluster {
 
 namespace ffi = xla::ffi;
 
-struct AttentionDecodeBuffers {
-  ffi::AnyBuffer x, norm_w, norm_b, w_qkv, qkv_bias, w_o, o_bias, inv_freq, lengths, k_cache,
-      v_cache;
-  ffi::Result<ffi::AnyBuffer> y, k_out, v_out, workspace;
+// The custom call's attributes (Python: jax_cluster/ops/attention_block.py binds them).
+struct AttentionBlockAttrs {
+  int64_t num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm;
+  float eps, scale;
+  bool residual, has_qkv_bias, has_o_bias;
+  int64_t cluster_size, max_heads_per_cluster, dataflow, pipeline;
 };
 
-inline ffi::ErrorOr<AttentionDecodeParams> decode_attention_decode(
-    AttentionDecodeBuffers& a, int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim,
-    int64_t rope_layout, int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias,
-    bool has_o_bias, int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow,
-    int64_t pipeline, int64_t rows_per_cluster) {
+// A call's buffers, bound as .RemainingArgs().RemainingRets(): operand i and result i by
+// position, once `arity` checked that there are exactly `ins` and `outs` of them, all
+// arrays (the attention ops' handlers share this).
+struct FfiBuffers {
+  ffi::RemainingArgs args;
+  ffi::RemainingRets rets;
+
+  std::string arity(size_t ins, size_t outs) const {
+    if (args.size() != ins || rets.size() != outs) {
+      return "expected " + std::to_string(ins) + " operands and " + std::to_string(outs) +
+             " results, got " + std::to_string(args.size()) + " and " + std::to_string(rets.size());
+    }
+    for (size_t i = 0; i < ins; ++i) {
+      if (!args.isa<ffi::AnyBuffer>(i)) return "operand " + std::to_string(i) + " is not an array";
+    }
+    for (size_t i = 0; i < outs; ++i) {
+      if (!rets.isa<ffi::AnyBuffer>(i)) return "result " + std::to_string(i) + " is not an array";
+    }
+    return "";
+  }
+  ffi::AnyBuffer in(size_t i) const { return *args.get<ffi::AnyBuffer>(i); }
+  ffi::Result<ffi::AnyBuffer> out(size_t i) const { return *rets.get<ffi::AnyBuffer>(i); }
+};
+
+// Operands and results in the order Python binds them.
+enum AttentionBlockOperand : size_t {
+  kAbX, kAbNormW, kAbNormB, kAbWqkv, kAbQkvBias, kAbWo, kAbOBias, kAbInvFreq, kAbLengths,
+  kAbKCache, kAbVCache, kAbOperands
+};
+enum AttentionBlockResult : size_t { kAbY, kAbKOut, kAbVOut, kAbWorkspace, kAbResults };
+
+inline ffi::ErrorOr<AttentionBlockParams> attention_block_params(const FfiBuffers& call,
+                                                                 const AttentionBlockAttrs& a) {
   auto fail = [](const std::string& m) {
-    return ffi::Unexpected(ffi_util::invalid("attention_decode: " + m));
+    return ffi::Unexpected(ffi_util::invalid("attention_block: " + m));
   };
-  auto xd = a.x.dimensions(), kd = a.k_cache.dimensions();
+  if (auto e = call.arity(kAbOperands, kAbResults); !e.empty()) return fail(e);
+  const ffi::AnyBuffer x = call.in(kAbX), k_cache = call.in(kAbKCache), v_cache = call.in(kAbVCache);
+  const ffi::AnyBuffer w_qkv = call.in(kAbWqkv), w_o = call.in(kAbWo), norm_w = call.in(kAbNormW);
+  const ffi::AnyBuffer norm_b = call.in(kAbNormB), qkv_bias = call.in(kAbQkvBias);
+  const ffi::AnyBuffer o_bias = call.in(kAbOBias), inv_freq = call.in(kAbInvFreq);
+  const ffi::AnyBuffer lengths = call.in(kAbLengths);
+  ffi::Result<ffi::AnyBuffer> y = call.out(kAbY), k_out = call.out(kAbKOut), v_out = call.out(kAbVOut);
+  ffi::Result<ffi::AnyBuffer> workspace = call.out(kAbWorkspace);
+
+  auto xd = x.dimensions(), kd = k_cache.dimensions();
   if (xd.size() != 2 || kd.size() != 4) return fail("x must be [B, D] and caches [B, Hkv, S_max, Dh]");
-  auto dtype = ffi_util::to_dtype(a.x.element_type(), "x");
+  auto dtype = ffi_util::to_dtype(x.element_type(), "x");
   if (!dtype) return ffi::Unexpected(dtype.error());
-  AttentionDecodeParams p;
+  if (a.rope_layout != 0 && a.rope_layout != 1) return fail("rope_layout must be 0 (half) or 1 (interleaved)");
+  if (a.norm < 0 || a.norm > 2) return fail("norm must be 0 (none), 1 (rms) or 2 (layer)");
+  AttentionBlockParams p{};
   p.dtype = *dtype;
   p.batch = xd[0];
   p.hidden = xd[1];
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
+  p.num_q_heads = a.num_q_heads;
+  p.num_kv_heads = a.num_kv_heads;
   p.head_dim = kd[3];
   p.max_seq = kd[2];
-  p.rotary_dim = rotary_dim;
-  p.rope_layout = static_cast<RopeLayout>(rope_layout);
-  p.norm = static_cast<NormKind>(norm);
-  p.eps = eps;
-  p.scale = scale;
-  p.residual = residual;
-  p.has_qkv_bias = has_qkv_bias;
-  p.has_o_bias = has_o_bias;
-  p.cluster_size = static_cast<int>(cluster_size);
-  if (max_heads_per_cluster < 1 || max_heads_per_cluster > kAttnMaxHeadsPerCluster) {
-    return fail("max_heads_per_cluster must be in 1..8");
+  p.rotary_dim = a.rotary_dim;
+  p.rope_layout = static_cast<RopeLayout>(a.rope_layout);
+  p.norm = static_cast<NormKind>(a.norm);
+  p.eps = a.eps;
+  p.scale = a.scale;
+  p.residual = a.residual;
+  p.has_qkv_bias = a.has_qkv_bias;
+  p.has_o_bias = a.has_o_bias;
+  p.cluster_size = static_cast<int>(a.cluster_size);
+  p.max_heads_per_cluster = static_cast<int>(a.max_heads_per_cluster);
+  p.dataflow = static_cast<AttnDataflow>(a.dataflow);
+  p.pipeline = static_cast<AttnPipeline>(a.pipeline);
+  if (auto e = attention_block_check(p); !e.empty()) return fail(e);
+
+  if (kd[0] != p.batch || kd[1] != p.num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
+  if (v_cache.dimensions().size() != 4 || v_cache.element_count() != k_cache.element_count()) {
+    return fail("v_cache must have k_cache's shape");
   }
-  p.max_heads_per_cluster = static_cast<int>(max_heads_per_cluster);
-  if (dataflow != 0 && dataflow != 1) return fail("dataflow must be 0 (split_token) or 1 (split_head)");
-  p.dataflow = static_cast<AttnDataflow>(dataflow);
-  if (pipeline != 0 && pipeline != 1) return fail("pipeline must be 0 (registers) or 1 (tma)");
-  if (pipeline == 1 && p.dataflow != AttnDataflow::kSplitToken) {
-    return fail("pipeline tma is a SplitToken pipeline (dataflow split_token)");
+  const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  auto count = [](const ffi::AnyBuffer& b) { return static_cast<int64_t>(b.element_count()); };
+  if (count(w_qkv) != p.hidden * cols) return fail("w_qkv must be [D, (Hq + 2 Hkv) Dh]");
+  if (count(w_o) != p.num_q_heads * p.head_dim * p.hidden) return fail("w_o must be [Hq Dh, D]");
+  if (p.has_qkv_bias && count(qkv_bias) != cols) return fail("qkv_bias must be [(Hq + 2 Hkv) Dh]");
+  if (p.has_o_bias && count(o_bias) != p.hidden) return fail("o_bias must be [D]");
+  if (p.norm != NormKind::kNone && count(norm_w) != p.hidden) return fail("norm_weight must be [D]");
+  if (p.norm == NormKind::kLayer && count(norm_b) != p.hidden) return fail("norm_bias must be [D]");
+  if (inv_freq.element_type() != ffi::DataType::F32 || count(inv_freq) != p.rotary_dim / 2) {
+    return fail("inv_freq must be float32 [rotary_dim / 2]");
   }
-  p.pipeline = static_cast<AttnPipeline>(pipeline);
-  if (!is_pow2_cluster_size(rows_per_cluster)) {
-    return fail("rows_per_cluster must be 1, 2, 4, 8 or 16");
+  if (lengths.element_type() != ffi::DataType::S32 || count(lengths) != p.batch) {
+    return fail("lengths must be int32 [B]");
   }
-  p.rows_per_cluster = static_cast<int>(rows_per_cluster);
-  if (rows_per_cluster > 1 && (p.dataflow != AttnDataflow::kSplitToken || p.pipeline != AttnPipeline::kRegisters)) {
-    return fail("rows_per_cluster > 1 (the batch-tiled kernel) needs dataflow split_token and pipeline registers");
+  for (const ffi::AnyBuffer* buf : {&w_qkv, &w_o, &k_cache, &v_cache}) {
+    if (buf->element_type() != x.element_type()) return fail("weights and caches must have x's dtype");
   }
-  if (p.dataflow == AttnDataflow::kSplitHead && p.head_dim % (8 * cluster_size) != 0) {
-    return fail("dataflow split_head needs head_dim divisible by 8 * cluster_size");
+  // The caches are updated in place: XLA hands the aliased outputs the operands' buffers.
+  if (k_out->untyped_data() != k_cache.untyped_data() || v_out->untyped_data() != v_cache.untyped_data()) {
+    return fail("the caches must be aliased to the k_cache and v_cache results");
   }
-  if (num_kv_heads < 1 || num_q_heads % num_kv_heads) return fail("num_q_heads must be a multiple of num_kv_heads");
-  if (kd[0] != p.batch || kd[1] != num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
-  if (rotary_dim < 0 || rotary_dim > p.head_dim || rotary_dim % 2) return fail("rotary_dim must be even and <= head_dim");
-  if (!is_valid_cluster_size(cluster_size)) return fail("cluster_size must be 1..8 or 16");
-  if (!is_pow2_cluster_size(cluster_size) && (p.dataflow != AttnDataflow::kSplitToken || rows_per_cluster > 1)) {
-    return fail("cluster sizes 3, 5, 6, 7 are for the SplitToken kernels with rows_per_cluster 1 only");
+  if (static_cast<int64_t>(workspace->size_bytes()) < attention_block_workspace_bytes(p)) {
+    return fail("workspace too small");
   }
-  const int64_t cols = (num_q_heads + 2 * num_kv_heads) * p.head_dim;
-  if (a.w_qkv.element_count() != static_cast<size_t>(p.hidden * cols)) return fail("w_qkv must be [D, (Hq + 2 Hkv) Dh]");
-  if (a.w_o.element_count() != static_cast<size_t>(num_q_heads * p.head_dim * p.hidden)) return fail("w_o must be [Hq Dh, D]");
-  if (has_qkv_bias && a.qkv_bias.element_count() != static_cast<size_t>(cols)) return fail("qkv_bias size");
-  if (has_o_bias && a.o_bias.element_count() != static_cast<size_t>(p.hidden)) return fail("o_bias size");
-  if (p.norm != NormKind::kNone && a.norm_w.element_count() != static_cast<size_t>(p.hidden)) return fail("norm_weight size");
-  if (p.norm == NormKind::kLayer && a.norm_b.element_count() != static_cast<size_t>(p.hidden)) return fail("norm_bias size");
-  if (a.inv_freq.element_type() != ffi::DataType::F32 || a.inv_freq.element_count() != static_cast<size_t>(rotary_dim / 2)) return fail("inv_freq must be float32 [rotary_dim / 2]");
-  if (a.lengths.element_type() != ffi::DataType::S32 || a.lengths.element_count() != static_cast<size_t>(p.batch)) return fail("lengths must be int32 [B]");
-  for (const ffi::AnyBuffer* buf : {&a.w_qkv, &a.w_o, &a.k_cache, &a.v_cache}) {
-    if (buf->element_type() != a.x.element_type()) return fail("weights and caches must have x's dtype");
-  }
-  if (rows_per_cluster > 1) {
-    const TiledLayout tiled(p.hidden, p.rows_per_cluster, static_cast<int>(p.heads_per_cluster()),
-                            static_cast<int>(p.head_dim), p.cluster_size);
-    if (tiled.bytes > kMaxSharedBytesPerBlock - 2048) {  // less the static part (<= 1.4 KB)
-      return fail("rows_per_cluster " + std::to_string(rows_per_cluster) + " needs " +
-                  std::to_string(tiled.bytes) + " bytes of shared memory per block, more than a block has");
-    }
-  }
-  if (a.workspace->size_bytes() < static_cast<size_t>(attention_decode_workspace_bytes(p))) return fail("workspace too small");
-  p.x = a.x.untyped_data();
-  p.norm_w = a.norm_w.untyped_data();
-  p.norm_b = a.norm_b.untyped_data();
-  p.w_qkv = a.w_qkv.untyped_data();
-  p.qkv_bias = a.qkv_bias.untyped_data();
-  p.w_o = a.w_o.untyped_data();
-  p.o_bias = a.o_bias.untyped_data();
-  p.inv_freq = static_cast<const float*>(a.inv_freq.untyped_data());
-  p.lengths = static_cast<const int32_t*>(a.lengths.untyped_data());
-  p.k_cache = a.k_out->untyped_data();  // aliased with the input cache
-  p.v_cache = a.v_out->untyped_data();
-  p.y = a.y->untyped_data();
-  p.partial = static_cast<float*>(a.workspace->untyped_data());
+  p.x = x.untyped_data();
+  p.norm_w = norm_w.untyped_data();
+  p.norm_b = norm_b.untyped_data();
+  p.w_qkv = w_qkv.untyped_data();
+  p.qkv_bias = qkv_bias.untyped_data();
+  p.w_o = w_o.untyped_data();
+  p.o_bias = o_bias.untyped_data();
+  p.inv_freq = static_cast<const float*>(inv_freq.untyped_data());
+  p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  p.k_cache = k_out->untyped_data();
+  p.v_cache = v_out->untyped_data();
+  p.y = y->untyped_data();
+  p.partial = static_cast<float*>(workspace->untyped_data());
   return p;
 }
 
-// Ffi binding shared by both handlers (the CUDA one prepends the stream).
+// The binding both handlers use (the CUDA one adds the stream first).
 template <typename Binding>
-auto bind_attention_decode(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<ffi::AnyBuffer>()      // norm_w
-      .template Arg<ffi::AnyBuffer>()      // norm_b
-      .template Arg<ffi::AnyBuffer>()      // w_qkv
-      .template Arg<ffi::AnyBuffer>()      // qkv_bias
-      .template Arg<ffi::AnyBuffer>()      // w_o
-      .template Arg<ffi::AnyBuffer>()      // o_bias
-      .template Arg<ffi::AnyBuffer>()      // inv_freq
-      .template Arg<ffi::AnyBuffer>()      // lengths
-      .template Arg<ffi::AnyBuffer>()      // k_cache
-      .template Arg<ffi::AnyBuffer>()      // v_cache
-      .template Ret<ffi::AnyBuffer>()      // y
-      .template Ret<ffi::AnyBuffer>()      // k_cache (aliased)
-      .template Ret<ffi::AnyBuffer>()      // v_cache (aliased)
-      .template Ret<ffi::AnyBuffer>()      // workspace
-      .template Attr<int64_t>("num_q_heads")
-      .template Attr<int64_t>("num_kv_heads")
-      .template Attr<int64_t>("rotary_dim")
-      .template Attr<int64_t>("rope_layout")
-      .template Attr<int64_t>("norm")
-      .template Attr<float>("eps")
-      .template Attr<float>("scale")
-      .template Attr<bool>("residual")
-      .template Attr<bool>("has_qkv_bias")
-      .template Attr<bool>("has_o_bias")
-      .template Attr<int64_t>("cluster_size")
-      .template Attr<int64_t>("max_heads_per_cluster")
-      .template Attr<int64_t>("dataflow")
-      .template Attr<int64_t>("pipeline")
-      .template Attr<int64_t>("rows_per_cluster");
+auto bind_attention_block(Binding&& b) {
+  return std::move(b).RemainingArgs().RemainingRets().template Attrs<AttentionBlockAttrs>();
 }
 
 }  // namespace jax_cluster
 
-// The handler signature both platforms implement (after the optional stream).
-#define JAX_CLUSTER_ATTENTION_DECODE_ARGS                                                       \
-  ffi::AnyBuffer x, ffi::AnyBuffer norm_w, ffi::AnyBuffer norm_b, ffi::AnyBuffer w_qkv,          \
-      ffi::AnyBuffer qkv_bias, ffi::AnyBuffer w_o, ffi::AnyBuffer o_bias, ffi::AnyBuffer inv_freq, \
-      ffi::AnyBuffer lengths, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,                    \
-      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> k_out,                          \
-      ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> workspace,                  \
-      int64_t num_q_heads, int64_t num_kv_heads, int64_t rotary_dim, int64_t rope_layout,        \
-      int64_t norm, float eps, float scale, bool residual, bool has_qkv_bias, bool has_o_bias,   \
-      int64_t cluster_size, int64_t max_heads_per_cluster, int64_t dataflow, int64_t pipeline,  \
-      int64_t rows_per_cluster
-#define JAX_CLUSTER_ATTENTION_DECODE_DECODE                                                      \
-  [&] {                                                                                          \
-    AttentionDecodeBuffers buffers{x,       norm_w,  norm_b, w_qkv, qkv_bias, w_o, o_bias,       \
-                                   inv_freq, lengths, k_cache, v_cache, y, k_out, v_out,         \
-                                   workspace};                                                   \
-    return decode_attention_decode(buffers,                                                      \
-      num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, eps, scale, residual,            \
-      has_qkv_bias, has_o_bias, cluster_size, max_heads_per_cluster, dataflow, pipeline,         \
-      rows_per_cluster);                                                                         \
-  }()
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_cluster::AttentionBlockAttrs, xla::ffi::StructMember<int64_t>("num_q_heads"),
+    xla::ffi::StructMember<int64_t>("num_kv_heads"), xla::ffi::StructMember<int64_t>("rotary_dim"),
+    xla::ffi::StructMember<int64_t>("rope_layout"), xla::ffi::StructMember<int64_t>("norm"),
+    xla::ffi::StructMember<float>("eps"), xla::ffi::StructMember<float>("scale"),
+    xla::ffi::StructMember<bool>("residual"), xla::ffi::StructMember<bool>("has_qkv_bias"),
+    xla::ffi::StructMember<bool>("has_o_bias"), xla::ffi::StructMember<int64_t>("cluster_size"),
+    xla::ffi::StructMember<int64_t>("max_heads_per_cluster"),
+    xla::ffi::StructMember<int64_t>("dataflow"), xla::ffi::StructMember<int64_t>("pipeline"));

@@ -1,19 +1,28 @@
-// Pieces shared by the two attention_decode dataflows (attention_decode.cu: SplitToken,
-// streamed; attention_decode_split_head.cuh: SplitHead): the cluster's coordinates, the
-// input norm, RoPE, the new token's cache write, the online-softmax state, the combine
-// kernel. They run on a ThreadGroup: the whole block, or the consumer warps of a
-// warp-specialised block (threads [0, group.threads)). Included inside
-// attention_decode.cu's anonymous namespace.
+// Device pieces shared by attention_block's kernels (kernel_registers.cuh: SplitToken with
+// the register pipeline; kernel_tma.cuh: SplitToken with the TMA ring; kernel_split_head.cuh:
+// SplitHead) and by decode_attention's split kernels: the cluster's coordinates, the input
+// norm, RoPE, the new token's cache write, the online-softmax state and its merges, the
+// block GEMV, the combine kernel. They run on a ThreadGroup: the whole block, or the consumer
+// warps of a warp-specialised block (threads [0, group.threads)).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/softmax.cuh"
+#include "jax_cluster/thread_group.cuh"
+#include "jax_cluster/vec.cuh"
+#include "ops/attention_block/params.h"
+#include "ops/attention_block/plan.h"
+
+namespace jax_cluster {
+
 constexpr int kMaxComputeWarps = 8;
-// Threads of the plain (not warp-specialised) kernels: SplitHead, and SplitToken with
-// pipeline="registers".
-constexpr int kBlockThreads = 256;
-constexpr int kBlockWarps = kBlockThreads / 32;
-constexpr int kMaxH = kAttnMaxHeadsPerCluster;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kOutTileCols = 64;  // W_o / output columns are split over a cluster in these
 
 struct Ctx {  // per-cluster coordinates
   int64_t b, g, chunk;
@@ -24,7 +33,7 @@ struct Ctx {  // per-cluster coordinates
 // This block's cluster -> (b, g, chunk), the batch row fastest: the clusters resident
 // at one time then share a KV group's weight columns (read from HBM once, from L2 by
 // the other rows) instead of each bringing its own. Reads no memory (len is not set).
-__device__ __forceinline__ Ctx cluster_coords(const AttentionDecodeParams& p) {
+__device__ __forceinline__ Ctx cluster_coords(const AttentionBlockParams& p) {
   const int64_t cluster = blockIdx.x / p.cluster_size, rest = cluster / p.batch;
   Ctx c;
   c.rank = static_cast<int>(ptx::cluster_rank());
@@ -39,12 +48,12 @@ __device__ __forceinline__ Ctx cluster_coords(const AttentionDecodeParams& p) {
 // kernel of the stream still runs, and that kernel may be what wrote x, lengths or the
 // caches, or what still reads the partials workspace. So every access to global memory
 // except the weights' L2 prefetch comes after this wait (a no-op without PDL).
-__device__ __forceinline__ int wait_for_inputs(const AttentionDecodeParams& p, const Ctx& c) {
+__device__ __forceinline__ int wait_for_inputs(const AttentionBlockParams& p, const Ctx& c) {
   ptx::griddep_wait();
   return p.lengths[c.b];
 }
 
-__device__ __forceinline__ Ctx cluster_ctx(const AttentionDecodeParams& p) {
+__device__ __forceinline__ Ctx cluster_ctx(const AttentionBlockParams& p) {
   Ctx c = cluster_coords(p);
   c.len = wait_for_inputs(p, c);
   return c;
@@ -58,7 +67,7 @@ struct OutputSlice {
   int first, count;  // 8-column vectors
 };
 
-__device__ __forceinline__ OutputSlice output_slice(const AttentionDecodeParams& p, const Ctx& c) {
+__device__ __forceinline__ OutputSlice output_slice(const AttentionBlockParams& p, const Ctx& c) {
   constexpr int kTileVecs = kOutTileCols / 8;
   const int tiles = static_cast<int>(p.hidden / kOutTileCols);
   const int per_block = (tiles + p.cluster_size - 1) / p.cluster_size;
@@ -69,7 +78,7 @@ __device__ __forceinline__ OutputSlice output_slice(const AttentionDecodeParams&
 
 // A length outside [0, S_max) makes the row's output NaN (loud, never silently wrong); the
 // whole cluster agrees, as it serves one row.
-__device__ __forceinline__ bool length_out_of_range(const AttentionDecodeParams& p, const Ctx& c) {
+__device__ __forceinline__ bool length_out_of_range(const AttentionBlockParams& p, const Ctx& c) {
   return c.len < 0 || c.len >= p.max_seq;
 }
 
@@ -79,7 +88,7 @@ __device__ __forceinline__ void write_nan_slice(const OutputSlice& out, ThreadGr
 
 // Whole-block kernels, right after their cluster_arrive: a row out of range gets NaN outputs
 // and the block completes that barrier phase (its peers wait for it). True: return now.
-__device__ __forceinline__ bool finish_out_of_range_row(const AttentionDecodeParams& p,
+__device__ __forceinline__ bool finish_out_of_range_row(const AttentionBlockParams& p,
                                                         const Ctx& c, const OutputSlice& out) {
   if (!length_out_of_range(p, c)) return false;
   write_nan_slice(out, ThreadGroup::block());
@@ -89,8 +98,7 @@ __device__ __forceinline__ bool finish_out_of_range_row(const AttentionDecodePar
 
 // Up to kNormVecs 16-byte vectors of src per thread, [base + threadIdx.x + u * threads],
 // loaded before any is used: the loads are in flight together (a scalar loop storing to
-// shared memory between loads ran them one after another: 12-15 us of the kernel's ~90 at
-// Llama-2-7B b1, session 11's phase timestamps).
+// shared memory between loads ran them one after another; docs/attention_block.md).
 constexpr int kNormVecs = 4;
 
 template <typename T>
@@ -106,7 +114,7 @@ __device__ __forceinline__ void load_row_vecs(const T* src, int base, int nv, in
 
 // h = norm(x[b]) in fp32 (or x itself). hidden % 8 == 0 (whole 16-byte vectors).
 template <typename T>
-__device__ void normalize_input(const AttentionDecodeParams& p, int64_t b, float* h,
+__device__ void normalize_input(const AttentionBlockParams& p, int64_t b, float* h,
                                 ThreadGroup group) {
   __shared__ float stats[2 * kMaxComputeWarps];
   const int warps = static_cast<int>(group.threads / 32);
@@ -177,7 +185,7 @@ __device__ void normalize_input(const AttentionDecodeParams& p, int64_t b, float
 }
 
 // Global column of the group's local Q|K|V column c.
-__device__ __forceinline__ int64_t qkv_column(const AttentionDecodeParams& p, const Ctx& c,
+__device__ __forceinline__ int64_t qkv_column(const AttentionBlockParams& p, const Ctx& c,
                                               int hpc, int64_t col) {
   const int64_t dh = p.head_dim;
   if (col < hpc * dh) return (c.g * p.group() + c.chunk * hpc) * dh + col;
@@ -185,7 +193,7 @@ __device__ __forceinline__ int64_t qkv_column(const AttentionDecodeParams& p, co
   return (p.num_q_heads + p.num_kv_heads) * dh + c.g * dh + (col - (hpc + 1) * dh);
 }
 
-__device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, int pos,
+__device__ inline void apply_rope(const AttentionBlockParams& p, float* qkv, int hpc, int pos,
                            ThreadGroup group) {
   const int dh = static_cast<int>(p.head_dim), half = static_cast<int>(p.rotary_dim / 2);
   for (int e = threadIdx.x; e < (hpc + 1) * half; e += group.threads) {
@@ -205,7 +213,7 @@ __device__ void apply_rope(const AttentionDecodeParams& p, float* qkv, int hpc, 
 // RoPE at position `pos`, then the new k, v rounded to the cache dtype (what attention
 // reads back for the other tokens). Callers synchronise before reading k, v.
 template <typename T>
-__device__ void rope_and_round_kv(const AttentionDecodeParams& p, float* qkv, int hpc, int pos,
+__device__ void rope_and_round_kv(const AttentionBlockParams& p, float* qkv, int hpc, int pos,
                                   ThreadGroup group) {
   apply_rope(p, qkv, hpc, pos, group);
   const int dh = static_cast<int>(p.head_dim);
@@ -218,7 +226,7 @@ __device__ void rope_and_round_kv(const AttentionDecodeParams& p, float* qkv, in
 // The new token's k, v into the caches at lengths[b]: one block of the KV head's first
 // cluster writes them.
 template <typename T>
-__device__ void write_new_kv(const AttentionDecodeParams& p, const Ctx& c, const float* qkv,
+__device__ void write_new_kv(const AttentionBlockParams& p, const Ctx& c, const float* qkv,
                              int hpc, int64_t kv_row0, ThreadGroup group) {
   if (c.chunk != 0 || c.rank != 0) return;
   const int64_t dh = p.head_dim, row = (kv_row0 + c.len) * dh;
@@ -412,15 +420,6 @@ __device__ __forceinline__ void merge_warp_states(int hpc, bool has_new, float q
   sync();
 }
 
-// One block's attention state, as merge_warp_states writes it and the cluster's blocks
-// exchange it: o[hpc * DH] (scaled to the block's max), l[kMaxH], m[kMaxH] (fp32; heads
-// >= hpc: l = 0, m = -inf).
-struct BlockStateLayout {
-  int l_off, m_off, floats;  // floats: a multiple of 4 (whole 16-byte vectors)
-  __host__ __device__ BlockStateLayout(int hpc, int dh)
-      : l_off(hpc * dh), m_off(hpc * dh + kMaxH), floats(hpc * dh + 2 * kMaxH) {}
-};
-
 // The cluster's attention output from its n blocks' states (states[r * S.floats ...]),
 // merged in rank order: every block computes the same sums in the same order, so all
 // hold bitwise-identical results. attn[head * DH + i] = o / l. Threads [0, threads).
@@ -430,18 +429,10 @@ __device__ __forceinline__ void merge_block_states(const BlockStateLayout& S, in
                                                    int threads) {
   for (int e = threadIdx.x; e < hpc * DH; e += threads) {
     const int head = e / DH;
-    float m = -INFINITY;
-    for (int r = 0; r < n; ++r) m = fmaxf(m, states[r * S.floats + S.m_off + head]);
-    float o = 0.f, l = 0.f;
-    for (int r = 0; r < n; ++r) {
-      const float* st = states + r * S.floats;
-      const float mr = st[S.m_off + head];
-      if (mr == -INFINITY) continue;  // a block without tokens
-      const float w = exp2f(mr - m);
-      o = fmaf(st[e], w, o);
-      l = fmaf(st[S.l_off + head], w, l);
-    }
-    attn[e] = o / l;
+    attn[e] = merge_partial_states(
+        n, [&](int r) { return states[r * S.floats + S.m_off + head]; },
+        [&](int r) { return states[r * S.floats + S.l_off + head]; },
+        [&](int r) { return states[r * S.floats + e]; });
   }
 }
 
@@ -499,7 +490,7 @@ __device__ void block_gemv(const float* vec, int rows, const T* W, int64_t ld, i
 // This block's `my_vecs` column vectors of the group's Q|K|V (from `first_vec`, + bias)
 // into qkv; the rest of its `seg_vecs`-vector segment is zero padding for the gather.
 template <typename T>
-__device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+__device__ void project_qkv_slice(const AttentionBlockParams& p, const Ctx& c, int hpc,
                                   const float* h, float* red, float* qkv, int first_vec,
                                   int my_vecs, int seg_vecs) {
   float* my_seg = qkv + static_cast<int64_t>(first_vec) * 8;
@@ -526,7 +517,7 @@ __device__ void project_qkv_slice(const AttentionDecodeParams& p, const Ctx& c, 
 // then runs its prologue (indices, barrier set-up, the weights' L2 prefetch) while this
 // one sums, and waits (griddep_wait) before it reads anything this kernel writes.
 template <typename T>
-__global__ void __launch_bounds__(256) attention_decode_combine_kernel(const AttentionDecodeParams p) {
+__global__ void __launch_bounds__(256) attention_block_combine_kernel(const AttentionBlockParams p) {
   ptx::griddep_wait();
   ptx::griddep_launch_dependents();
   const int64_t b = blockIdx.y;
@@ -541,8 +532,4 @@ __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const Att
   static_cast<T*>(p.y)[b * p.hidden + col] = from_float<T>(acc);
 }
 
-template <typename T>
-cudaError_t launch_combine(const AttentionDecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), static_cast<unsigned>(p.batch));
-  return launch_programmatic(attention_decode_combine_kernel<T>, grid, dim3(256), 0, true, stream, p);
-}
+}  // namespace jax_cluster

@@ -1,5 +1,5 @@
 // The SplitToken kernel with weights and KV streamed straight into registers
-// (pipeline="registers"), the alternative to the TMA ring of attention_decode.cu.
+// (pipeline registers), the alternative to the TMA ring of kernel_tma.cuh.
 //
 // One cluster of N blocks of 256 threads per (batch row, KV head, chunk of <= 8 query
 // heads); every thread computes and loads:
@@ -10,54 +10,22 @@
 //   4. block r attends over its slice of the tokens (K/V loads straight into registers,
 //      several token steps in flight); ClusterGather gives every block every block's
 //      (o, l, m), which it merges in rank order (one collective instead of a max and a sum
-//      reduce: 2-3 us less at cluster size 8, session 15);
+//      reduce);
 //   5. block r multiplies the attention output by its W_o column tiles -> fp32 partial row
 //      (the combine kernel sums the clusters' partials in a fixed order).
 // Each phase's first 32 KB is prefetched into L2 while the previous phase finishes (more
-// was slower: 256 KB of QKV rows, or all of the block's W_o before attention, measured
-// 3-10% slower at Llama-2-7B b1 ctx4K in session 12). Launched programmatically (PDL): the
-// QKV prefetch is issued while the previous kernel of the stream still runs.
-// Measured against the TMA ring (session 7, H100): faster per SM on CUDA-core math, as
-// its 8 warps load without a shared-memory round trip; see attention_decode.cu.
-// Included inside attention_decode.cu's anonymous namespace (uses
-// attention_decode_common.cuh).
+// was slower, except for W_o: docs/attention_block.md). Launched programmatically (PDL):
+// the QKV prefetch is issued while the previous kernel of the stream still runs.
+// attend_cached is also decode_attention's CUDA-core token loop.
 #pragma once
 
-// Shared memory carve-up, computed identically on host and device.
-struct RegistersLayout {
-  int hpc, dh, n;
-  int qkv_vecs;      // 8-column vectors of the group's Q|K|V columns
-  int vecs_per_blk;  // their share per block (ceil)
-  int state_floats;  // one block's attention state: BlockStateLayout
-  int64_t h_off, states_off, qkv_off, red_off, warp_off, attn_off, bytes;
+#include "jax_cluster/cluster_collectives.cuh"
+#include "ops/attention_block/kernel_common.cuh"
 
-  __host__ __device__ RegistersLayout(int hidden, int hpc_, int dh_, int n_) : hpc(hpc_), dh(dh_), n(n_) {
-    qkv_vecs = (hpc + 2) * dh / 8;
-    vecs_per_blk = (qkv_vecs + n - 1) / n;
-    state_floats = BlockStateLayout(hpc, dh).floats;
-    int64_t off = 0;
-    auto take = [&](int64_t bytes) {
-      int64_t at = off;
-      off += (bytes + 127) / 128 * 128;
-      return at;
-    };
-    // The normalised input h and the gathered block states share a region: h is dead once
-    // this block's QKV columns are projected, and no peer sends its state before the QKV
-    // gather, which needs those columns.
-    const int64_t states_bytes = 4LL * state_floats * n;
-    h_off = states_off = take(4LL * hidden > states_bytes ? 4LL * hidden : states_bytes);
-    qkv_off = take(32LL * vecs_per_blk * n);  // gathered Q|K|V, fp32, natural column order
-    red_off = take(4LL * kBlockThreads * 8);       // GEMV partial sums across row groups
-    warp_off = take(4LL * kBlockWarps * kMaxH * (dh + 2));
-    attn_off = take(4LL * hpc * dh);  // the cluster's attention output, normalised
-    bytes = off;
-  }
-};
+namespace jax_cluster {
 
 constexpr uint32_t kPrefetchBytes = 32 * 1024;  // per block, per stream, ahead of a phase
-// W_o's, issued before the attention combine: 128 KB measured 0.5-3% faster than 32 KB
-// at Llama-2-7B / Llama-3-8B b1 ctx 1K-4K, 1% slower at Llama-3-8B ctx 16K (H100, session
-// 17: 32-256 KB swept; more QKV or KV ahead was not faster).
+// W_o's, issued before the attention combine (the one stream where more ahead was faster).
 constexpr uint32_t kWoPrefetchBytes = 128 * 1024;
 
 // The first `budget` bytes of `rows` row segments of `seg_bytes` each, `ld` elements
@@ -73,12 +41,9 @@ __device__ void prefetch_rows(const T* first, int64_t ld, int rows, int64_t seg_
   }
 }
 
-// Blocks per SM the kernel is built for: 2 where ptxas fits it in 128 registers without
-// spills, else 1. Two let clusters of 8 and 16 find enough SMs: at one block per SM an
-// H100 keeps only 7 clusters of 16 resident (ncu: Max Active Clusters), and Llama-3-8B's
-// 8 KV heads then ran in two waves.
+// Blocks per SM the kernel is built for (attention_min_blocks_per_sm).
 template <int DH, int MH>
-constexpr int kRegistersMinBlocks = MH <= 4 && DH % 64 == 0 ? 2 : 1;
+constexpr int kRegistersMinBlocks = attention_min_blocks_per_sm(DH, MH);
 // Token steps per warp in flight in attention: as many as the registers allow.
 template <int DH, int MH>
 constexpr int kRegistersTokenSteps = MH <= 2 ? 8 : MH == 4 && kRegistersMinBlocks<DH, MH> == 2 ? 2 : 4;
@@ -86,7 +51,7 @@ constexpr int kRegistersTokenSteps = MH <= 2 ? 8 : MH == 4 && kRegistersMinBlock
 // Attention of the block's queries over cached tokens [t0, t1); U token steps per warp in
 // flight (the batch-tiled kernel, built for one block per SM, passes its own).
 template <typename T, int DH, int MH, int U = kRegistersTokenSteps<DH, MH>>
-__device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int hpc,
+__device__ void attend_cached(const AttentionBlockParams& p, const Ctx& c, int hpc,
                               const float* qkv, int t0, int t1, float* warp_states) {
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
   constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
@@ -149,7 +114,7 @@ __device__ void attend_cached(const AttentionDecodeParams& p, const Ctx& c, int 
 
 template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
-    attention_decode_kernel(const AttentionDecodeParams p) {
+    attention_block_kernel(const AttentionBlockParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers gather_bars, state_bars;
   const int hpc = static_cast<int>(p.heads_per_cluster());
@@ -244,12 +209,4 @@ __global__ void __launch_bounds__(kBlockThreads, kRegistersMinBlocks<DH, MH>)
   gather.finish();
 }
 
-template <typename T, int DH, int MH>
-cudaError_t launch_registers(const AttentionDecodeParams& p, cudaStream_t stream) {
-  const RegistersLayout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
-                          p.cluster_size);
-  const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
-  return launch_cluster_programmatic(
-      attention_decode_kernel<T, DH, MH>, dim3(static_cast<unsigned>(clusters * p.cluster_size)),
-      dim3(kBlockThreads), static_cast<size_t>(L.bytes), p.cluster_size, stream, p);
-}
+}  // namespace jax_cluster

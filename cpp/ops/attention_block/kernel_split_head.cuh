@@ -1,6 +1,5 @@
 // SplitHead dataflow (ClusterFusion Appendix B.2, Algorithm 5), the alternative to the
-// SplitToken kernel in attention_decode.cu: the blocks of a cluster split the HEAD
-// DIMENSION, not the tokens.
+// SplitToken kernels: the blocks of a cluster split the HEAD DIMENSION, not the tokens.
 //   1-3. as SplitToken: norm, QKV projection (columns split, ClusterGather), RoPE, cache
 //        write; block r then keeps dims [r w, (r + 1) w) of every head (w = Dh / N).
 //   4.   per chunk of T tokens: partial scores over the block's dims, ClusterReduce(sum)
@@ -10,46 +9,15 @@
 //   5.   the block's dims of the attention output times the matching rows of W_o give a
 //        partial [D] row; ClusterReduce(sum) in 1024-float pieces; block r writes its
 //        share of the columns to the workspace; the combine kernel adds the clusters.
-// Its loads are plain 16-byte global loads (it keeps the original structure for the
-// comparison); every thread of the block computes. Included inside attention_decode.cu's
-// anonymous namespace (uses attention_decode_common.cuh).
+// Its loads are plain 16-byte global loads (it keeps the paper's structure for the
+// comparison); every thread of the block computes. Its measured cost against SplitToken:
+// docs/attention_block.md.
 #pragma once
 
-constexpr int kSplitHeadReduceFloats = 1024;  // one ClusterReduce call: scores or an output piece
+#include "jax_cluster/cluster_collectives.cuh"
+#include "ops/attention_block/kernel_common.cuh"
 
-// Shared memory of the SplitHead kernel (host and device).
-struct SplitHeadLayout {
-  int hpc, dh, n, w, wv, tokens;  // tokens per chunk: kSplitHeadReduceFloats / MH
-  int qkv_vecs, vecs_per_blk;
-  int64_t h_off, qkv_off, red_off, scores_off, recv_off, stats_off, attn_off, bytes;
-
-  __host__ __device__ SplitHeadLayout(int hidden, int hpc_, int dh_, int n_, int mh)
-      : hpc(hpc_), dh(dh_), n(n_) {
-    const int rounds = cluster_exchange_slots(n);  // receive slots of the collectives
-    w = dh / n;
-    wv = w / 8;
-    tokens = kSplitHeadReduceFloats / mh;
-    qkv_vecs = (hpc + 2) * dh / 8;
-    vecs_per_blk = (qkv_vecs + n - 1) / n;
-    int64_t off = 0;
-    auto take = [&](int64_t bytes) {
-      int64_t at = off;
-      off += (bytes + 127) / 128 * 128;
-      return at;
-    };
-    h_off = take(4LL * hidden);  // normalised x, later the partial output row
-    qkv_off = take(32LL * vecs_per_blk * n);
-    red_off = take(4LL * kBlockThreads * 8);  // block_gemv; then the P x V partials of one head
-    scores_off = take(4LL * kSplitHeadReduceFloats);
-    recv_off = take(4LL * kSplitHeadReduceFloats * rounds);
-    stats_off = take(4LL * 4 * kAttnMaxHeadsPerCluster);  // m, l, rescale, chunk max
-    attn_off = take(4LL * kAttnMaxHeadsPerCluster * dh);  // this block's dims of o
-    bytes = off;
-  }
-};
-
-// Dims split evenly in 16-byte vectors: Dh / N a multiple of 8.
-__host__ __device__ inline bool split_head_supports(int dh, int n) { return dh % (8 * n) == 0; }
+namespace jax_cluster {
 
 // Token t's 8 values at column `col` of one head's cache rows: the new token (t == len)
 // from shared memory, as other clusters of the KV head do not wait for its write; the
@@ -67,7 +35,7 @@ __device__ __forceinline__ void token_values(const T* cache, const float* fresh,
 
 template <typename T, int DH, int MH>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    attention_decode_split_head_kernel(const AttentionDecodeParams p) {
+    attention_block_split_head_kernel(const AttentionBlockParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ ClusterCollectiveBarriers gather_bars, reduce_bars;
   const int hpc = static_cast<int>(p.heads_per_cluster());
@@ -246,14 +214,4 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   gather.finish();
 }
 
-template <typename T, int DH, int MH>
-cudaError_t launch_split_head_typed(const AttentionDecodeParams& p, cudaStream_t stream) {
-  const SplitHeadLayout L(static_cast<int>(p.hidden), static_cast<int>(p.heads_per_cluster()), DH,
-                          p.cluster_size, MH);
-  const int64_t clusters = p.batch * p.num_kv_heads * p.head_chunks();
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_cluster_programmatic(
-      attention_decode_split_head_kernel<T, DH, MH>,
-      dim3(static_cast<unsigned>(clusters * p.cluster_size)), dim3(kBlockThreads),
-      static_cast<size_t>(L.bytes), p.cluster_size, stream, p));
-  return cudaGetLastError();
-}
+}  // namespace jax_cluster

@@ -16,29 +16,29 @@ void decode_attention(const DecodeAttentionParams& p) {
   const float log2e = 1.4426950408889634f;
   const int64_t hq = p.num_kv_heads * G, cols = (hq + 2 * p.num_kv_heads) * D;
   std::vector<float> q(D), o(D), k_new(D), v_new(D);
-  auto rope = [&](float* x, int32_t pos) { cpu::rope(x, pos, p.inv_freq, p.rotary_dim, p.rope_layout); };
+  auto rope = [&](float* x, int32_t at) { cpu::rope(x, at, p.inv_freq, p.rotary_dim, p.rope_layout); };
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int32_t pos = p.pos[b];
-    const bool valid = pos >= 0 && pos < p.max_seq;
-    const int64_t len = valid ? pos + 1 : 0, per = (len + S - 1) / S;
+    const int32_t length = p.lengths[b];
+    const bool valid = length >= 0 && length < p.max_seq;
+    const int64_t len = valid ? length + 1 : 0, per = (len + S - 1) / S;
     for (int64_t g = 0; g < p.num_kv_heads; ++g) {
       const int64_t bg = b * p.num_kv_heads + g, row0 = bg * p.max_seq;
-      if (p.qkv != nullptr && valid) {  // the new k, v into the caches at pos first
+      if (p.qkv != nullptr && valid) {  // the new k, v into the caches at slot length first
         const float* row = p.qkv + b * cols;
         for (int64_t d = 0; d < D; ++d) {
           k_new[d] = row[(hq + g) * D + d];
           v_new[d] = row[(hq + p.num_kv_heads + g) * D + d];
         }
-        rope(k_new.data(), pos);
+        rope(k_new.data(), length);
         for (int64_t d = 0; d < D; ++d) {
-          store(p.dtype, const_cast<void*>(p.k_cache), (row0 + pos) * D + d, k_new[d]);
-          store(p.dtype, const_cast<void*>(p.v_cache), (row0 + pos) * D + d, v_new[d]);
+          store(p.dtype, const_cast<void*>(p.k_cache), (row0 + length) * D + d, k_new[d]);
+          store(p.dtype, const_cast<void*>(p.v_cache), (row0 + length) * D + d, v_new[d]);
         }
       }
       for (int64_t h = 0; h < G; ++h) {
         if (p.qkv != nullptr) {
           for (int64_t d = 0; d < D; ++d) q[d] = p.qkv[b * cols + (g * G + h) * D + d];
-          rope(q.data(), valid ? pos : 0);
+          rope(q.data(), valid ? length : 0);
           for (int64_t d = 0; d < D; ++d) q[d] *= p.scale * log2e;
         } else {
           for (int64_t d = 0; d < D; ++d) q[d] = load(p.dtype, p.q, (bg * G + h) * D + d) * log2e;

@@ -3,9 +3,9 @@
 // mma.sync instead of per-head dot products on CUDA cores.
 //
 // Why: at G query heads per KV head the CUDA-core loop does G dot products and G value
-// FMAs per cache element; at G = 4 it streamed 2.6 TB/s on an H100 where MHA streams 3.07
-// (session 21). Here a warp takes 16 tokens at a time (8 warps; two chunks in registers,
-// the next one's loads in flight while this one's math runs):
+// FMAs per cache element, and streams the cache well below the MHA rate. Here a warp takes
+// 16 tokens at a time (8 warps; two chunks in registers, the next one's loads in flight
+// while this one's math runs):
 //   S^T[token][head] = K Q'^T      A = K rows, B = Q' (registers), M = tokens, N = 8 heads
 //                                  (G <= 8; unused heads have q = 0)
 //   O^T[dh][head]  += V^T P^T      A = V rows transposed in registers (movmatrix), B = P^T:
@@ -14,18 +14,18 @@
 // rescale needs no exchange. Q' = q * scale * log2(e) and P are each split into a 16-bit
 // high part and the 16-bit rounding of the rest (two mma each): scores and weights keep
 // ~fp32 precision, as the CUDA-core kernel's fp32 math does, for twice the mma count (at
-// these rates the tensor cores idle either way).
-// A first version staged K/V tiles in a 5-stage cp.async ring and read them with
-// ldmatrix: 5-12% slower than these register loads (H200, session 22:
-// logs/session22/probe_ring_vs_direct_h200.log), and no faster with smaller rings or more
-// blocks per SM.
-// Loads then math of two chunks, the version before this rolling pair, was as fast at 4
-// query heads per KV head but 9% slower at 8 (64 blocks: 56.6 against 51.6 us, batch 16,
-// 4 KV heads, 4K tokens); the 256-byte L2 prefetch-size hint on the loads made the kernel
-// 3-6% faster (H100, session 25: logs/session25/split_mma_*).
-// Included inside decode_attention.cu's anonymous namespace (begin_split, finish_split;
-// jax_cluster/mma.cuh included there).
+// these rates the tensor cores idle either way). The loads carry a 256-byte L2
+// prefetch-size hint. What was tried and lost (a cp.async ring with ldmatrix, loads-then-
+// math of two chunks): docs/decode_attention.md.
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "jax_cluster/mma.cuh"
+#include "ops/decode_attention/kernel_split.cuh"  // begin_split, finish_split
+
+namespace jax_cluster {
 
 // The 16-bit value in the low (high = false) or high half of a packed pair, as float.
 __device__ __forceinline__ float half_of(__half, uint32_t x, bool high) {
@@ -249,3 +249,5 @@ __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
   __syncthreads();
   finish_split<T, DH, L::kThreads, L::kWarps>(dp, sb, q, warp_states);
 }
+
+}  // namespace jax_cluster

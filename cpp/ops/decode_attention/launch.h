@@ -6,12 +6,8 @@
 
 namespace jax_cluster {
 
-// Shapes with a CUDA kernel (the FFI handler rejects the others; Python checks first).
-inline bool decode_attention_cuda_supports(const DecodeAttentionParams& p) {
-  const bool dh = p.head_dim == 64 || p.head_dim == 80 || p.head_dim == 96 || p.head_dim == 128;
-  return dh && p.dtype != DType::kF32 && p.group >= 1 && p.group <= kDecodeAttentionMaxGroup;
-}
-
+// The split kernel and, with several splits, the merge kernel on the stream. p must pass
+// decode_attention_check and decode_attention_cuda_check (params.h).
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 
 }  // namespace jax_cluster

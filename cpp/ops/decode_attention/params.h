@@ -1,17 +1,17 @@
-// Split-K (flash-decoding) GQA attention of one decode step over a KV cache: the
-// attention alone (optionally with the new token's RoPE and cache write: append mode),
-// for steps whose projections run as XLA dots (attention_decode's impl="splitk"). No XLA
-// includes here.
+// Split-K (flash-decoding) GQA attention of one decode step over a KV cache: the attention
+// alone (optionally with the new token's RoPE and cache write: append mode), for steps whose
+// projections run elsewhere (attention_block's split_k kernel). No XLA includes here.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "jax_cluster/types.h"
 #include "ops/attention_block/params.h"  // RopeLayout
 
 namespace jax_cluster {
 
-inline constexpr int kDecodeAttentionMaxGroup = 8;     // query heads per KV head
+inline constexpr int kDecodeAttentionMaxGroup = 8;      // query heads per KV head
 inline constexpr int kDecodeAttentionMaxSplits = 1024;  // token splits per (row, KV head)
 
 struct DecodeAttentionParams {
@@ -23,16 +23,19 @@ struct DecodeAttentionParams {
   const void* q;                // [B, Hkv, G, Dh], already scaled (softmax(q . k))
   const void* k_cache;          // [B, Hkv, S_max, Dh]
   const void* v_cache;
-  const int32_t* pos;           // [B]: attend over slots 0..pos[b]; outside [0, S_max): NaN
+  // [B]: tokens cached before this step; the step's token is at slot lengths[b] and the
+  // attention covers slots 0..lengths[b]. Outside [0, S_max): the row's output is NaN.
+  const int32_t* lengths;
   void* out;                    // [B, Hkv, G, Dh]
   float* partial;               // workspace: decode_attention_workspace_floats(p)
 
   // Append mode (qkv set; decode_attention_append): the step's new token. q comes from the
   // projection output qkv [B, (Hq + 2 Hkv) Dh] (fp32, columns [Q heads | K | V]), RoPE'd at
-  // pos[b] with scale applied in the kernel; k, v (RoPE'd k) are rounded to the cache dtype;
-  // attention covers the pos[b] cached tokens and the new one; the merge kernel writes k, v
-  // at slot pos[b] of the caches (k_cache, v_cache: the aliased outputs). Nothing is
-  // written for a row whose pos is out of range. Unset: q is the given scaled query.
+  // lengths[b] with scale applied in the kernel; k, v (RoPE'd k) are rounded to the cache
+  // dtype; attention covers the lengths[b] cached tokens and the new one; the merge kernel
+  // writes k, v at slot lengths[b] of the caches (k_cache, v_cache: the aliased outputs).
+  // Nothing is written for a row whose length is out of range. Unset: q is the given
+  // scaled query.
   const float* qkv = nullptr;
   const float* inv_freq = nullptr;  // [rotary_dim / 2]
   int64_t rotary_dim = 0;
@@ -40,11 +43,9 @@ struct DecodeAttentionParams {
   float scale = 1.f;
 };
 
-// Which split kernel streams the tokens. MHA: CUDA cores (K/V straight into registers,
-// decode_attention.cu): 3.06-3.08 TB/s against 2.85 for the tensor-core kernel at batch 16,
-// 32 KV heads, 4K tokens. GQA: tensor cores (K/V tiles staged by cp.async, mma.sync for
-// the whole group, decode_attention_mma.cuh): 6-12% faster at G = 4, where the CUDA-core
-// loop does G dot products per cache element (H100, session 22).
+// Which split kernel streams the tokens: MHA on CUDA cores (K/V straight into registers),
+// GQA on tensor cores (mma.sync for the whole group), where the CUDA-core loop would do G
+// dot products per cache element (measurements: docs/decode_attention.md).
 inline bool decode_attention_uses_tensor_cores(const DecodeAttentionParams& p) {
   return p.group >= 2;
 }
@@ -56,6 +57,33 @@ JAX_CLUSTER_HOST_DEVICE inline int64_t decode_attention_partial_floats(const Dec
 }
 inline int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p) {
   return decode_attention_partial_floats(p) + p.batch * p.num_kv_heads * 2 * p.head_dim;
+}
+
+// Why p's sizes are out of the op's range (every platform), or "".
+inline std::string decode_attention_check(const DecodeAttentionParams& p) {
+  if (p.splits < 1 || p.splits > kDecodeAttentionMaxSplits) {
+    return "splits must be in 1.." + std::to_string(kDecodeAttentionMaxSplits) + ", got " +
+           std::to_string(p.splits);
+  }
+  if (p.group < 1 || p.group > kDecodeAttentionMaxGroup) {
+    return "at most " + std::to_string(kDecodeAttentionMaxGroup) + " query heads per KV head, got " +
+           std::to_string(p.group);
+  }
+  if (p.qkv != nullptr && (p.rotary_dim < 0 || p.rotary_dim > p.head_dim || p.rotary_dim % 2)) {
+    return "rotary_dim (" + std::to_string(p.rotary_dim) + ") must be even and <= head_dim (" +
+           std::to_string(p.head_dim) + ")";
+  }
+  return "";
+}
+
+// Why the CUDA kernels cannot run p, or "".
+inline std::string decode_attention_cuda_check(const DecodeAttentionParams& p) {
+  if (!is_attention_cuda_head_dim(p.head_dim) || p.dtype == DType::kF32) {
+    return "no CUDA kernel for head_dim=" + std::to_string(p.head_dim) + ", dtype " +
+           (p.dtype == DType::kF32 ? "float32" : "16-bit") +
+           " (supported: head_dim 64, 80, 96 or 128; float16 or bfloat16)";
+  }
+  return "";
 }
 
 }  // namespace jax_cluster
