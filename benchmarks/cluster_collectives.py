@@ -1,8 +1,8 @@
 """ClusterFusion Table 1 on our GPU: ClusterReduce / ClusterGather latency,
 on-chip (DSMEM) vs off-chip (global memory), plus a cluster-size sweep (Fig. 5).
 
-Per-collective time is measured inside ONE kernel: the harness op runs the
-collective `repeat` times; time(repeat=R) - time(repeat=1), divided by R-1,
+Per-collective time is measured inside ONE kernel: the op runs the collective
+ClusterCollectiveConfig.repeat times; time(repeat=R) - time(repeat=1), divided by R-1,
 cancels launch, loading x and writing the result. Data size is per cluster
 (N blocks x slice). Run: python benchmarks/cluster_collectives.py [--quick]
 """
@@ -26,22 +26,23 @@ REPEAT = 33
 ITERS = 200
 
 
-def _op(kind, impl, repeat):
+def _op(kind, exchange, repeat):
+    config = jc.ClusterCollectiveConfig(exchange=exchange, repeat=repeat)
     if kind == "reduce":
         def step(x):
-            out = jc.cluster_reduce(x, "max", impl=impl, repeat=repeat)
+            out = jc.cluster_reduce(x, "max", impl="cuda", config=config)
             return x.at[:, 0, :1].set(out[:, :1])  # a dependency between iterations
     else:
         def step(x):
-            out = jc.cluster_gather(x, impl=impl, repeat=repeat)
+            out = jc.cluster_gather(x, impl="cuda", config=config)
             return x.at[:, 0, :1].set(out[:, :1])
     return loop(step, ITERS)
 
 
-def measure(kind, impl, x):
+def measure(kind, exchange, x):
     """(per-kernel µs with repeat=1, per-collective µs)."""
-    t1 = time_fn(_op(kind, impl, 1), x) / ITERS
-    tr = time_fn(_op(kind, impl, REPEAT), x) / ITERS
+    t1 = time_fn(_op(kind, exchange, 1), x) / ITERS
+    tr = time_fn(_op(kind, exchange, REPEAT), x) / ITERS
     return t1 * 1e6, (tr - t1) / (REPEAT - 1) * 1e6
 
 

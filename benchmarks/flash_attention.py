@@ -9,7 +9,7 @@ which does not change its work). Shapes: Flux (24 heads x 128) and CogVideoX (30
 non-causal, Lq = Lk = L for L = 4K .. 64K, fp16 / bf16.
 
 Per case: ours (one chunk, finalize=True, output in the input dtype: the wgmma kernel),
-ours_mma (the same call on the older mma.sync kernel, cuda_kernel="mma"), ours on the same work
+ours_mma (the same call on the older mma.sync kernel, FlashAttentionConfig(kernel="mma")), ours on the same work
 split into 4 query x 4 KV chunks in ONE call (the Torus / Ring shape of the work), ours as a
 ring step (incoming fp32 state, fp32 state out), the peers; TFLOP/s = 4 B H L^2 Dh / time.
 roofline_fraction = our TFLOP/s / the TFLOP/s of a large bf16 matmul measured in the same run
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cluster as jc
-from jax_cluster.parallel import State
+from jax_cluster.ops.attention_state import State
 from common import dtype_tag, loop, merge_results, random_normal, time_fn, write_results
 
 MODELS = {"flux": (24, 128), "cogvideox": (30, 64)}  # heads, head dim
@@ -55,15 +55,16 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
 
 
 def ours(q, k, v):
-    return jc.flash_attention(q, [(k, v)], finalize=True, impl="kernel")
+    return jc.flash_attention(q, [(k, v)], finalize=True, impl="cuda")
 
 
 def ours_mma(q, k, v):
-    return jc.flash_attention(q, [(k, v)], finalize=True, impl="kernel", cuda_kernel="mma")
+    return jc.flash_attention(q, [(k, v)], finalize=True, impl="cuda",
+                              config=jc.FlashAttentionConfig(kernel="mma"))
 
 
 def ours_chunked(qs, kvs):
-    return jc.flash_attention(qs, kvs, finalize=True, impl="kernel")
+    return jc.flash_attention(qs, kvs, finalize=True, impl="cuda")
 
 
 def cudnn(q, k, v):
@@ -134,7 +135,7 @@ def run_case(model, heads, d, length, dtype, key, max_calls=MAX_CALLS):
     attempt("ours_4x4", lambda: time_per_call(ours_chunked, qs, calls, kvs))
 
     def ring_step(s, q, k, v):  # fp32 state in and out (a Ring / Torus step)
-        st = jc.flash_attention(q, [(k, v)], State(*s), impl="kernel")
+        st = jc.flash_attention(q, [(k, v)], State(*s), impl="cuda")
         return (st.o, st.lse)
 
     st0 = (jnp.zeros(shape, jnp.float32), jnp.full((1, heads, length), -jnp.inf, jnp.float32))

@@ -1,12 +1,12 @@
-"""flash_attention's CUDA kernels side by side, in one run: the wgmma kernel (with and without
-the ping-pong of its two consumer warpgroups) and the mma.sync kernel, with cuDNN as the peer.
+"""flash_attention's CUDA kernels side by side, in one run: the wgmma kernel and the mma.sync
+kernel, with cuDNN as the peer.
 
 1. check: each kernel on ragged chunks (tile remainders, several KV chunks, an incoming
    state) against a float64 numpy reference, twice (bitwise equal: no race), NaN-free;
 2. time: TFLOP/s on DiT shapes (batch 1, Lq = Lk = L), one chunk and 4 Q x 4 KV chunks,
    ratio to cuDNN and relative error against it.
 Prints a table last. The development loop of the Hopper kernel: one device call checks and
-times every variant (they live in the same module).
+times every kernel.
 
 Run: python benchmarks/flash_attention_kernels.py [--lengths 16384] [--models flux,cogvideox]
      [--dtypes bfloat16] [--kernels wgmma,mma] [--no-check]
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cluster as jc
-from jax_cluster.parallel import State
+from jax_cluster.ops.attention_state import State
 from common import dtype_tag, loop, random_normal, time_fn
 from flash_attention import MODELS, attention_flops, cudnn, rel_err, split
 
-KERNELS = ("wgmma", "wgmma_no_pingpong", "mma")
+KERNELS = ("wgmma", "mma")
 
 
 def reference(qs, kvs, state, scale):
@@ -64,7 +64,8 @@ def check(kernels, seed=0):
             ref = reference(qs, kvs, (st_o, st_lse), scale)
             for kern in kernels:
                 fn = jax.jit(lambda q, kv, st, kern=kern: jc.flash_attention(  # noqa: E731
-                    q, kv, [State(*st), None, None, None], impl="kernel", cuda_kernel=kern))
+                    q, kv, [State(*st), None, None, None], impl="cuda",
+                    config=jc.FlashAttentionConfig(kernel=kern)))
                 try:
                     out = jax.tree.map(np.asarray, fn(qs, kvs, (st_o, st_lse)))
                     again = jax.tree.map(np.asarray, fn(qs, kvs, (st_o, st_lse)))
@@ -104,14 +105,14 @@ def time_case(model, length, dtype, kernels, key):
 
     ref = jax.jit(cudnn)(q, k, v)
     for kern in kernels:
-        one = lambda x, kern=kern: jc.flash_attention(x, [(k, v)], finalize=True, impl="kernel",  # noqa: E731
-                                                      cuda_kernel=kern)
+        one = lambda x, kern=kern: jc.flash_attention(x, [(k, v)], finalize=True, impl="cuda",  # noqa: E731
+                                                      config=jc.FlashAttentionConfig(kernel=kern))
         t = per_call(one, q)
         err = rel_err(jax.jit(one)(q), ref) if t else None
         res[kern] = (t, err)
     qs, kvs = split(q, 4), list(zip(split(k, 4), split(v, 4)))
-    chunked = lambda xs: jc.flash_attention(xs, kvs, finalize=True, impl="kernel",  # noqa: E731
-                                            cuda_kernel=kernels[0])
+    chunked = lambda xs: jc.flash_attention(xs, kvs, finalize=True, impl="cuda",  # noqa: E731
+                                            config=jc.FlashAttentionConfig(kernel=kernels[0]))
     res[kernels[0] + " 4x4"] = (per_call(chunked, qs), None)
     res["cudnn"] = (per_call(lambda x: cudnn(x, k, v), q), 0.0)
     return flops, res

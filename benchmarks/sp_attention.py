@@ -38,8 +38,9 @@ def _args(argv=None):
     ap.add_argument("--lengths", default="8192,16384,32768,65536",
                     help="8K is there to make overlap visible: at 32K+ two GPUs are compute-bound")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "cudnn", "jnp"],
-                    help="local attention kernel: jax_cluster.flash_attention (default), jax's cuDNN, or jnp")
+    ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "cudnn", "xla"],
+                    help="local attention kernel: jax_cluster.flash_attention (default), jax's cuDNN, or "
+                         "the op's XLA formulation")
     ap.add_argument("--no-overlap-lengths", default="8192,32768", help="lengths of the no-overlap runs ('': none)")
     ap.add_argument("--machines", default="2,4,8", help="machines for the predictions (x --gpus)")
     ap.add_argument("--gpus", type=int, default=8)
@@ -264,7 +265,7 @@ def main(args):
         devices = jax.devices()
         common.RESULTS_DIR = Path(tempfile.mkdtemp(prefix="sp_attention_smoke_"))
         lengths = [int(x) for x in (args.lengths if args.lengths != _args([]).lengths else "256,512").split(",")]
-        kname, kernel = "jnp", sp.attend
+        kname, kernel = "xla", sp.attend
         rows = measure_schedules(devices, lengths, schedules, kernel, jnp.float32, lambda l: 2)
         km = sp.KernelModel()
         args.machines, args.predict_lengths = "2", "4096"

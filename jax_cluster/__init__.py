@@ -8,17 +8,21 @@ every op live in `jax_cluster.reference`.
 from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
 from jax_cluster.ops.attention_decode import attention_decode
-from jax_cluster.ops.cluster_collectives import cluster_gather, cluster_reduce
+from jax_cluster.ops.cluster_collectives import ClusterCollectiveConfig, cluster_gather, cluster_reduce
 from jax_cluster.ops.decode_attention import decode_attention, decode_attention_append
-from jax_cluster.ops.flash_attention import flash_attention
-from jax_cluster.ops.linear import linear
-from jax_cluster.ops.swiglu import swiglu, swiglu_tp
+from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
+from jax_cluster.ops.linear import LinearConfig, linear
+from jax_cluster.ops.swiglu import SwigluConfig, swiglu, swiglu_tp
 
 __version__ = "0.1.0"
 
 register_targets()
 
 __all__ = [
+    "ClusterCollectiveConfig",
+    "FlashAttentionConfig",
+    "LinearConfig",
+    "SwigluConfig",
     "attention_decode",
     "cluster_gather",
     "cluster_reduce",

@@ -1,7 +1,7 @@
 """What every op module shares: the FFI-backed primitive, the `impl` contract, checks.
 
-Public JAX only (jax.ffi, jax.extend, jax.interpreters): nothing here reaches into
-jax._src, so a JAX release that moves internals cannot break the ops.
+Public JAX only (jax.ffi, jax.extend, jax.interpreters): nothing here reaches into JAX's
+private modules, so a JAX release that moves internals cannot break the ops.
 
 An op module defines an abstract-eval rule and a batching rule, calls
 :func:`ffi_primitive` once, and binds the primitive from its public function after

@@ -14,7 +14,9 @@ import jax_cluster as jc
 from jax_cluster import parallel as sp
 from jax_cluster import reference
 from jax_cluster.ops import flash_attention as fa
-from jax_cluster.parallel import local_attention as la
+from jax_cluster import _ffi
+from jax_cluster.ops import attention_state as la
+from jax_cluster.parallel import local_attention as sp_la
 from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 
 ref_flash = on_cpu(reference.flash_attention)
@@ -84,7 +86,7 @@ def test_cpu_one_chunk_matches_reference(rng, dtype, dh):
     # and the independent dense attention of jax_cluster.parallel
     fin = run(qs, kvs, finalize=True)[0]
     assert fin.dtype == jnp.dtype(dtype)
-    assert rel_l2(fin, la.reference_attention(qs[0], *kvs[0])) <= TOLERANCE[dtype]
+    assert rel_l2(fin, sp.reference_attention(qs[0], *kvs[0])) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -112,7 +114,7 @@ def test_cpu_merge_of_many_partial_states_equals_one_shot(rng):
     one_shot = run(qs, [(k, v)])
     check_all(states, one_shot, "float32")
     for q, st in zip(qs, states):
-        assert rel_l2(la.finalize(st), la.reference_attention(q, k, v)) < 1e-5
+        assert rel_l2(la.finalize(st), sp.reference_attention(q, k, v)) < 1e-5
     # merging independently computed states (la.merge) agrees as well
     parts = [run(qs[:1], [p])[0] for p in pieces]
     merged = parts[0]
@@ -163,7 +165,7 @@ def test_single_array_api_and_impls_agree(rng):
     (q,), kvs, (st,) = make_chunks(rng, [21], [8, 0, 15], state_lens=[3])
     out = jc.flash_attention(q, kvs, st)
     assert isinstance(out, la.State)
-    for impl in ("kernel", "jnp", "reference"):
+    for impl in ("cuda", "xla", "reference"):
         check_state(jc.flash_attention(q, kvs, st, impl=impl), out, "float32")
     assert jc.flash_attention(q, kvs, st, finalize=True).shape == q.shape
 
@@ -200,13 +202,15 @@ def test_vmap_folds_into_the_batch(rng):
 
 
 def test_parallel_kernel_hook(rng):
-    """Registered in jax_cluster.parallel as "flash_attention"; the hook's signature."""
-    assert la.get_kernel("flash_attention") is fa._hook
+    """Registered in jax_cluster.parallel as "flash_attention" (and the default); the hook's
+    signature."""
+    assert sp.get_kernel("flash_attention") is sp_la.flash_attention_kernel
+    assert sp.get_kernel(None) is sp_la.flash_attention_kernel
     (q,), (kv,), _ = make_chunks(rng, [19], [23])
     out = sp.attention(q, *kv, kernel="flash_attention")
-    assert rel_l2(out, la.reference_attention(q, *kv)) < 1e-5
-    st = la.get_kernel("flash_attention")(q, [kv, kv], None, scale=0.25)
-    check_state(st, la.attend(q, [kv, kv], None, scale=0.25), "float32")
+    assert rel_l2(out, sp.reference_attention(q, *kv)) < 1e-5
+    st = sp.get_kernel("flash_attention")(q, [kv, kv], None, scale=0.25)
+    check_state(st, fa.attend(q, [kv, kv], None, scale=0.25), "float32")
 
 
 @pytest.mark.parametrize("name,machines,pu", [("torus", 2, 4), ("ring", 1, None), ("usp", 2, 2)])
@@ -245,14 +249,16 @@ def _bad_cases():
         (lambda: jc.flash_attention(q, [kv], scale=float("nan")), "scale must be a finite"),
         (lambda: jc.flash_attention(q, [kv], scale=jnp.float32(0.5) * jnp.ones(())), "scale must be a finite"),
         (lambda: jc.flash_attention(q, [kv], impl="fast"), "impl must be one of"),
-        (lambda: jc.flash_attention(q, [kv], cuda_kernel="fast"), "cuda_kernel must be one of"),
+        (lambda: jc.flash_attention(q, [kv], config=jc.FlashAttentionConfig(kernel="fast")),
+         "kernel must be one of"),
+        (lambda: jc.flash_attention(q, [kv], config="mma"), "config must be a FlashAttentionConfig"),
     ]
 
 
 @pytest.mark.parametrize("case", range(len(_bad_cases())))
 def test_bad_inputs_rejected_with_a_clear_message(case):
     fn, message = _bad_cases()[case]
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         fn()
 
 
@@ -302,9 +308,9 @@ def test_gpu_vs_reference(rng, dtype, dh, case):
     q_lens, kv_lens, state_lens = GPU_CASES[case]
     qs, kvs, states = make_chunks(rng, q_lens, kv_lens, batch=2, heads=3, dh=dh, dtype=dtype,
                                   state_lens=state_lens)
-    out = run(qs, kvs, states, _gpu(), impl="kernel")
+    out = run(qs, kvs, states, _gpu(), impl="cuda")
     check_all(out, ref_flash(qs, kvs, states), dtype)
-    fin = run(qs, kvs, states, _gpu(), impl="kernel", finalize=True)
+    fin = run(qs, kvs, states, _gpu(), impl="cuda", finalize=True)
     for a, r in zip(fin, ref_flash(qs, kvs, states, finalize=True)):
         assert a.dtype == jnp.dtype(dtype) and a.shape == r.shape
         assert a.size == 0 or rel_l2(a, r) <= TOLERANCE[dtype], rel_l2(a, r)
@@ -319,11 +325,11 @@ def test_gpu_dit_shapes(rng, model, heads, dh, length, dtype):
     del model
     (q,), (kv,), _ = make_chunks(rng, [length], [length], batch=1, heads=heads, dh=dh, dtype=dtype)
     ref = ref_flash([q], [kv])
-    check_all(run([q], [kv], None, _gpu(), impl="kernel"), ref, dtype)
+    check_all(run([q], [kv], None, _gpu(), impl="cuda"), ref, dtype)
     cuts = [0, 1000, 2304, 3333, length]
     qs = [q[:, a:b] for a, b in zip(cuts[:-1], cuts[1:])]
     kvs = [(kv[0][:, a:b], kv[1][:, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
-    out = run(qs, kvs, None, _gpu(), impl="kernel")
+    out = run(qs, kvs, None, _gpu(), impl="cuda")
     o = jnp.concatenate([s.o for s in out], 1)
     lse = jnp.concatenate([s.lse for s in out], 2)
     check_state((o, lse), ref[0], dtype)
@@ -338,7 +344,7 @@ def test_gpu_merge_of_many_partial_states(rng, dtype):
     pieces = [(k[:, a:b], v[:, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
     states = None
     for i in range(0, len(pieces), 2):
-        states = run(qs, pieces[i:i + 2], states, _gpu(), impl="kernel")
+        states = run(qs, pieces[i:i + 2], states, _gpu(), impl="cuda")
     check_all(states, ref_flash(qs, [(k, v)]), dtype)
 
 
@@ -346,7 +352,7 @@ def test_gpu_merge_of_many_partial_states(rng, dtype):
 def test_gpu_matches_cpu_handler(rng):
     qs, kvs, states = make_chunks(rng, [130, 7], [65, 0, 200], dh=64, dtype="bfloat16",
                                   state_lens=[33, None])
-    gpu = run(qs, kvs, states, _gpu(), impl="kernel")
+    gpu = run(qs, kvs, states, _gpu(), impl="cuda")
     cpu = run(qs, kvs, states)
     check_all(gpu, cpu, "bfloat16")
 
@@ -359,10 +365,10 @@ def test_gpu_empty_rows_huge_logits_and_no_keys(rng):
     lse = lse.at[:, 0, 5:9].set(-jnp.inf)
     o = o.at[:, 5:9, 0].set(jnp.nan)
     st = [la.State(o, lse)]
-    out = run(qs, kvs, st, _gpu(), impl="kernel")
+    out = run(qs, kvs, st, _gpu(), impl="cuda")
     ref = ref_flash(qs, kvs, [la.State(jnp.nan_to_num(o), lse)])
     check_all(out, ref, "float16", lse_atol=2e-2)
-    same = run(qs, [(k[:, :0], v[:, :0]) for k, v in kvs], st, _gpu(), impl="kernel")
+    same = run(qs, [(k[:, :0], v[:, :0]) for k, v in kvs], st, _gpu(), impl="cuda")
     np.testing.assert_array_equal(np.isneginf(same[0].lse), np.isneginf(lse))
     fin = np.isfinite(np.asarray(lse))
     np.testing.assert_allclose(np.asarray(same[0].lse)[fin], np.asarray(lse)[fin], rtol=1e-5, atol=1e-5)
@@ -373,7 +379,7 @@ def test_gpu_deterministic(rng):
     qs, kvs, states = make_chunks(rng, [300, 41], [129, 200], dh=128, dtype="bfloat16",
                                   state_lens=[10, None])
     args = jax.device_put((qs, kvs, states), _gpu())
-    f = jax.jit(lambda q, kv, st: jc.flash_attention(q, kv, st, impl="kernel"))
+    f = jax.jit(lambda q, kv, st: jc.flash_attention(q, kv, st, impl="cuda"))
     first = jax.tree.map(np.asarray, f(*args))
     for _ in range(10):
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, f(*args)), first)
@@ -383,7 +389,7 @@ def test_gpu_deterministic(rng):
 def test_gpu_vmap(rng):
     qs, kvs, _ = make_chunks(rng, [70], [90], dh=64, dtype="float16")
     vq = jnp.stack([qs[0], -qs[0]])
-    out = jax.jit(jax.vmap(lambda q: jc.flash_attention(q, kvs, impl="kernel")))(jax.device_put(vq, _gpu()))
+    out = jax.jit(jax.vmap(lambda q: jc.flash_attention(q, kvs, impl="cuda")))(jax.device_put(vq, _gpu()))
     for i in range(2):
         ref = ref_flash([vq[i]], kvs)[0]
         check_state(la.State(out.o[i], out.lse[i]), ref, "float16")
@@ -391,7 +397,7 @@ def test_gpu_vmap(rng):
 
 @pytest.mark.gpu
 def test_gpu_unsupported_falls_back_with_one_warning(rng):
-    fa._warned.clear()
+    _ffi._warned.clear()
     qs, kvs, states = make_chunks(rng, [33], [40], dh=96, dtype="bfloat16", state_lens=[5])
     with pytest.warns(UserWarning, match="no CUDA kernel for head_dim=96"):
         out = run(qs, kvs, states, _gpu())
@@ -400,7 +406,7 @@ def test_gpu_unsupported_falls_back_with_one_warning(rng):
         warnings.simplefilter("error")
         run(qs, kvs, states, _gpu())  # warned once only
     with pytest.raises(ValueError, match="no CUDA kernel"):
-        run(qs, kvs, states, _gpu(), impl="kernel")
+        run(qs, kvs, states, _gpu(), impl="cuda")
     q32, kv32, _ = make_chunks(rng, [9], [9], dh=64, dtype="float32")
     with pytest.warns(UserWarning, match="dtype=float32"):
         run(q32, kv32, None, _gpu())
@@ -411,19 +417,19 @@ def test_gpu_hook_single_device_and_two_gpu_torus(rng):
     (q,), (kv,), _ = make_chunks(rng, [1000], [1000], batch=1, heads=8, dh=128, dtype="bfloat16")
     q, k, v = jax.device_put((q, *kv), _gpu())
     out = jax.jit(lambda q, k, v: sp.attention(q, k, v, kernel="flash_attention"))(q, k, v)
-    assert rel_l2(out, la.reference_attention(q, k, v)) < 1e-2
+    assert rel_l2(out, sp.reference_attention(q, k, v)) < 1e-2
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
         return
     p = sp.plan("torus", heads=8, devices=gpus[:2], num_machines=2)
     qs, ks, vs = (jax.device_put(x, p.sharding()) for x in (q, k, v))
     out = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, kernel="flash_attention"))(qs, ks, vs)
-    assert rel_l2(jax.device_put(out, gpus[0]), la.reference_attention(q, k, v)) < 1e-2
+    assert rel_l2(jax.device_put(out, gpus[0]), sp.reference_attention(q, k, v)) < 1e-2
 
 
 # ---------------------------------------------------------------- GPU: the two CUDA kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("cuda_kernel", ["wgmma", "wgmma_no_pingpong", "mma"])
+@pytest.mark.parametrize("cuda_kernel", ["wgmma", "mma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("dh", [64, 128])
 def test_gpu_each_kernel_vs_reference(rng, cuda_kernel, dtype, dh):
@@ -431,9 +437,10 @@ def test_gpu_each_kernel_vs_reference(rng, cuda_kernel, dtype, dh):
     the 128-key tiles, empty chunks, a KV sequence of several tiles and ring passes, states)."""
     qs, kvs, states = make_chunks(rng, [1, 129, 0, 300], [257, 0, 1, 700, 128], batch=2, heads=3,
                                   dh=dh, dtype=dtype, state_lens=[None, 9, None, 0])
-    out = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel=cuda_kernel)
+    config = jc.FlashAttentionConfig(kernel=cuda_kernel)
+    out = run(qs, kvs, states, _gpu(), impl="cuda", config=config)
     check_all(out, ref_flash(qs, kvs, states), dtype)
-    fin = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel=cuda_kernel, finalize=True)
+    fin = run(qs, kvs, states, _gpu(), impl="cuda", config=config, finalize=True)
     for a, r in zip(fin, ref_flash(qs, kvs, states, finalize=True)):
         assert a.dtype == jnp.dtype(dtype) and a.shape == r.shape
         assert a.size == 0 or rel_l2(a, r) <= TOLERANCE[dtype], rel_l2(a, r)
@@ -462,7 +469,7 @@ def check_many_chunks(rng, nq, nkv, dh, device, **kw):
     cat = lambda xs, axis=1: jnp.concatenate(list(xs), axis)  # noqa: E731
     ref = ref_flash([cat(qs)], [(cat(k for k, _ in kvs), cat(v for _, v in kvs))],
                     [la.State(cat(s.o for s in full), cat((s.lse for s in full), 2))])[0]
-    out = run(qs, kvs, states, device, impl="kernel", **kw)
+    out = run(qs, kvs, states, device, impl="cuda", **kw)
     check_state((cat(s.o for s in out), cat((s.lse for s in out), 2)), ref, "bfloat16")
 
 
@@ -475,8 +482,9 @@ def test_cpu_many_chunks_against_one_concatenated_reference(rng):
 def test_gpu_chunk_limit_of_one_launch(rng, dh):
     """32 query x 32 KV chunks: every chunk's tensor maps in one parameter struct (one launch
     of the wgmma kernel); past that the wrapper concatenates (35 x 37 chunks)."""
-    check_many_chunks(rng, fa.MAX_Q_CHUNKS, fa.MAX_KV_CHUNKS, dh, _gpu(), cuda_kernel="wgmma")
-    check_many_chunks(rng, fa.MAX_Q_CHUNKS + 3, fa.MAX_KV_CHUNKS + 5, dh, _gpu(), cuda_kernel="wgmma")
+    wgmma = jc.FlashAttentionConfig(kernel="wgmma")
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS, fa.MAX_KV_CHUNKS, dh, _gpu(), config=wgmma)
+    check_many_chunks(rng, fa.MAX_Q_CHUNKS + 3, fa.MAX_KV_CHUNKS + 5, dh, _gpu(), config=wgmma)
 
 
 @pytest.mark.gpu
@@ -486,11 +494,11 @@ def test_gpu_kernels_agree_and_negative_scale(rng):
     wgmma one with a clear message."""
     qs, kvs, states = make_chunks(rng, [200, 33], [150, 77], dh=128, dtype="float16",
                                   state_lens=[12, None])
-    a = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel="wgmma")
-    b = run(qs, kvs, states, _gpu(), impl="kernel", cuda_kernel="mma")
+    a = run(qs, kvs, states, _gpu(), impl="cuda", config=jc.FlashAttentionConfig(kernel="wgmma"))
+    b = run(qs, kvs, states, _gpu(), impl="cuda", config=jc.FlashAttentionConfig(kernel="mma"))
     check_all(a, b, "float16")
-    neg = run(qs, kvs, states, _gpu(), impl="kernel", scale=-0.1)
+    neg = run(qs, kvs, states, _gpu(), impl="cuda", scale=-0.1)
     check_all(neg, ref_flash(qs, kvs, states, scale=-0.1), "float16")
     with pytest.raises(Exception, match="wgmma kernel does not serve"):
-        jax.block_until_ready(run(qs, kvs, states, _gpu(), impl="kernel", scale=-0.1,
-                                  cuda_kernel="wgmma"))
+        jax.block_until_ready(run(qs, kvs, states, _gpu(), impl="cuda", scale=-0.1,
+                                  config=jc.FlashAttentionConfig(kernel="wgmma")))

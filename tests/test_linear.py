@@ -1,8 +1,10 @@
 """linear (y = a @ w (+ residual) on the tma GEMM engine) vs the jnp reference: CPU handler
 always, the CUDA kernel on a GPU (dtypes, M from 1 to past one 64-row group, N below,
 at and past one 256-column tile, the cluster grid and the stream-K grid with split tiles,
-fp32 output, determinism); errors, fallback and vmap."""
+fp32 output, determinism); LinearConfig validation, the impl values, errors, fallback and
+vmap."""
 
+import re
 import warnings
 
 import jax
@@ -10,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cluster import reference
-from jax_cluster.ops.linear import linear, workspace_bytes
+from jax_cluster import _ffi, reference
+from jax_cluster.ops.linear import LinearConfig, linear, workspace_bytes
 from jax_cluster.testing import rel_l2
 
 DTYPES = ["float16", "bfloat16"]
@@ -68,17 +70,56 @@ def test_errors():
     with pytest.raises(ValueError, match="out_dtype"):
         linear(a, w, out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="max_blocks"):
-        linear(a, w, max_blocks=0)
+        linear(a, w, config=LinearConfig(max_blocks=0))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        linear(a, w, impl="kernel")
+    with pytest.raises(TypeError, match="config must be a LinearConfig or None"):
+        linear(a, w, config={"pdl": False})
+    for impl in ("xla", "reference"):
+        with pytest.raises(ValueError, match="a config applies to impl='auto' or 'cuda'"):
+            linear(a, w, impl=impl, config=LinearConfig())
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(max_blocks=0), ValueError, "max_blocks must be in 1..65535"),
+    (dict(max_blocks=65536), ValueError, "max_blocks must be in 1..65535"),
+    (dict(max_blocks=7.0), TypeError, "max_blocks must be an int or None"),
+    (dict(max_blocks=True), TypeError, "max_blocks must be an int or None"),
+    (dict(pdl=1), TypeError, "pdl must be a bool"),
+])
+def test_config_validation(fields, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        LinearConfig(**fields)
+    assert LinearConfig() == LinearConfig(pdl=True, max_blocks=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_impl_values(rng, dtype):
+    """"reference" is the jnp reference; "xla" runs no custom call; "cuda" and "auto" run
+    the custom call (the C++ handler on CPU), with any LinearConfig."""
+    a, w, r = _inputs(rng, 5, 128, 192, dtype)
+    np.testing.assert_array_equal(np.asarray(linear(a, w, r, impl="reference")),
+                                  np.asarray(reference.linear(a, w, r)))
+    for impl, calls in (("xla", 0), ("cuda", 1), ("auto", 1)):
+        fn = jax.jit(lambda a, w, r, i=impl: linear(a, w, r, impl=i))
+        assert fn.lower(a, w, r).as_text().count("jax_cluster_linear") == calls, impl
+        _check(fn(a, w, r), a, w, r)
+    for config in (LinearConfig(pdl=False), LinearConfig(max_blocks=7)):
+        _check(jax.jit(lambda a, w, r, c=config: linear(a, w, r, impl="cuda", config=c))(a, w, r), a, w, r)
 
 
 def test_unsupported_shape_falls_back_with_one_warning(rng):
+    _ffi._warned.clear()
     a, w, r = _inputs(rng, 2, 96, 80, "float16")  # K, N not multiples of 64
     with pytest.warns(UserWarning, match="no kernel for K=96, N=80"):
         y = linear(a, w, r)
     _check(y, a, w, r)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(linear(a, w, r, impl="xla")))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear(a, w, r)
+    with pytest.raises(ValueError, match="impl='cuda' needs K and N multiples of 64"):
+        linear(a, w, r, impl="cuda")
 
 
 def test_workspace_bytes():
@@ -116,7 +157,8 @@ def test_gpu_grids_agree_and_are_deterministic(rng, max_blocks, pdl):
     split tiles summed through the workspace (7 or 40 blocks): the same y, bitwise equal
     over repeated calls."""
     a, w, r = (jax.device_put(x, _gpu()) for x in _inputs(rng, 16, 4096, 4096, "bfloat16"))
-    fn = jax.jit(lambda a, w, r: linear(a, w, r, pdl=pdl, max_blocks=max_blocks))
+    config = LinearConfig(pdl=pdl, max_blocks=max_blocks)
+    fn = jax.jit(lambda a, w, r: linear(a, w, r, config=config))
     first = np.asarray(fn(a, w, r))
     _check(first, a, w, r)
     for _ in range(10):

@@ -33,8 +33,9 @@ def _normal(rng, shape, dtype=jnp.bfloat16, scale=1.0):
 @pytest.mark.parametrize("cuda_kernel", ["wgmma", "mma"])
 def test_flash_attention_on_each_gpu(rng, gpus, cuda_kernel):
     q, k, v = (_normal(rng, (1, 300, 4, 128)) for _ in range(3))
-    _same_on_both(lambda q, k, v: jc.flash_attention(q, [(k, v)], finalize=True, impl="kernel",
-                                                     cuda_kernel=cuda_kernel), (q, k, v), gpus)
+    config = jc.FlashAttentionConfig(kernel=cuda_kernel)
+    _same_on_both(lambda q, k, v: jc.flash_attention(q, [(k, v)], finalize=True, impl="cuda",
+                                                     config=config), (q, k, v), gpus)
 
 
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])

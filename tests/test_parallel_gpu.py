@@ -1,5 +1,5 @@
 """The schedules on real GPUs (2 of them, as 2 machines x 1 GPU) against single-device attention,
-with the fused flash_attention op (the default local kernel), the jnp kernel and, where it passes
+with the fused flash_attention op (the default local kernel), its XLA formulation and, where it passes
 its self-check, the cuDNN kernel."""
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ def _gpus():
     return [d for d in jax.devices() if d.platform == "gpu"]
 
 
-@pytest.mark.parametrize("kernel", ["flash_attention", "jnp", "cudnn"])
+@pytest.mark.parametrize("kernel", ["flash_attention", "xla", "cudnn"])
 @pytest.mark.parametrize("name", sp.SCHEDULES)
 def test_schedules_on_two_gpus(name, kernel, rng):
     gpus = _gpus()

@@ -1,4 +1,4 @@
-"""The multi-chunk local attention (jnp path) and its (o, lse) merge."""
+"""The multi-chunk local attention (the XLA formulation, attend) and its (o, lse) merge."""
 import jax
 import jax.numpy as jnp
 import numpy as np

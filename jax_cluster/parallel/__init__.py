@@ -13,6 +13,7 @@ from .local_attention import (
     attention,
     empty_state,
     finalize,
+    flash_attention_kernel,
     get_kernel,
     merge,
     reference_attention,

@@ -14,13 +14,13 @@ on the attention launched in the same step. Whether they run concurrently is dec
   transfer and the ring's transfer be in flight at the same time.
 
 XLA reads XLA_FLAGS once, when the first GPU backend starts: call :func:`set_overlap_flags`
-before the first jax computation (or export the flags). An unknown flag aborts XLA; these
-names exist in jaxlib 0.10 / 0.11.
+before the first jax computation (or export the flags); later changes take effect only in a
+new process (public JAX cannot tell whether a backend has started, so this is not checked).
+An unknown flag aborts XLA; these names exist in jaxlib 0.10 / 0.11.
 """
 from __future__ import annotations
 
 import os
-import warnings
 
 OVERLAP_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -45,19 +45,11 @@ def _flag_name(flag: str) -> str:
 
 def set_overlap_flags(enable: bool = True, environ=None) -> str:
     """Add the overlap flags to ``XLA_FLAGS`` (replacing earlier values of the same flags);
-    returns the new value. Must run before jax starts its GPU backend."""
+    returns the new value. Must run before jax starts its GPU backend. This module imports
+    nothing of jax, so a script can load it before jax (benchmarks/sp_attention.py does)."""
     env = os.environ if environ is None else environ
     wanted = overlap_flags(enable)
     names = {_flag_name(f) for f in OVERLAP_FLAGS + NO_OVERLAP_FLAGS}
     kept = [f for f in env.get("XLA_FLAGS", "").split() if _flag_name(f) not in names]
     env["XLA_FLAGS"] = " ".join(kept + list(wanted))
-    if environ is None:
-        try:
-            from jax._src import xla_bridge
-
-            if xla_bridge.backends_are_initialized():
-                warnings.warn("jax backends are already initialized: XLA_FLAGS changes take effect "
-                              "only in a new process", stacklevel=2)
-        except Exception:  # pragma: no cover - private API moved
-            pass
     return env["XLA_FLAGS"]

@@ -18,14 +18,8 @@ from jax.sharding import PartitionSpec
 from . import local_attention as la
 from .description import AllToAll, Attend, Finalize, JoinHeads, Schedule, Shift, SplitHeads
 
-if hasattr(jax, "shard_map"):  # jax >= 0.6
-    def _shard_map(f, mesh, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-else:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map as _old_shard_map
-
-    def _shard_map(f, mesh, in_specs, out_specs):
-        return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+def _shard_map(f, mesh, in_specs, out_specs):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _axis_size(schedule: Schedule, axes) -> int:
@@ -67,14 +61,10 @@ def _attend(kernel, scale, env, states, op: Attend):
         return
     # several query chunks share the KV: one launch over their concatenation
     b, _, h, d = qs[0].shape
-    sts = [s if s is not None else la.empty_state(b, x.shape[1], h, d) for s, x in zip(sts, qs)]
-    st = la.State(jnp.concatenate([s.o for s in sts], 1), jnp.concatenate([s.lse for s in sts], 2))
-    out = kernel(jnp.concatenate(qs, 1), kvs, st, scale=scale)
-    start = 0
-    for name, x in zip(op.q, qs):
-        n = x.shape[1]
-        states[name] = la.State(out.o[:, start:start + n], out.lse[:, :, start:start + n])
-        start += n
+    lens = [x.shape[1] for x in qs]
+    out = kernel(jnp.concatenate(qs, 1), kvs, la.concat(sts, lens, h, d, b), scale=scale)
+    for name, st in zip(op.q, la.split(out, lens)):
+        states[name] = st
 
 
 def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None):

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 // Small helpers of params structs that kernels call too.
 #ifdef __CUDACC__
@@ -15,6 +16,15 @@ namespace jax_cluster {
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// The DType of a numpy dtype name ("float32", "float16", "bfloat16"), for the launch plans
+// Python reads (cpp/ops/<op>/plan.cc); false for any other name.
+inline bool dtype_from_name(std::string_view name, DType* out) {
+  if (name == "float32") return *out = DType::kF32, true;
+  if (name == "float16") return *out = DType::kF16, true;
+  if (name == "bfloat16") return *out = DType::kBF16, true;
+  return false;
+}
 
 enum class ReduceOp : int32_t { kSum = 0, kMax = 1 };
 

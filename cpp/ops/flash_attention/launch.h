@@ -6,9 +6,8 @@
 
 namespace jax_cluster {
 
-// Shapes with a CUDA kernel; others use the reference path (the Python wrapper decides).
 inline bool flash_attention_cuda_supports(const FlashAttentionParams& p) {
-  return (p.head_dim == 64 || p.head_dim == 128) && p.dtype != DType::kF32;
+  return flash_attention_cuda_supports(p.head_dim, p.dtype);
 }
 
 // One launch over every (query tile, head, batch); nothing launched when there are no

@@ -46,6 +46,12 @@ enum class FlashKernel : int32_t {
 };
 inline constexpr int kFlashNumKernels = 3;
 
+// Shapes with a CUDA kernel; the Python wrapper runs others on XLA (it reads this rule
+// through the extension's plans, cpp/ops/flash_attention/plan.cc).
+inline bool flash_attention_cuda_supports(int64_t head_dim, DType dtype) {
+  return (head_dim == 64 || head_dim == 128) && dtype != DType::kF32;
+}
+
 struct FlashAttentionParams {
   DType dtype;  // q, k, v (and o when finalize)
   int64_t batch, heads, head_dim;

@@ -152,4 +152,30 @@ void bind_swiglu_plan(nb::module_& m) {
       nb::arg("k_splits_up") = 0, nb::arg("k_splits_down") = 0, nb::arg("pdl") = true,
       "The launch attributes of one swiglu call of M rows (0: the default) and its workspace "
       "bytes; ValueError when the kernels cannot run it.");
+  m.def(
+      "swiglu_workspace_bytes",
+      [](int64_t variant, int64_t m, int64_t d, int64_t f, const std::string& dtype,
+         bool has_down, int64_t row_tiles, int64_t blocks, int64_t clusters,
+         int64_t cluster_size, int64_t f_group, int64_t k_splits_up, int64_t k_splits_down) {
+        SwigluParams p{};
+        p.dtype = dtype_of(dtype);
+        p.variant = static_cast<SwigluVariant>(variant);
+        p.m = m;
+        p.d = d;
+        p.f = f;
+        p.has_down = has_down;
+        p.row_tiles = static_cast<int>(row_tiles);
+        p.blocks = static_cast<int>(blocks);
+        p.clusters = static_cast<int>(clusters);
+        p.cluster_size = static_cast<int>(cluster_size);
+        p.f_group = static_cast<int>(f_group);
+        p.k_splits_up = static_cast<int>(k_splits_up);
+        p.k_splits_down = static_cast<int>(k_splits_down);
+        return swiglu_workspace_bytes(p);
+      },
+      nb::arg("variant"), nb::arg("m"), nb::arg("d"), nb::arg("f"), nb::arg("dtype"),
+      nb::arg("has_down"), nb::arg("row_tiles"), nb::arg("blocks"), nb::arg("clusters"),
+      nb::arg("cluster_size"), nb::arg("f_group"), nb::arg("k_splits_up"),
+      nb::arg("k_splits_down"),
+      "Workspace bytes of a call of M rows with these launch attributes (plans().swiglu's).");
 }
