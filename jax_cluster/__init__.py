@@ -7,9 +7,9 @@ every op live in `jax_cluster.reference`.
 
 from jax_cluster import reference
 from jax_cluster._extension import cuda_module_built, register_targets
-from jax_cluster.ops.attention_decode import attention_decode
+from jax_cluster.ops.attention_block import AttentionBlockConfig, attention_block
 from jax_cluster.ops.cluster_collectives import ClusterCollectiveConfig, cluster_gather, cluster_reduce
-from jax_cluster.ops.decode_attention import decode_attention, decode_attention_append
+from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_append
 from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
 from jax_cluster.ops.linear import LinearConfig, linear
 from jax_cluster.ops.swiglu import SwigluConfig, swiglu, swiglu_tp
@@ -19,11 +19,13 @@ __version__ = "0.1.0"
 register_targets()
 
 __all__ = [
+    "AttentionBlockConfig",
     "ClusterCollectiveConfig",
+    "DecodeAttentionConfig",
     "FlashAttentionConfig",
     "LinearConfig",
     "SwigluConfig",
-    "attention_decode",
+    "attention_block",
     "cluster_gather",
     "cluster_reduce",
     "cuda_module_built",

@@ -53,21 +53,46 @@ def _norm_f32(x, norm, weight, bias, eps):
     return h
 
 
-def decode_attention(q, k_cache, v_cache, pos):
-    """out [B, Hkv, G, Dh] = softmax(q . K[..., 0..pos[b], :]) V (q already scaled), fp32
-    math; NaN for rows whose pos is outside [0, S_max)."""
+def decode_attention(q, k_cache, v_cache, lengths):
+    """out [B, Hkv, G, Dh] = softmax(q . K[..., 0..lengths[b], :]) V (q already scaled), fp32
+    math; NaN for rows whose lengths are outside [0, S_max)."""
     f32 = jnp.float32
-    s = jnp.einsum("bhgd,bhsd->bhgs", q.astype(f32), k_cache.astype(f32))
-    s = jnp.where(jnp.arange(k_cache.shape[2]) <= pos[:, None, None, None], s, -jnp.inf)
-    out = jnp.einsum("bhgs,bhsd->bhgd", jax.nn.softmax(s, axis=-1), v_cache.astype(f32))
-    valid = (pos >= 0) & (pos < k_cache.shape[2])
+    s = jnp.einsum("bhgd,bhsd->bhgs", q.astype(f32), k_cache.astype(f32), precision="highest")
+    s = jnp.where(jnp.arange(k_cache.shape[2]) <= lengths[:, None, None, None], s, -jnp.inf)
+    out = jnp.einsum("bhgs,bhsd->bhgd", jax.nn.softmax(s, axis=-1), v_cache.astype(f32),
+                     precision="highest")
+    valid = (lengths >= 0) & (lengths < k_cache.shape[2])
     return jnp.where(valid[:, None, None, None], out, jnp.nan).astype(q.dtype)
 
 
-def attention_decode(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
-                     num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
-                     qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,
-                     rope_layout="half", scale=None):
+def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_heads, scale,
+                            rotary_dim=None, rope_layout="half"):
+    """decode_attention for a step's new token (fp32 math): RoPE on q and k of qkv [B,
+    (Hq + 2 Hkv) Dh] at position lengths[b], k and v written at slot lengths[b], attention
+    over slots 0..lengths[b]; returns (out [B, Hkv, G, Dh] in the caches' dtype, k_cache,
+    v_cache). Rows with lengths outside [0, S_max) give NaN and leave the caches alone."""
+    batch, hkv, max_seq, dh = k_cache.shape
+    rotary_dim = dh if rotary_dim is None else rotary_dim
+    qkv = qkv.astype(jnp.float32)
+    valid = (lengths >= 0) & (lengths < max_seq)
+    pos = jnp.where(valid, lengths, 0)
+    q = _rope(qkv[:, : num_q_heads * dh].reshape(batch, num_q_heads, dh), pos[:, None], inv_freq,
+              rotary_dim, rope_layout)
+    k = _rope(qkv[:, num_q_heads * dh:(num_q_heads + hkv) * dh].reshape(batch, hkv, dh), pos[:, None],
+              inv_freq, rotary_dim, rope_layout)
+    v = qkv[:, (num_q_heads + hkv) * dh:].reshape(batch, hkv, dh)
+    new = (jnp.arange(max_seq)[None, :] == pos[:, None]) & valid[:, None]  # [B, S]
+    k_cache = jnp.where(new[:, None, :, None], k.astype(k_cache.dtype)[:, :, None], k_cache)
+    v_cache = jnp.where(new[:, None, :, None], v.astype(v_cache.dtype)[:, :, None], v_cache)
+    q = (q * scale).reshape(batch, hkv, num_q_heads // hkv, dh)
+    out = decode_attention(q, k_cache, v_cache, lengths).astype(k_cache.dtype)
+    return out, k_cache, v_cache
+
+
+def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
+                    num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
+                    qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,
+                    rope_layout="half", scale=None):
     """One decode step of an attention block (fp32 math); returns (y, k_cache, v_cache).
 
     Rows with lengths outside [0, S_max) produce NaN and leave the caches alone."""

@@ -1,16 +1,16 @@
-"""attention_decode with XLA's own ops: the same step as the fused kernel, in the input
-dtype with fp32 accumulation (no fp32 copies of weights or caches, unlike the reference).
-attention_decode_pallas is the same step with its attention done by Pallas' split-K
-decode kernel (jax.experimental.pallas.ops.gpu.decode_attention); attention_decode_splitk
-runs the RoPE, the cache write and the attention in our own split-K kernels
-(jax_cluster.ops.decode_attention.decode_attention_append).
+"""attention_block without the fused kernel: XLA's projections around three attentions.
 
-The tuner weighs both against the kernel's cluster sizes, so ``impl="auto"`` is never
-slower than plain XLA where the kernel loses (batch 16 and GQA on H100: see
-benchmarks/results/attention_decode.md; Pallas' attention streams the cache at the HBM
-roofline at batch 16, where XLA's einsums reach 88-96% of it). Same contract as the
-kernel: the caches change only at slot lengths[b]; rows with lengths outside [0, S_max)
-give NaN and write nothing.
+attention_block_xla      XLA's ops throughout, in the input dtype with fp32 accumulation
+                         (no fp32 copies of weights or caches, unlike the reference);
+attention_block_pallas   the attention by Pallas' split-K decode kernel
+                         (jax.experimental.pallas.ops.gpu.decode_attention);
+attention_block_split_k  RoPE, cache write and attention in our split-K kernels
+                         (jax_cluster.decode_attention_append).
+
+The tuner weighs them against the fused kernel's configurations, so impl="auto" is never
+slower than plain XLA where the fused kernel loses (docs/attention_block.md). Same
+contract as the kernel: the caches change only at slot lengths[b]; rows with lengths
+outside [0, S_max) give NaN and write nothing.
 """
 
 from __future__ import annotations
@@ -116,22 +116,22 @@ def _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_he
     return y.astype(dt), k_cache, v_cache
 
 
-def attention_decode_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs):
-    """The decode step with XLA's ops throughout (keyword arguments: attention_decode's)."""
+def attention_block_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, **kwargs):
+    """The decode step with XLA's ops throughout (keyword arguments: attention_block's)."""
     return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=_attend_einsum,
                         **kwargs)
 
 
-def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
+def attention_block_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *,
                             interpret=False, **kwargs):
     """The decode step with Pallas' decode kernel for the attention and XLA's ops around it.
     A GPU op (interpret=True runs Pallas' interpreter, for tests on CPU); the shapes must
     pass pallas_supported."""
     if _pallas_decode_attention() is None:
-        raise ValueError("attention_decode: impl='pallas' needs Pallas' decode attention "
+        raise ValueError("attention_block: kernel='pallas' needs Pallas' decode attention "
                          "(jax.experimental.pallas.ops.gpu.decode_attention), which this JAX lacks")
     if not pallas_supported(k_cache.shape[3], k_cache.shape[2]):
-        raise ValueError(f"attention_decode: impl='pallas' needs a power-of-two head_dim and S_max "
+        raise ValueError(f"attention_block: kernel='pallas' needs a power-of-two head_dim and S_max "
                          f"in {PALLAS_K_SPLITS} equal splits that are whole {PALLAS_BLOCK_K}-token "
                          f"blocks or one power-of-two block of 16-64 tokens (pallas_supported); got "
                          f"head_dim {k_cache.shape[3]}, S_max {k_cache.shape[2]}")
@@ -139,38 +139,27 @@ def attention_decode_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
     return _decode_step(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, attend=attend, **kwargs)
 
 
-def attention_decode_splitk(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
-                            num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
-                            residual, rotary_dim, rope_layout, scale, projections="xla"):
+def attention_block_split_k(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
+                             num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
+                             residual, rotary_dim, rope_layout, scale, splits=None):
     """The decode step with our split-K kernels for the RoPE, the cache write and the
-    attention (decode_attention_append), between two projections: for batches where one
-    fused cluster per row would re-read the weights per row. projections="xla" runs them on
-    XLA's dots, "linear" on jax_cluster.ops.linear (the tma GEMM engine, the residual fused
-    into the output projection). XLA's are the default: on H100 (session 24,
-    benchmarks/results/logs/session24) the linear form was 4-10 us per step slower at
-    Llama-3-8B / Llama-2-7B batch 1 and 16: at these 34-100 MB projections XLA's GEMMs
-    stream as fast, and ours pay a few us of ramp and tile sums per call. Rows with lengths
-    outside [0, S_max) get NaN from the attention kernel (it propagates through W_o) and
-    write nothing."""
-    from jax_cluster.ops.decode_attention import decode_attention_append
-    from jax_cluster.ops.linear import linear, supported
-    if projections not in ("linear", "xla"):
-        raise ValueError(f"attention_decode_splitk: projections must be 'linear' or 'xla', got {projections!r}")
+    attention (decode_attention_append) between XLA's two projections: for batches where
+    one fused cluster per row would re-read the weights per row. (Running the projections
+    on jax_cluster.linear instead lost to XLA's dots at every measured shape:
+    docs/attention_block.md.) Rows with lengths outside [0, S_max) get NaN from the
+    attention kernel (it propagates through W_o) and write nothing."""
+    from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_attention_append
+    del num_kv_heads
     f32, dt = jnp.float32, x.dtype
-    hidden, hq_dh = x.shape[1], w_o.shape[0]
-    ours = (projections == "linear" and supported(hidden, w_qkv.shape[1], dt)
-            and supported(hq_dh, hidden, dt))
     h = x if norm is None else _norm_f32(x, norm, norm_weight, norm_bias, eps).astype(dt)
-    qkv = linear(h, w_qkv, out_dtype=f32) if ours else jnp.dot(h, w_qkv, preferred_element_type=f32)
+    qkv = jnp.dot(h, w_qkv, preferred_element_type=f32)
     if qkv_bias is not None:
         qkv = qkv + qkv_bias.astype(f32)
     o, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads, scale=scale,
-        rotary_dim=rotary_dim, rope_layout=rope_layout)
-    o = o.reshape(x.shape[0], -1)
-    if ours and o_bias is None:
-        return linear(o, w_o, x if residual else None), k_cache, v_cache
-    y = linear(o, w_o, out_dtype=f32) if ours else jnp.dot(o, w_o, preferred_element_type=f32)
+        rotary_dim=rotary_dim, rope_layout=rope_layout, impl="cuda",
+        config=DecodeAttentionConfig(splits=splits))
+    y = jnp.dot(o.reshape(x.shape[0], -1), w_o, preferred_element_type=f32)
     if o_bias is not None:
         y = y + o_bias.astype(f32)
     if residual:
