@@ -1,7 +1,7 @@
 """End-to-end decode: time per output token of whole models (random weights) with flax_models.
 
 Llama-2-7B and Llama-3-8B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
-cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_decode,
+cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_block,
 swiglu). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
 (jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
@@ -12,8 +12,7 @@ measured in the same run (best of an elementwise pass and a read-only reduction)
 Cases that do not fit in device memory are listed as skipped.
 
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
-        [--combos B:CTX,...] [--part NAME]     # one part of a grid: results/parts/NAME
-    python benchmarks/decode_e2e.py --merge NAME,NAME,...  # the parts -> results/decode_e2e
+        [--combos B:CTX,...] [--part NAME]     # one slice of the grid, merged into the table
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -49,7 +48,7 @@ def fused_impl(cfg=None):
     """Per-component impl using every fused op that exists for this model, or None when
     there is none. Only SwiGLU MLPs (Llama, DeepSeek) have a fused MLP op; GELU does not."""
     swiglu_mlp = cfg is None or getattr(cfg, "architecture", "llama") != "gpt_neox"
-    comp = {"attention": "fused" if ops.fused_available("attention_decode") else "xla",
+    comp = {"attention": "fused" if ops.fused_available("attention_block") else "xla",
             "mlp": "fused" if swiglu_mlp and ops.fused_available("swiglu") else "xla"}
     return comp if "fused" in comp.values() else None
 
@@ -84,8 +83,7 @@ def time_decode(model, impl, batch, ctx, steps, trials):
 
     run = jax.jit(run, donate_argnums=(2,))
     # slots for ctx + steps, rounded as the engine allocates them (XLA pads a cache whose
-    # length is not a multiple of 32: a copy of it every step; parts before session 19 had
-    # ctx + steps slots, 4112 at ctx 4096)
+    # length is not a multiple of 32: a copy of it every step)
     cache = random_cache(model, batch, cache_slots(ctx + steps), ctx)
     state = [jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size, cache, jax.random.key(1)]
     del cache
@@ -117,36 +115,22 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
-    p.add_argument("--part", "--name", default=None, help="write results/parts/PART instead of results/decode_e2e: a "
-                   "grid too long for one GPU session runs in parts, joined with --merge")
-    p.add_argument("--merge", default=None, help="no run: join these parts (comma list) into the results file")
+    p.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
+                   "into the table (a case measured again replaces its row)")
     args = p.parse_args(argv)
     if args.out_dir:
         common.RESULTS_DIR = Path(args.out_dir)
 
-    if args.merge:
-        common.merge_results("decode_e2e_smoke" if args.smoke else "decode_e2e", args.merge.split(","), columns=COLUMNS,
-                             notes="Per output token (one decode step of the whole batch), 16 steps inside one "
-                                   "jit, per call in a loop of back-to-back calls (parts from session 12 on; earlier "
-                                   "parts: median of 5 synchronised calls); roofline floor = (all weight bytes + KV bytes at ctx) / "
-                                   "bandwidth; fused = the ops' tuners' picks per shape (kernels or XLA's ops). "
-                                   "Parts s19_* (every fp16 row) allocate ctx + 16 cache slots rounded up to a "
-                                   "multiple of 128, as the engine does (flax_models.engine.cache_slots); earlier "
-                                   "parts (the bf16 rows) had ctx + 16 slots, a length XLA pads (a copy of the "
-                                   "V cache every step: Llama-3-8B b16 4K XLA 12282 -> 9324 us per token).")
-        return 0
     if args.smoke:
         batches, contexts = [1, 2], [64]
         models = {m: SMOKE_MODELS[m] for m in args.models.split(",")} if args.models else SMOKE_MODELS
         steps, trials, name = args.steps or 2, args.trials or 1, "decode_e2e_smoke"
-        dtypes = ["fp32"] if args.dtype == "fp16" else args.dtype.split(",")
+        dtypes = args.dtype.split(",")  # fp16: the dtype the fused ops (their CPU handlers too) take
     else:
         models = {m: MODELS[m] for m in (args.models.split(",") if args.models else MODELS)}
         batches, contexts = [1, 16], [1024, 4096, 16384]
         steps, trials, name = args.steps or 16, args.trials or 5, "decode_e2e"
         dtypes = args.dtype.split(",")
-    if args.part:
-        name = f"parts/{args.part}"
     combos = [(b, c) for b in batches for c in contexts]
     if args.quick and not args.smoke:
         combos = [(1, 4096), (16, 1024)]
@@ -158,7 +142,7 @@ def main(argv=None) -> int:
     fused = fused_impl()
     print(f"device {common.device_name()}, bandwidth {bw / 1e9:.0f} GB/s, fused ops: {fused or 'none'}")
     rows = []
-    save = _saver(name, steps, trials, bw, fused)
+    save = _saver(name, steps, trials, bw, fused, args.part)
     for tag, preset in models.items():
         cfg = PRESETS[preset]
         for dt in dtypes:
@@ -205,14 +189,14 @@ def main(argv=None) -> int:
 COLUMNS = ["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "bytes", "tokens_per_s", "skipped"]
 
 
-def _saver(name, steps, trials, bw, fused):
+def _saver(name, steps, trials, bw, fused, part=None):
     def save(rows):
         notes = (f"Per output token (one decode step of the whole batch), {steps} steps inside one jit, median "
                  f"of {trials}. Roofline floor = (all weight bytes + KV bytes at ctx) / {bw / 1e9:.0f} GB/s "
                  f"measured. fused = {fused or 'no fused op available'} (the ops' tuners may pick XLA's own "
                  "ops per shape where they measure faster than the kernels).")
         common.write_results(name, rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},
-                             columns=COLUMNS)
+                             columns=COLUMNS, part=part)
         return 0
     return save
 

@@ -246,6 +246,13 @@ def _run(x2, w_gate, w_up, w_down, residual2, choice):
     return _bind(x2, w_gate, w_up, w_down, residual2, attrs)
 
 
+def _no_kernel_reason(d: int, f: int, dtype) -> str:
+    align = int(_plans().SWIGLU_ALIGN)
+    if d % align or f % align:
+        return f"D={d}, F={f} (the kernels need multiples of {align})"
+    return f"dtype {jnp.dtype(dtype).name} (the kernels take float16 or bfloat16)"
+
+
 def _validate(x, w_gate, w_up, w_down, residual):
     if x.ndim < 1:
         raise ValueError("swiglu: x must be [..., D], got a scalar")
@@ -299,14 +306,12 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, impl: str = "auto",
     dtype = jnp.dtype(x.dtype)
     if impl == "auto" and not supported(d, f, dtype):
         warn_once(("swiglu", d, f, dtype.name),
-                  f"swiglu: no kernel for D={d}, F={f}, dtype={dtype.name} (needs D and F "
-                  "multiples of 64, float16 or bfloat16); running impl='xla'")
+                  f"swiglu: no kernel for {_no_kernel_reason(d, f, dtype)}; running impl='xla'")
         impl = "xla"
     if impl == "xla":
         return _xla_mlp(x2, w_gate, w_up, w_down, res2).reshape(lead + (out_cols,))
     if not supported(d, f, dtype):
-        raise ValueError(f"swiglu: impl='cuda' needs D and F multiples of 64 and float16 or "
-                         f"bfloat16, got D={d}, F={f}, dtype={dtype.name}")
+        raise ValueError(f"swiglu: impl='cuda' has no kernel for {_no_kernel_reason(d, f, dtype)}")
     if m == 0:
         return jnp.zeros(lead + (out_cols,), x.dtype)
     has_down = w_down is not None
