@@ -1,24 +1,23 @@
-// Probe: the attention_decode kernels (kernels/attention_decode.cu, compiled in) timed
-// alone, without JAX: quick kernel experiments on the GPU machine without building the
-// package (the gemv_kernel.cu of attention_decode), and the kernels under compute-sanitizer
-// (benchmarks/probes/sanitize_attention_kernels.sh: racecheck fails inside the tool when it
-// runs the package's kernels in a JAX process, session 16; alone they run, session 17).
+// Probe: attention_block's kernels (cpp/ops/attention_block/launch.cu, compiled in) timed
+// alone, without JAX: one decode step per launch, us per step and the rate at which it reads
+// the roofline bytes. Used for kernel experiments without building the package, and to run
+// the kernels under compute-sanitizer outside a JAX process
+// (benchmarks/probes/sanitize_attention_kernels.sh; docs/attention_block.md says why).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/attention_kernel.cu -o /tmp/attention_kernel
-//   (add -DAK_WITH_TILED cpp/kernels/attention_decode_tiled_f16.cu: the batch-tiled kernel)
 //   /tmp/attention_kernel D Hq Hkv Dh ctx batch cluster heads_per_cluster [VARIANT]
-// VARIANT: tma (or 1), split_head, rows=R (the batch-tiled kernel, R rows per cluster);
-// none: the register SplitToken kernel.
+// VARIANT: tma (the SplitToken kernel with the TMA pipeline) or split_head; none: the
+// SplitToken kernel with the register pipeline.
 // One decode step at lengths[b] = ctx - 1 (RMS norm, residual, fp16; AK_RAGGED=1: lengths
 // from 0 at row 0 to ctx - 1 at the last row). Prints us per step (best of 5 x 20
 // back-to-back steps, main + combine kernel; AK_STEPS=N: one rep of N steps, N=1 under
 // compute-sanitizer) and the rate at which it reads the roofline bytes (weights + KV
 // cache). AK_DUMP=FILE writes y of one more step (raw fp16), to compare two builds' outputs.
-// An experiment swaps a header: put a modified copy at DIR/kernels/<name>.cuh and pass
-// -IDIR before -Icpp. A copy that records phase timestamps into
-// `__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks]` (entry, then up to
-// 14 phase ends, and %smid + 1 in the last mark; define AD_PHASES) gets them summarised per
-// phase (median/max over blocks) and the number of SMs the blocks ran on.
+// An experiment swaps a kernel header: put a modified copy at
+// DIR/ops/attention_block/<name>.cuh and pass -IDIR before -Icpp. A copy that records phase
+// timestamps into `__device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks]`
+// (entry, then up to 14 phase ends, and %smid + 1 in the last mark; define AD_PHASES) gets
+// them summarised per phase (median/max over blocks) and the number of SMs the blocks ran on.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -31,19 +30,6 @@ constexpr int kPhaseMarks = 16;
 __device__ unsigned long long g_phase_ns[kPhaseBlocks][kPhaseMarks];
 #endif
 #include "ops/attention_block/launch.cu"
-
-// The batch-tiled kernels live in their own files: compiled in with AK_WITH_TILED (fp16).
-namespace jax_cluster {
-#ifndef AK_WITH_TILED
-cudaError_t launch_attention_decode_tiled_f16(const AttentionDecodeParams&, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-#endif
-cudaError_t launch_attention_decode_tiled_bf16(const AttentionDecodeParams&, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-}  // namespace jax_cluster
-
 #include "probe_check.h"
 
 // Deterministic values in [-scale, scale): a hash of the index.
@@ -68,11 +54,11 @@ T* alloc_filled(int64_t n, float scale, uint32_t seed) {
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 9) {
-    std::fprintf(stderr, "usage: %s D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma|split_head|rows=R]\n",
+    std::fprintf(stderr, "usage: %s D Hq Hkv Dh ctx batch cluster heads_per_cluster [tma|split_head]\n",
                  argv[0]);
     return 2;
   }
-  AttentionDecodeParams p{};
+  AttentionBlockParams p{};
   p.dtype = DType::kF16;
   p.hidden = atoll(argv[1]);
   p.num_q_heads = atoll(argv[2]);
@@ -81,20 +67,19 @@ int main(int argc, char** argv) {
   const int64_t ctx = atoll(argv[5]);
   p.batch = atoll(argv[6]);
   p.cluster_size = atoi(argv[7]);
-  if (!is_valid_cluster_size(p.cluster_size)) {  // 9-15 are untested (14 hung, session 17)
+  if (!is_valid_cluster_size(p.cluster_size)) {  // 9-15 are untested (14 hung on H100)
     std::fprintf(stderr, "cluster size must be 1..8 or 16\n");
     return 2;
   }
   p.max_heads_per_cluster = atoi(argv[8]);
   const std::string variant = argc > 9 ? argv[9] : "";
-  if (!variant.empty() && variant != "tma" && variant != "1" && variant != "split_head" &&
-      variant.rfind("rows=", 0) != 0) {  // a typo must not time the default kernel silently
-    std::fprintf(stderr, "unknown variant %s (tma, split_head, rows=R)\n", variant.c_str());
+  if (!variant.empty() && variant != "tma" && variant != "split_head") {
+    // a typo must not time the default kernel silently
+    std::fprintf(stderr, "unknown variant %s (tma, split_head)\n", variant.c_str());
     return 2;
   }
-  p.pipeline = variant == "tma" || variant == "1" ? AttnPipeline::kTma : AttnPipeline::kRegisters;
+  p.pipeline = variant == "tma" ? AttnPipeline::kTma : AttnPipeline::kRegisters;
   if (variant == "split_head") p.dataflow = AttnDataflow::kSplitHead;
-  if (variant.rfind("rows=", 0) == 0) p.rows_per_cluster = std::atoi(variant.c_str() + 5);
   p.max_seq = ctx;
   p.rotary_dim = p.head_dim;
   p.rope_layout = RopeLayout::kHalf;
@@ -111,7 +96,7 @@ int main(int argc, char** argv) {
   p.k_cache = alloc_filled<__half>(cache, 1.f, 5);
   p.v_cache = alloc_filled<__half>(cache, 1.f, 6);
   CHECK(cudaMalloc(&p.y, p.batch * d * 2));
-  CHECK(cudaMalloc(&p.partial, attention_decode_workspace_bytes(p)));
+  CHECK(cudaMalloc(&p.partial, attention_block_workspace_bytes(p)));
   std::vector<float> inv(dh / 2);
   for (int64_t i = 0; i < dh / 2; ++i) inv[i] = std::pow(10000.f, -2.f * i / dh);
   float* inv_freq;
@@ -135,7 +120,7 @@ int main(int argc, char** argv) {
   // AK_STEPS=N: N steps per timed rep and one rep (N=1 under compute-sanitizer).
   const char* steps_env = std::getenv("AK_STEPS");
   const int steps = steps_env ? std::max(1, atoi(steps_env)) : 20, reps = steps_env ? 1 : 5;
-  for (int i = 0; i < (steps_env ? 1 : 3); ++i) CHECK(launch_attention_decode(p, stream));
+  for (int i = 0; i < (steps_env ? 1 : 3); ++i) CHECK(launch_attention_block(p, stream));
   CHECK(cudaStreamSynchronize(stream));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
@@ -143,7 +128,7 @@ int main(int argc, char** argv) {
   float best = 1e30f;
   for (int rep = 0; rep < reps; ++rep) {
     CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < steps; ++i) CHECK(launch_attention_decode(p, stream));
+    for (int i = 0; i < steps; ++i) CHECK(launch_attention_block(p, stream));
     CHECK(cudaEventRecord(e1, stream));
     CHECK(cudaEventSynchronize(e1));
     float ms;
@@ -158,7 +143,7 @@ int main(int argc, char** argv) {
               (long long)p.heads_per_cluster(), variant.empty() ? "" : (" " + variant).c_str(), us,
               bytes / us / 1e3);
   if (const char* path = std::getenv("AK_DUMP")) {  // y of one more step, raw fp16, to compare builds
-    CHECK(launch_attention_decode(p, stream));
+    CHECK(launch_attention_block(p, stream));
     CHECK(cudaStreamSynchronize(stream));
     std::vector<uint16_t> y(p.batch * d);
     CHECK(cudaMemcpy(y.data(), p.y, y.size() * 2, cudaMemcpyDeviceToHost));
@@ -170,7 +155,7 @@ int main(int argc, char** argv) {
   // One more launch alone; per block: phase durations (us) from the recorded timestamps.
   std::vector<unsigned long long> ph(kPhaseBlocks * kPhaseMarks, 0);
   CHECK(cudaMemcpyToSymbol(g_phase_ns, ph.data(), ph.size() * 8));
-  CHECK(launch_attention_decode(p, stream));
+  CHECK(launch_attention_block(p, stream));
   CHECK(cudaStreamSynchronize(stream));
   CHECK(cudaMemcpyFromSymbol(ph.data(), g_phase_ns, ph.size() * 8));
   const int blocks = static_cast<int>(p.batch * p.num_kv_heads * p.head_chunks() * p.cluster_size);

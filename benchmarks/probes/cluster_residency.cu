@@ -1,5 +1,5 @@
 // Probe: where do the blocks of a few large clusters land, and how fast can they read?
-// Llama-3-8B at batch 1 has 8 KV heads, so the attention_decode kernel runs 8 clusters;
+// Llama-3-8B at batch 1 has 8 KV heads, so attention_block's fused kernel runs 8 clusters;
 // their size decides how many SMs stream the ~100 MB of weights and KV.
 // For cluster sizes 1..16 and two shared-memory footprints (one that lets 2 blocks share
 // an SM, one that forces 1 block per SM), it prints cudaOccupancyMaxActiveClusters, the

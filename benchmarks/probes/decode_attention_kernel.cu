@@ -1,12 +1,13 @@
-// Probe: the split-K decode attention kernels (kernels/decode_attention.cu, compiled in)
-// timed alone, fp16, and checked against a CPU computation of a few (row, KV head) pairs.
+// Probe: decode_attention's split-K kernels (cpp/ops/decode_attention/launch.cu, compiled
+// in) timed alone, fp16, and checked against a CPU computation of a few (row, KV head) pairs.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/decode_attention_kernel.cu -o /tmp/da
-//   /tmp/da B Hkv G Dh S_max splits [pos]   (pos default S_max - 1, every row)
+//   /tmp/da B Hkv G Dh S_max splits [length]   (length: lengths[b] of every row, default
+//   S_max - 1; attention covers slots 0..length)
 // DA_APPEND=1: append mode (decode_attention_append's kernels: q from an fp32 QKV row,
-// RoPE, the new k, v written at pos); timed only (the check covers the plain mode).
+// RoPE, the new k, v written at slot length); timed only (the check covers the plain mode).
 // Prints us per call (best of 5 x 20 back-to-back calls, split + merge kernel), the rate at
-// which it reads the K/V bytes of pos + 1 tokens, and the largest error of the checked pairs.
+// which it reads the K/V bytes of length + 1 tokens, and the largest error of the checked pairs.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,7 +38,7 @@ static T* upload(const std::vector<T>& h) {
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 7) {
-    std::fprintf(stderr, "usage: %s B Hkv G Dh S_max splits [pos]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s B Hkv G Dh S_max splits [length]\n", argv[0]);
     return 2;
   }
   DecodeAttentionParams p{};
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
   p.head_dim = atoll(argv[4]);
   p.max_seq = atoll(argv[5]);
   p.splits = atoll(argv[6]);
-  const int pos = argc > 7 ? atoi(argv[7]) : static_cast<int>(p.max_seq - 1);
+  const int len = argc > 7 ? atoi(argv[7]) : static_cast<int>(p.max_seq - 1);
   const int64_t dh = p.head_dim, cache = p.batch * p.num_kv_heads * p.max_seq * dh;
   const int64_t qn = p.batch * p.num_kv_heads * p.group * dh;
   auto hq = random_half(qn, 1.f / std::sqrt(static_cast<float>(dh)), 1);
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
   p.q = upload(hq);
   p.k_cache = upload(hk);
   p.v_cache = upload(hv);
-  p.pos = upload(std::vector<int32_t>(p.batch, pos));
+  p.lengths = upload(std::vector<int32_t>(p.batch, len));
   CHECK(cudaMalloc(&p.out, qn * 2));
   CHECK(cudaMalloc(&p.partial, decode_attention_workspace_floats(p) * 4));
 
@@ -83,9 +84,9 @@ int main(int argc, char** argv) {
   for (int64_t bg : {int64_t{0}, pairs - 1}) {
     for (int64_t h = 0; h < p.group; ++h) {
       const int64_t qo = (bg * p.group + h) * dh;
-      std::vector<double> s(pos + 1), o(dh, 0.0);
+      std::vector<double> s(len + 1), o(dh, 0.0);
       double mx = -1e30, l = 0.0;
-      for (int t = 0; t <= pos; ++t) {
+      for (int t = 0; t <= len; ++t) {
         double d = 0.0;
         for (int64_t i = 0; i < dh; ++i) {
           d += __half2float(hq[qo + i]) * __half2float(hk[(bg * p.max_seq + t) * dh + i]);
@@ -93,7 +94,7 @@ int main(int argc, char** argv) {
         s[t] = d;
         mx = std::max(mx, d);
       }
-      for (int t = 0; t <= pos; ++t) {
+      for (int t = 0; t <= len; ++t) {
         const double w = std::exp(s[t] - mx);
         l += w;
         for (int64_t i = 0; i < dh; ++i) o[i] += w * __half2float(hv[(bg * p.max_seq + t) * dh + i]);
@@ -116,9 +117,9 @@ int main(int argc, char** argv) {
     CHECK(cudaEventElapsedTime(&ms, a, b));
     best = std::min(best, ms * 1000.f / 20.f);
   }
-  const double bytes = 2.0 * p.batch * p.num_kv_heads * (pos + 1) * dh * 2;
-  std::printf("%s %s B%lld kv%lld G%lld dh%lld S%lld pos%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
+  const double bytes = 2.0 * p.batch * p.num_kv_heads * (len + 1) * dh * 2;
+  std::printf("%s %s B%lld kv%lld G%lld dh%lld S%lld len%d splits%lld  %8.2f us  %6.0f GB/s  max_err %.2e\n",
               decode_attention_uses_tensor_cores(p) ? "tensor" : "cuda  ", timed.qkv ? "append" : "plain ", (long long)p.batch, (long long)p.num_kv_heads, (long long)p.group, (long long)dh,
-              (long long)p.max_seq, pos, (long long)p.splits, best, bytes / best * 1e-3, err);
+              (long long)p.max_seq, len, (long long)p.splits, best, bytes / best * 1e-3, err);
   return 0;
 }

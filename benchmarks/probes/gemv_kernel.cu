@@ -1,5 +1,6 @@
-// Probe: swiglu's gemv kernels (kernels/swiglu_gemv.cu, compiled in) timed alone, without
-// JAX: quick kernel experiments on the GPU machine without building the package.
+// Probe: swiglu's gemv kernels (cpp/ops/swiglu/launch_gemv.cu, compiled in) timed alone,
+// without JAX: us per call and weight read rate, for kernel experiments without building
+// the package (GEMV_SRC="file.cu": a modified copy of launch_gemv.cu instead).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -Icpp -Icpp/include benchmarks/probes/gemv_kernel.cu -o /tmp/gemv_kernel
 //   /tmp/gemv_kernel M D F [ku kd pdl]   (ku, kd 0: one wave of 2 blocks per SM)
@@ -9,7 +10,7 @@
 #include <cstdlib>
 
 #ifndef GEMV_SRC
-#define GEMV_SRC "kernels/swiglu_gemv.cu"
+#define GEMV_SRC "ops/swiglu/launch_gemv.cu"
 #endif
 #include GEMV_SRC
 #include "swiglu_probe.h"
@@ -30,9 +31,8 @@ int main(int argc, char** argv) {
   p.d = d;
   p.f = f;
   p.has_down = true;
-  p.gemv_mma = true;
-  // default K chunks: one wave of 2 blocks per SM (jax_cluster.ops.swiglu._gemv_splits)
-  // (0 or left out: that default)
+  // K chunks, 0 or left out: one wave of 2 blocks per SM (a simpler form of the default of
+  // cpp/ops/swiglu/plan.cc)
   const int ku = argc > 4 ? atoi(argv[4]) : 0, kd = argc > 5 ? atoi(argv[5]) : 0;
   p.k_splits_up = ku > 0 ? ku : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(f, 128));
   p.k_splits_down = kd > 0 ? kd : std::max<int64_t>(1, 2 * sms / swiglu_ceil_div(d, 128));

@@ -4,7 +4,7 @@
 // TW columns of nm matrices [K, N] fp16, a chunk of R rows) with 16-byte loads, U in flight
 // per thread, and XORs them into a sink. Occupancy is capped with dynamic shared memory.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a gemv_read.cu -o gemv_read
-// (GEMV_ONLY=1: only the gemv lane patterns). Results: benchmarks/results/logs/session14.
+// (GEMV_ONLY=1: only the gemv lane patterns). Findings: docs/swiglu.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(THREADS) tile_read(const Plan p, uint32_t* sin
   if (acc == 0x12345678u) sink[blockIdx.x] = acc + pad[0];
 }
 
-// The gemv kernel's tensor-core access pattern (swiglu_gemv.cu, up stage, 128-column
+// The gemv kernel's tensor-core access pattern (cpp/ops/swiglu/launch_gemv.cu, up stage, 128-column
 // tiles): warp w reads matrix w / 4, half w % 2 (64 columns), row group (w / 2) % 2 of
 // 16-row steps; lane (g, c) loads rows 4c..4c+3 of a step at columns [8g, +8): each load
 // instruction touches 4 rows x 128 B. WIDE = 1: the same work with each instruction
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(THREADS) tile_read(const Plan p, uint32_t* sin
 template <int WIDE>
 __global__ void __launch_bounds__(256) gemv_pattern(const Plan p, uint32_t* sink) {
   extern __shared__ uint32_t pad[];
-  constexpr int kU = 3;  // half-steps of 4 loads in flight (the session-13 gemv: kMmaUnroll 3)
+  constexpr int kU = 3;  // half-steps of 4 loads in flight (the kernel once ran 3; it keeps 2 now)
   const int item = blockIdx.x, tile = item % p.tiles, kc = item / p.tiles;
   const int64_t r0 = static_cast<int64_t>(kc) * p.rows;
   const int rows = static_cast<int>(min(static_cast<int64_t>(p.rows), p.k - r0));

@@ -1,11 +1,10 @@
-"""Probe: jax_cluster.linear against XLA's dot on attention_decode's projection shapes, as
+"""Probe: jax_cluster.linear against XLA's dot on attention_block's projection shapes, as
 pairs a -> [M, N] -> [M, K] (a QKV-like then an output-like projection), 10 pairs per
-jitted call, chained; then a kernel timeline of each (benchmarks/common.py).
-    python benchmarks/probes/linear_vs_dot.py [--trace] [--env "A=1 B=2;C=3"]
---env: ";"-separated sets of ","-separated environment variables the launcher reads per call (knobs of a
-probe build), each timed as one more "linear" column."""
+jitted call, chained, with PDL on and off; then (--trace) a kernel timeline of each
+(benchmarks/common.py). docs/attention_block.md has what it found.
+    python benchmarks/probes/linear_vs_dot.py [--trace]
+"""
 
-import os
 import sys
 
 import jax
@@ -28,7 +27,7 @@ def run(kind, m, k, n, pdl=True):
 
     def proj(x, w):
         if kind == "linear":
-            return jc.linear(x, w, pdl=pdl)
+            return jc.linear(x, w, impl="cuda", config=jc.LinearConfig(pdl=pdl))
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
     @jax.jit
@@ -41,20 +40,12 @@ def run(kind, m, k, n, pdl=True):
 
 
 def main():
-    envs = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--env=")), "")
-    envs = [dict(kv.split("=") for kv in e.split(",")) for e in envs.split(";") if e.strip()]
     for m in (1, 16):
         for k, n in ((4096, 6144), (4096, 12288), (4096, 4096)):
             res = {}
             for kind in ("xla", "linear", "linear_nopdl"):
                 call = run(kind.split("_")[0], m, k, n, pdl=kind != "linear_nopdl")
                 res[kind] = tuning.steady_seconds(call) / PAIRS * 1e6
-            call = run("linear", m, k, n)
-            for env in envs:
-                os.environ.update(env)
-                res[" ".join(f"{a}={b}" for a, b in env.items())] = tuning.steady_seconds(call) / PAIRS * 1e6
-                for a in env:
-                    del os.environ[a]
             mb = 2 * 2 * k * n / 1e6
             print(f"M {m:3d} K {k} N {n:5d} ({mb:.0f} MB/pair): " +
                   "  ".join(f"{kd} {v:6.1f} us ({mb / v:.2f} TB/s)" for kd, v in res.items()), flush=True)

@@ -1,29 +1,38 @@
 #!/bin/bash
-# memcheck and racecheck of every attention_decode kernel, run alone through the probe
-# benchmarks/probes/attention_kernel.cu (one decode step per configuration), not inside a
-# JAX process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
-# Error: failed to handle a hardware exception" at the first kernel (session 16); alone
-# the same kernels run to the end (session 17).
-#   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh [PROBE_BINARY] > sanitize.log
-# Without a binary it builds one (2-3 min: build it on the CPU machine and carry it). The
-# build makes every lane of the TMA kernel's consumer warps arrive on the ring's "empty"
-# barrier (JC_RING_ARRIVE_PER_LANE in jax_cluster/tma.cuh): racecheck does not follow the
-# __syncwarp before the single arrive of the real kernel and flags every stage reuse.
+# Probe: memcheck and racecheck of every attention_block and decode_attention kernel, run
+# alone through the standalone probes (benchmarks/probes/attention_kernel.cu: one decode step
+# per configuration; decode_attention_kernel.cu: plain and append mode), not inside a JAX
+# process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
+# Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
+# run to the end (docs/attention_block.md).
+#   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
+# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE: the probe binaries; without them they are
+# built here (2-3 min: build them on the CPU machine with the commands below and carry
+# them). The attention_block probe is built with every lane of the TMA kernel's consumer
+# warps arriving on the ring's "empty" barrier (JC_RING_ARRIVE_PER_LANE in
+# jax_cluster/tma.cuh): racecheck does not follow the __syncwarp before the single arrive
+# of the real kernel and flags every stage reuse.
 # Prints one line per (tool, configuration) and exits non-zero if any found something.
 set -u
 cd "$(dirname "$0")/../.."
-bin=${1:-}
-if [ -z "$bin" ]; then
-  bin=/tmp/attention_kernel_sanitize
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo \
-    -DAK_WITH_TILED -DJC_RING_ARRIVE_PER_LANE -Icpp -Icpp/include benchmarks/probes/attention_kernel.cu \
-    cpp/kernels/attention_decode_tiled_f16.cu -o "$bin" || exit 1
+nvcc_flags=(-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo
+            -Icpp -Icpp/include)
+ak=${JC_ATTENTION_PROBE:-}
+if [ -z "$ak" ]; then
+  ak=/tmp/attention_kernel_sanitize
+  nvcc "${nvcc_flags[@]}" -DJC_RING_ARRIVE_PER_LANE benchmarks/probes/attention_kernel.cu -o "$ak" || exit 1
+fi
+da=${JC_DECODE_ATTENTION_PROBE:-}
+if [ -z "$da" ]; then
+  da=/tmp/decode_attention_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/decode_attention_kernel.cu -o "$da" || exit 1
 fi
 
-# D Hq Hkv Dh ctx batch cluster heads_per_cluster [variant]: every kernel (registers,
-# tma, split_head, batch-tiled), head_dim 64/80/96/128, MHA/GQA/MQA, cluster sizes
-# 1/2/3/4/5/8/16, batch 1-8 with ragged lengths (row 0 at the first token).
-configs=(
+# attention_block: D Hq Hkv Dh ctx batch cluster heads_per_cluster [variant]: every kernel
+# (SplitToken with the register and the TMA pipeline, SplitHead), head_dim 64/80/96/128,
+# MHA/GQA/MQA, cluster sizes 1/2/3/4/5/8/16, batch 1-8 with ragged lengths (row 0 at the
+# first token).
+ak_configs=(
   "4096 32 8 128 1024 1 8 2"
   "4096 32 32 128 1024 1 3 1"
   "1024 16 4 64 300 3 4 2"
@@ -31,32 +40,47 @@ configs=(
   "1536 16 2 96 129 3 2 8"
   "1024 8 8 128 33 1 16 1"
   "512 8 1 64 17 3 1 8"
+  "4096 32 8 128 512 8 4 2"
   "4096 32 8 128 1024 1 8 2 tma"
   "1024 16 4 64 300 3 4 2 tma"
   "1280 16 16 80 77 2 2 1 tma"
   "1024 16 4 64 300 3 4 2 split_head"
   "2048 16 16 128 200 2 4 1 split_head"
-  "1024 16 4 64 300 4 4 2 rows=2"
-  "4096 32 8 128 512 8 4 2 rows=4"
-  "1280 16 16 80 77 3 2 1 rows=2"
+)
+# decode_attention: B Hkv G Dh S_max splits: the tensor-core kernel (G >= 2) with and without
+# token splits (merge kernel), head_dim 64/80/96/128, and the CUDA-core kernel (MHA, G = 1).
+da_configs=(
+  "3 2 3 80 300 5"
+  "2 2 4 128 300 1"
+  "2 2 8 64 200 3"
+  "1 4 4 96 100 1"
+  "2 4 1 64 129 4"
 )
 failed=0
-export AK_STEPS=1 AK_RAGGED=1
-for cfg in "${configs[@]}"; do
-  [[ -n "${ONLY:-}" && "$cfg" != *"$ONLY"* ]] && continue  # ONLY=tma: those configurations
+check() {  # check LABEL CMD...: each tool over one configuration
+  local label=$1; shift
+  [[ -n "${ONLY:-}" && "$label" != *"$ONLY"* ]] && return  # ONLY=tma: those configurations
   for tool in memcheck racecheck; do
     extra=()
     [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
-    out=$(timeout 300 compute-sanitizer --tool "$tool" "${extra[@]}" "$bin" $cfg 2>&1)
+    out=$(timeout 300 compute-sanitizer --tool "$tool" "${extra[@]}" "$@" 2>&1)
     rc=$?
     summary=$(echo "$out" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | tail -n 1)
     if [ $rc -ne 0 ] || ! echo "$summary" | grep -qE "SUMMARY: (0 errors|0 hazards displayed \(0 errors, 0 warnings\))$"; then
       failed=1
-      echo "FAIL $tool [$cfg] rc=$rc"
+      echo "FAIL $tool [$label] rc=$rc"
       echo "$out" | tail -n 30
     else
-      echo "ok   $tool [$cfg] ${summary#========= }"
+      echo "ok   $tool [$label] ${summary#========= }"
     fi
   done
+}
+export AK_STEPS=1 AK_RAGGED=1
+for cfg in "${ak_configs[@]}"; do
+  check "attention_block $cfg" "$ak" $cfg
+done
+for cfg in "${da_configs[@]}"; do
+  check "decode_attention $cfg" "$da" $cfg
+  DA_APPEND=1 check "decode_attention append $cfg" "$da" $cfg
 done
 exit $failed

@@ -1,5 +1,5 @@
 // Probe: how fast can 128 blocks (one per SM) read Llama-2-7B's W_qkv [4096, 12288] fp16
-// in the access patterns of the attention_decode kernels, with and without a rolling L2
+// in the access patterns of attention_block's fused kernels, with and without a rolling L2
 // prefetch (cp.async.bulk.prefetch, issued by the bulk-copy engine) ahead of the loads?
 // Each block reads up to three "streams" of equal segments (offset, segment bytes, stride,
 // count) with 16-byte loads, THREADS x U per iteration. Prints GB/s per pattern and

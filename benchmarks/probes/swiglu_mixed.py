@@ -1,11 +1,10 @@
 """Probe: does pairing one implementation's up stage with another's down GEMM beat both at
-small M? Issue 4's "never slower than jnp" misses are at M <= 8 (Llama-2-7B, 70b-tp4), where
-the scheduler runs XLA's dots and our best kernel is 0.96-1.00x them. Times, per MLP call
-(fp16, residual fused, calls chained directly inside one jit as benchmarks/swiglu.py does):
-  pure forms   xla, tma, gemv (M <= 16), gemv:mma=0 (M <= 8)
-  mixed forms  "<up>+xla": our up stage (A2 in HBM) then XLA's down dot (the op's variant of
-               that name since session 26; logs/session26/swiglu_mixed_probe.log ran this probe's
-               first form of it, whose down dot rounded an fp32 result once with the residual);
+small M? At M <= 8 (Llama-2-7B, 70b-tp4 on H100) XLA's dots and our best kernel are within
+a few % of each other. Times, per MLP call (fp16, residual fused, calls chained directly
+inside one jit as benchmarks/swiglu.py does):
+  pure forms   xla, tma, gemv (M <= 16)
+  mixed forms  "<up>+xla": our up stage (A2 in HBM) then XLA's down dot
+               (SwigluConfig(down="xla"), a tuner candidate since this probe found it);
                "xla+linear": XLA's up (dots + fused SiLU*mul) then jc.linear's down GEMM
     python benchmarks/probes/swiglu_mixed.py [--models llama2-7b,70b-tp4] [--ms 1,4,8,16]
 """
@@ -21,19 +20,19 @@ from jax_cluster.ops import swiglu as sw
 
 sys.path.insert(0, "benchmarks")
 from common import time_fn  # noqa: E402
-from swiglu import SHAPES  # noqa: E402
+from swiglu import SHAPES, gemv_fits, ours  # noqa: E402
 
 
 def form(name):
     """fn(x, wg, wu, wd, res) for one pure or mixed form."""
     if name == "xla+linear":
-        return lambda x, wg, wu, wd, res: jc.linear(jc.swiglu(x, wg, wu, None, variant="xla"), wd,
-                                                    residual=res)
-    return lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=name)
+        return lambda x, wg, wu, wd, res: jc.linear(jc.swiglu(x, wg, wu, None, impl="xla"), wd,
+                                                    residual=res, impl="cuda")
+    return ours(name)
 
 
 def forms(m):
-    gemv = (["gemv"] if m <= sw.GEMV_MMA_MAX_ROWS else []) + (["gemv:mma=0"] if m <= sw.GEMV_MAX_ROWS else [])
+    gemv = ["gemv"] if gemv_fits(m) else []
     return ["xla", "tma"] + gemv + ["tma+xla"] + [g + "+xla" for g in gemv] + ["xla+linear"]
 
 

@@ -1,5 +1,5 @@
-// What the swiglu kernel probes (gemv_kernel.cu, tma_kernel.cu) share: fp16 buffers for
-// one call and the timing of back-to-back calls. Include after the kernel source.
+// What the swiglu kernel probe (gemv_kernel.cu) uses: fp16 buffers for one call and the
+// timing of back-to-back calls. Include after the kernel source.
 #pragma once
 
 #include <algorithm>
@@ -22,7 +22,7 @@ inline size_t swiglu_probe_buffers(SwigluParams& p) {
   cudaMalloc(&wd, wbytes);
   cudaMalloc(&out, act);
   // SWIGLU_PROBE_X=60 fills x with 0x3c bytes (fp16 1.06): nonzero activations, as in a
-  // model (all-zero gates took the slow path of an IEEE division in SiLU, session 23).
+  // model (all-zero gates once took the slow path of SiLU's IEEE division: docs/swiglu.md).
   const char* x_byte = std::getenv("SWIGLU_PROBE_X");
   cudaMemset(x, x_byte ? std::atoi(x_byte) : 0, act);
   for (void* w : {wg, wu, wd}) cudaMemset(w, 1, wbytes);

@@ -136,7 +136,7 @@ cudaError_t launch_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
 
 // JAX_CLUSTER_PDL=0 turns programmatic launches off for the process (read once): for
 // tools that do not follow them (compute-sanitizer's racecheck crashed on an H100 as soon
-// as attention_decode's kernels were launched programmatically, session 12).
+// as attention_block's kernels were launched programmatically).
 inline bool programmatic_launches_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("JAX_CLUSTER_PDL");

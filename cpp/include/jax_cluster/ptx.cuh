@@ -57,7 +57,7 @@ __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
 // ldg_stream and ldg_stream8 with a 256-byte L2 prefetch-size hint: for warps that read
 // each row in pieces smaller than a line (a whole row is then fetched from DRAM at the
 // first piece's miss). The tensor-core split decode kernel, whose lanes read 64 bytes of
-// each of 8 rows per instruction, streamed 5% faster with it (H100, session 25).
+// each of 8 rows per instruction, streamed 5% faster with it on H100 (docs/attention_block.md).
 __device__ __forceinline__ uint4 ldg_stream_256(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -180,8 +180,8 @@ __device__ __forceinline__ void ring_wait(Ring<S>& ring, const RingCursor& cur) 
 // warp's last read of it).
 // JC_RING_ARRIVE_PER_LANE (sanitizer builds only): every lane arrives itself. racecheck
 // does not follow the __syncwarp that orders the other lanes' reads before lane 0's
-// arrive, and reports each stage's reuse as a WAR hazard (session 16-17); with per-lane
-// arrives it checks the rest of the kernel.
+// arrive, and reports each stage's reuse as a WAR hazard; with per-lane arrives it checks
+// the rest of the kernel (benchmarks/probes/sanitize_attention_kernels.sh builds so).
 template <int S>
 __device__ __forceinline__ void ring_release(Ring<S>& ring, const RingCursor& cur) {
 #ifdef JC_RING_ARRIVE_PER_LANE
