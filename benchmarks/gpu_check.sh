@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build there, run the GPU tests, the sanitizers
-# and the named benchmarks; logs packed into $OUT/logs.tgz (default ./gpu_out), a short
-# table last and in $OUT/summary.txt.
+# One call on the GPU machine: build there (or install a carried wheel), run the GPU tests,
+# the sanitizers and the named benchmarks; logs packed into $OUT/logs.tgz (default
+# ./gpu_out), a short table last and in $OUT/summary.txt.
 #   bash benchmarks/gpu_check.sh [--tests PATHS] [-k EXPR] [--no-sanitize] [bench ...]
-#   (bench: a script under benchmarks/ without .py, e.g. swiglu or probes/swiglu_mixed)
-#   e.g. bash benchmarks/gpu_check.sh cluster_collectives
+#   (bench: a script under benchmarks/ without .py, e.g. swiglu or probes/swiglu_mixed;
+#   BENCH_ARGS: arguments for every bench, e.g. BENCH_ARGS=--quick)
+#   e.g. bash benchmarks/gpu_check.sh --tests tests/test_attention_block.py attention_block
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -57,8 +58,15 @@ elif [ -n "${JC_SAVE_WHEEL:-}" ]; then
 else
   step build build.log python3 -m pip install --no-build-isolation --no-deps -v "${build_args[@]}" .
 fi || { tail -40 "$OUT/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
+# pytest-xdist, when a wheel of it is carried in .carry/wheels (the machine has no network):
+# the GPU tests in 8 processes.
+XDIST=()
+if ls .carry/wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
+   python3 -m pip install -q --no-index --find-links .carry/wheels pytest-xdist >"$OUT/xdist_install.log" 2>&1; then
+  XDIST=(-n 8)
+fi
 # -P: the source tree (no compiled modules) must not shadow the installed package
-step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${SELECT[@]}" $TESTS
+step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" "${SELECT[@]}" $TESTS
 tail -5 "$OUT/gpu_tests.log"
 for b in "${BENCHES[@]}"; do
   step "bench-$b" "bench_${b//\//_}.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}
@@ -67,54 +75,50 @@ done
 if [ "$SANITIZE" = 1 ]; then
   # XLA's preallocation of most of the GPU crashed under memcheck: allocate on demand.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  # compute-sanitizer itself segfaults (session 4, H100, both tools; also with
-  # --kernel-name-exclude) whenever attention_decode's small combine kernel is in what it
-  # instruments, so attention_decode's two cluster kernels are checked by name, each alone.
-  # racecheck only our kernels (kns: kernel-name substring): instrumenting XLA's made it time out.
-  sanitize() {  # sanitize TOOL FILTER TARGETS [--quick]
+  # compute-sanitizer segfaulted (H100, both tools, also with --kernel-name-exclude) whenever
+  # attention_block's small combine kernel was among the kernels it instruments, so
+  # attention_block's main kernels are checked by name, each alone.
+  # Only our kernels are instrumented (kns: kernel-name substring): instrumenting XLA's made
+  # racecheck time out.
+  sanitize() {  # sanitize TOOL FILTER TARGETS [ARGS...]
     local tool=$1 filter=$2 only=$3; shift 3
     local tag="${tool}_${filter}_${only//,/+}"
-    # racecheck does not follow programmatic launches (session 12, H100: it segfaulted at
-    # attention_decode's first configuration once its kernels were launched with PDL;
-    # clean with them off): it runs with plain launches.
+    # racecheck does not follow programmatic launches (H100: it segfaulted at the first
+    # attention kernel launched with PDL, and ran with plain launches): plain launches.
     local pdl=1; [ "$tool" = racecheck ] && pdl=0
     JAX_CLUSTER_PDL=$pdl step "sanitize-$tag" "sanitize_$tag.log" timeout 150 compute-sanitizer \
       --tool "$tool" --kernel-name "kns=$filter" --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only="$only" "$@"
   }
-  # racecheck (session 5, H100, compute-sanitizer 2025.3.1) fails with "Internal Sanitizer
-  # Error: failed to handle a hardware exception" on swiglu's whole spec list in one process,
-  # yet each variant alone is clean: it runs per variant. On attention_decode it fails from
-  # the first configuration (cluster 1), for every kernel (session 7: the TMA one too): open
-  # (memcheck is clean). Session 16 (H100, 2025.3.1): the same internal error at cluster 1
-  # for the register, tiled and tma kernels, the previous commit's wheel included; the tma
-  # kernel first reports its ring's mbarrier-ordered stage reuse as WAR hazards
-  # (logs/session16/README.md). Session 17: alone, outside JAX, the same kernels run
-  # clean under racecheck (benchmarks/probes/sanitize_attention_kernels.sh, below).
   sanitize memcheck jax_cluster collectives,swiglu
   sanitize memcheck swiglu_tma linear
+  sanitize memcheck decode_attention decode_attention
   sanitize memcheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
-  sanitize memcheck attention_decode_kernel attention_decode --pipelines=registers
-  sanitize memcheck attention_decode_tma_kernel attention_decode --pipelines=tma
-  sanitize memcheck split_head attention_decode --pipelines=registers
-  sanitize memcheck attention_decode_tiled_kernel attention_decode --pipelines=tiled
-  # the wgmma flash_attention kernel by name (session 7: clean alone; memcheck over every
-  # jax_cluster kernel in one process crashed the tool in the helper's run)
+  sanitize memcheck attention_block_kernel attention_block --pipelines=registers --dataflows=split_token
+  sanitize memcheck attention_block_tma_kernel attention_block --pipelines=tma
+  sanitize memcheck attention_block_split_head attention_block --dataflows=split_head
+  # the wgmma flash_attention kernel by name (clean alone; memcheck over every jax_cluster
+  # kernel in one process crashed the tool)
   sanitize memcheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
   sanitize racecheck flash_attention_sm90 flash_attention --quick --flash-kernel=wgmma
   sanitize racecheck jax_cluster collectives --quick
   sanitize racecheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
   sanitize racecheck swiglu_tma linear --quick
-  for v in split stream gemv fused fused_row tma; do
+  # racecheck (compute-sanitizer 2025.3.1, H100) stops with "Internal Sanitizer Error: failed
+  # to handle a hardware exception" on swiglu's whole configuration list in one process, yet
+  # each variant alone is clean: one process per variant.
+  for v in gemv fused tma; do
     JAX_CLUSTER_PDL=0 step "sanitize-racecheck-swiglu-$v" "sanitize_racecheck_swiglu_$v.log" timeout 150 \
       compute-sanitizer --tool racecheck --kernel-name kns=swiglu --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only=swiglu --quick --variants=$v
   done
-  # attention_decode's racecheck runs outside JAX, where the tool works (session 17): every
-  # attention kernel through the standalone probe, memcheck too. JC_ATTENTION_PROBE: the
-  # probe built on the CPU machine (see the script), else it is built here (2-3 min).
-  step sanitize-attention-probe sanitize_attention_probe.log \
-    bash benchmarks/probes/sanitize_attention_kernels.sh ${JC_ATTENTION_PROBE:-}
+  # Inside a JAX process racecheck stops with the same internal error at the first
+  # attention_block or decode_attention kernel; alone, outside JAX, the same kernels run to
+  # the end. So their racecheck (and a memcheck) runs through the standalone probes.
+  # JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE: the probes built on the CPU machine (see
+  # the script), else they are built here (2-3 min).
+  step sanitize-attention-probes sanitize_attention_probes.log \
+    bash benchmarks/probes/sanitize_attention_kernels.sh
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\| ok$\|^ok \|^FAIL" "$OUT"/sanitize_*.log
 fi
 {

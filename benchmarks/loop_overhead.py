@@ -1,14 +1,17 @@
 """Does the timing chain itself cost time? Per-call seconds measured several ways inside one
-jit, for swiglu specs 'model:M:variant[:knobs]' and attention_decode specs
-'attn:model:batch:context:choice':
+jit, for swiglu specs 'model:M:configuration' (configuration by name, as benchmarks/swiglu.py
+parses it, or 'xla') and attention_block specs 'attn:model:batch:context:choice' (choice as
+benchmarks/attention_block.py takes it: 'auto', 'xla', 'jnp', 'pallas' or a configuration
+name such as 'n8:h2'):
   swiglu: fori (lax.fori_loop, each output added into x: one XLA kernel per call), unrolled
           (the same calls and adds written out) and direct (unrolled, y is the next x: the
-          benchmarks' chain from session 18 on);
-  attention_decode: fori (lax.fori_loop of steps) and unrolled (the benchmark's chain).
-Also the streaming-read probe both ways. Prints one line per case.
+          benchmarks' chain);
+  attention_block: fori (lax.fori_loop of steps) and unrolled (the benchmark's chain).
+Also the streaming-read probe (benchmarks/probes/stream_read.cu) both ways. Prints one line
+per case. docs/performance.md has what it found.
 --trace: the kernel timeline of a spec's chain (swiglu: fori and direct; attention: both);
 --sweep: only the swiglu benchmarks' chain, one line per spec (for choosing knobs, e.g.
-llama3-8b:1:gemv:ku=7:kd=41).
+llama3-8b:1:gemv:k_splits_up=7:k_splits_down=41).
 
     python3 benchmarks/loop_overhead.py llama3-8b:1:gemv llama3-8b:1:xla attn:llama2-7b:1:4096:auto
 """
@@ -20,11 +23,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import jax_cluster as jc
 from jax_cluster import tuning
 from jax_cluster.ops import swiglu as sw
-from common import print_timeline
-from swiglu import SHAPES
+from common import print_timeline, stream_read_probe
+from swiglu import SHAPES, describe, ours, parse_config
 
 CALLS = 24
 
@@ -46,23 +48,23 @@ def unrolled(fn, inputs):
 
 
 def parse_spec(spec: str) -> tuple[str, int, int, int]:
-    """'model:M:variant[:knobs]' -> (variant, M, D, F)."""
-    model, m, variant = spec.split(":", 2)
-    return (variant, int(m), *SHAPES[model])
+    """'model:M:configuration' -> (configuration name, M, D, F)."""
+    model, m, name = spec.split(":", 2)
+    return (name, int(m), *SHAPES[model])
 
 
 def sweep_case(spec: str) -> None:
-    variant, m, d, f = parse_spec(spec)
-    t = sw.measure(variant, m=m, d=d, f=f, dtype="float16")
-    cfg = sw.make_config(variant, m, d, f, True, 132) if variant != "xla" else None
-    print(f"{spec:36s} {t * 1e6:7.1f} us  {3 * d * f * 2 / t / 1e12:.2f} TB/s  "
-          f"{cfg.describe() if cfg else ''}", flush=True)
+    name, m, d, f = parse_spec(spec)
+    choice = parse_config(name)
+    t = sw.measure(choice, m=m, d=d, f=f, dtype="float16")
+    print(f"{spec:36s} {t * 1e6:7.1f} us  {3 * d * f * 2 / t / 1e12:.2f} TB/s  {describe(choice, m, d, f)}",
+          flush=True)
 
 
 def swiglu_case(spec: str) -> None:
-    variant, m, d, f = parse_spec(spec)
+    name, m, d, f = parse_spec(spec)
     inputs = sw.timing_inputs(m, d, f, "float16", has_residual=True)
-    fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
+    fn = ours(name)
     t = {}
     for chain in ("fori", "direct"):
         run, calls = sw.timing_loop(fn, inputs, calls=CALLS, chain=chain)
@@ -75,12 +77,30 @@ def swiglu_case(spec: str) -> None:
 
 
 def attention_call(spec: str, chain: str):
-    """(call, steps) of the attention benchmark's steps_call for 'attn:model:batch:ctx:choice'."""
-    import attention_decode as bench
+    """(call, steps): the attention benchmark's steps for 'attn:model:batch:ctx:choice',
+    written out (chain 'unrolled', the benchmark's steps_call) or in a lax.fori_loop."""
+    import attention_block as bench
 
     _, model, batch, ctx, choice = spec.split(":", 4)
     consts, fresh, _, shape = bench.make_case(model, jnp.float16, int(batch), int(ctx), jax.random.key(0))
-    return bench.steps_call(bench.step_for(choice, shape), fresh(), consts, chain), bench.STEPS
+    step = bench.step_for(choice, shape)
+    if chain == "unrolled":
+        return bench.steps_call(step, fresh(), consts), bench.STEPS
+
+    def run_steps(state, c):
+        def body(_, s):
+            x, kc, vc = s
+            return step(x, c["w_qkv"], c["w_o"], c["nw"], kc, vc, c["lengths"], c["inv_freq"])
+        return jax.lax.fori_loop(0, bench.STEPS, body, state)
+
+    run = jax.jit(run_steps, donate_argnums=0)
+    holder = [fresh()]
+
+    def call():
+        holder[0] = run(holder[0], consts)
+        return holder[0]
+
+    return call, bench.STEPS
 
 
 def attention_case(spec: str) -> None:
@@ -93,8 +113,10 @@ def attention_case(spec: str) -> None:
 
 
 def stream_read_case() -> None:
-    from jax_cluster.ops.stream_read import stream_read
-
+    stream_read, why = stream_read_probe()
+    if stream_read is None:
+        print(f"stream_read: not run ({why})", flush=True)
+        return
     n = 2**28  # 1 GiB of fp32
     chunks = 4 * 132
     buf = jnp.arange(n // (4 * chunks) * 4 * chunks, dtype=jnp.float32)  # 16 * chunks | bytes
@@ -127,11 +149,10 @@ def trace_case(spec: str) -> None:
             call, steps = attention_call(spec, chain)
             print_timeline(f"{spec} {chain}", call, steps)
         return
-    variant, m, d, f = parse_spec(spec)
+    name, m, d, f = parse_spec(spec)
     inputs = sw.timing_inputs(m, d, f, "float16", has_residual=True)
-    fn = lambda x, wg, wu, wd, res: jc.swiglu(x, wg, wu, wd, res, variant=variant)  # noqa: E731
     for chain in ("fori", "direct"):
-        run, calls = sw.timing_loop(fn, inputs, calls=CALLS, chain=chain)
+        run, calls = sw.timing_loop(ours(name), inputs, calls=CALLS, chain=chain)
         print_timeline(f"{spec} {chain}", lambda: run(*inputs), calls)
 
 

@@ -1,13 +1,15 @@
-"""Runs swiglu variants a few times each, for Nsight Compute (the benchmark says how fast,
-this says why: DRAM throughput, occupancy, stall reasons).
+"""Runs swiglu configurations a few times each, for Nsight Compute (the benchmark says how
+fast, this says why: DRAM throughput, occupancy, stall reasons).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false \\
     ncu --kernel-name regex:swiglu --launch-skip 6 --launch-count 4 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section LaunchStats --section WarpStateStats \\
-        python3 benchmarks/profile_swiglu.py llama2-7b:1:split llama2-7b:1:stream
+        python3 benchmarks/profile_swiglu.py llama2-7b:1:gemv llama2-7b:64:tma
 
-Each argument is model:M:variant (variant with knobs allowed, e.g. "split:nu=8").
+Each argument is model:M:configuration, the configuration by name as benchmarks/swiglu.py
+parses it ("tma", "gemv", "fused", "tma+xla", knobs as ":field=value", e.g.
+"gemv:k_splits_up=8"). Each runs 4 times.
 """
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ import sys
 
 import jax
 
-import jax_cluster as jc
 from jax_cluster.ops import swiglu as sw
-from swiglu import SHAPES
+from swiglu import SHAPES, ours
 
 
 def run(spec: str) -> None:
-    model, m, variant = spec.split(":", 2)
+    model, m, name = spec.split(":", 2)
     d, f = SHAPES[model]
     x, weights, res = sw.timing_inputs(int(m), d, f, "float16", has_residual=True)
     wg, wu, wd = weights[0]
-    fn = jax.jit(lambda *a: jc.swiglu(*a, variant=variant))
+    fn = jax.jit(ours(name))
     for _ in range(4):
         fn(x, wg, wu, wd, res).block_until_ready()
+    print(f"{spec}: 4 calls", flush=True)
 
 
 if __name__ == "__main__":

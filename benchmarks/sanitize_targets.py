@@ -1,8 +1,13 @@
 """Small runs of every CUDA kernel, for compute-sanitizer memcheck / racecheck.
 
 benchmarks/gpu_check.sh runs this under both tools; shapes are small so the
-sanitizers finish quickly, but cover every cluster size and both dtypes widths.
-Results are compared bitwise with the CPU handler (same order of operations).
+sanitizers finish quickly, but cover every cluster size and both dtype widths. Each
+result is checked: the collectives bitwise against the CPU handler (same order of
+operations), the other ops against the jnp reference.
+
+    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,...]
+        [--head-dims=64,128] [--pipelines=registers,tma] [--dataflows=split_token,split_head]
+        [--variants=gemv,tma] [--flash-kernel=mma|wgmma]
 """
 
 import sys
@@ -20,91 +25,126 @@ def _same_on_cpu(fn, x):
     assert (gpu == cpu).all(), fn
 
 
+def _rel_err(y, ref) -> float:
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
 def collectives(dtypes):
     key = jax.random.key(1)
     for dtype in dtypes:
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 16):  # 3, 5, 6, 7: the direct schedule
             x = (jax.random.normal(key, (2, n, 333), jnp.float32) / n).astype(dtype)
-            for impl in ("dsmem", "global"):
-                _same_on_cpu(lambda x: jc.cluster_reduce(x, "sum", impl=impl, all_blocks=True, repeat=3), x)
-                _same_on_cpu(lambda x: jc.cluster_gather(x, impl=impl, all_blocks=True, repeat=3), x)
+            for exchange in ("dsmem", "global"):
+                config = jc.ClusterCollectiveConfig(exchange=exchange, repeat=3)
+                _same_on_cpu(lambda x: jc.cluster_reduce(x, "sum", all_blocks=True, impl="cuda", config=config), x)
+                _same_on_cpu(lambda x: jc.cluster_gather(x, all_blocks=True, impl="cuda", config=config), x)
     print("collectives ok")
 
 
-def attention_decode(head_dims=None, pipelines=None):
-    """Every head dim and cluster size on a small GQA shape, both dataflows, vs the reference."""
+def attention_block(head_dims=None, pipelines=None, dataflows=None):
+    """Every head dim and cluster size on small GQA / MHA / MQA shapes (ragged lengths), both
+    dataflows and both SplitToken pipelines, vs the reference."""
     rng = np.random.default_rng(0)
+    pipelines = pipelines or ("registers", "tma")
+    dataflows = dataflows or ("split_token", "split_head")
     for dh, (hq, hkv) in ((64, (8, 2)), (80, (4, 4)), (96, (12, 1)), (128, (4, 2))):
         if head_dims is not None and dh not in head_dims:
             continue
         for n in (1, 2, 3, 4, 6, 8, 16):
-            print("attention_decode dh", dh, "cluster", n, flush=True)  # which one, if it dies
+            print("attention_block dh", dh, "cluster", n, flush=True)  # which one, if it dies
             f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)  # noqa: E731
             args = dict(x=f(3, 256), w_qkv=f(256, (hq + 2 * hkv) * dh, sc=1 / 16),
                         w_o=f(hq * dh, 256, sc=0.05), k_cache=f(3, hkv, 50, dh), v_cache=f(3, hkv, 50, dh),
                         lengths=jnp.asarray([0, 49, 17], jnp.int32),
                         inv_freq=jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
             kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(256))
+            ref = jc.reference.attention_block(**args, **kw)[0]
             # fewer heads per cluster on the GQA shapes: several clusters per KV head
-            ref = jc.reference.attention_decode(**args, **kw)[0]
-            # "tiled": the batch-tiled kernel, 2 rows per cluster (batch 3: a partial tile)
-            pipes = pipelines or ("registers", "tma", "tiled")
-            runs = [("split_token", p, 1) for p in pipes if p != "tiled"]
-            if "tiled" in pipes and n & (n - 1) == 0:  # batch tiles: power-of-two clusters
-                runs.append(("split_token", "registers", 2))
-            if dh % (8 * n) == 0 and n & (n - 1) == 0:  # SplitHead: powers of two
-                runs.append(("split_head", None, 1))
-            for dataflow, pipeline, rows in runs:
-                y = jc.attention_decode(**args, **kw, cluster_size=n, impl="kernel", dataflow=dataflow,
-                                        pipeline=pipeline, rows_per_cluster=rows,
-                                        heads_per_cluster=2 if hq // hkv >= 4 and n == 4 else None)[0]
-                err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-                assert err < 1e-2, (dh, n, dataflow, pipeline, rows, err)
-    print("attention_decode ok")
+            heads = 2 if hq // hkv >= 4 and n == 4 else None
+            configs = []
+            if "split_token" in dataflows:
+                configs += [jc.AttentionBlockConfig(cluster_size=n, heads_per_cluster=heads, pipeline=p)
+                            for p in pipelines]
+            if "split_head" in dataflows and dh % (8 * n) == 0 and n & (n - 1) == 0:  # powers of two
+                configs.append(jc.AttentionBlockConfig(cluster_size=n, heads_per_cluster=heads,
+                                                       dataflow="split_head"))
+            for config in configs:
+                y = jc.attention_block(**args, **kw, impl="cuda", config=config)[0]
+                err = _rel_err(y, ref)
+                assert err < 1e-2, (dh, config, err)
+    print("attention_block ok")
+
+
+def decode_attention(dtypes):
+    """decode_attention and decode_attention_append on both kernels (tensor cores for G >= 2,
+    CUDA cores for MHA), every head dim, one split (no merge kernel) and several, ragged
+    lengths, vs the jnp reference."""
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+        for dh, hkv, g in ((64, 2, 8), (80, 2, 3), (96, 1, 4), (128, 2, 1)):
+            kc, vc = f(3, hkv, 300, dh), f(3, hkv, 300, dh)
+            lengths = jnp.asarray([0, 299, 117], jnp.int32)
+            q = f(3, hkv, g, dh, sc=dh ** -0.5)
+            qkv = jnp.asarray(rng.standard_normal((3, (hkv * g + 2 * hkv) * dh)), jnp.float32)
+            inv_freq = jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32)
+            for splits in (1, 5):
+                print("decode_attention", jnp.dtype(dtype).name, dh, hkv, g, splits, flush=True)
+                config = jc.DecodeAttentionConfig(splits=splits)
+                out = jc.decode_attention(q, kc, vc, lengths, impl="cuda", config=config)
+                err = _rel_err(out, jc.reference.decode_attention(q, kc, vc, lengths))
+                assert err < 1e-2, ("decode_attention", dh, g, splits, err)
+                kw = dict(num_q_heads=hkv * g, scale=dh ** -0.5)
+                got = jc.decode_attention_append(qkv, kc, vc, lengths, inv_freq, **kw, impl="cuda",
+                                                 config=config)
+                ref = jc.reference.decode_attention_append(qkv, kc, vc, lengths, inv_freq, **kw)
+                for a, r in zip(got, ref):
+                    err = _rel_err(a, r)
+                    assert err < 1e-2, ("decode_attention_append", dh, g, splits, err)
+    print("decode_attention ok")
+
+
+def _swiglu_configs():
+    """Every swiglu kernel path: gemv (K split or not, PDL off), fused (cluster sizes,
+    exchange group widths, one and several clusters), tma (tiles split over blocks, more
+    blocks than units, row tiles, PDL off)."""
+    c = jc.SwigluConfig
+    return [c(variant="gemv"), c(variant="gemv", k_splits_up=1, k_splits_down=1),
+            c(variant="gemv", k_splits_up=5, k_splits_down=3), c(variant="gemv", pdl=False),
+            c(variant="fused", cluster_size=1, clusters=1), c(variant="fused", cluster_size=2, f_group=1),
+            c(variant="fused", cluster_size=4, f_group=2, clusters=3), c(variant="fused", cluster_size=16, f_group=2),
+            c(), c(blocks=7), c(row_tiles=1, blocks=300, pdl=False), c(row_tiles=4, blocks=5)]
 
 
 def swiglu(dtypes, shapes=((320, 512), (1024, 192)), variants=None):
-    """Every swiglu kernel path on small shapes: split (cluster sizes 1..16, 64-column
-    down tail), up stage alone, fused (cluster sizes, exchange group widths, one and
-    several clusters, several passes), stream-K (tiles split over blocks, more blocks than
-    units, several row groups; mma.sync and wgmma consumers), gemv (K split or not; M = 33 runs 16-row chunks on tensor cores, 8-row chunks on
-    CUDA cores), residual;
-    vs the jnp reference."""
+    """Every swiglu configuration of _swiglu_configs on small shapes, with and without the
+    down GEMM (the up stage alone), M = 1 and 33 (the gemv kernels run 16-row chunks; the
+    tma kernels two row groups), residual; vs the jnp reference."""
     rng = np.random.default_rng(0)
-    specs = ["split:nu=1:nd=1", "split:nu=4:nd=16", "split_row:nu=2:nd=2", "fused:n=1:c=1",
-             "fused:n=2:g=1", "fused:n=4:g=2:c=3", "fused:n=16:g=2", "fused_row:n=8:g=3",
-             "stream:c=7", "stream:rt=1:c=300", "gemv", "gemv:ku=1:kd=1", "gemv:ku=5:kd=3", "gemv:p=0",
-             "gemv:mma=0", "gemv:mma=0:ku=5:kd=3",
-             "tma", "tma:c=7", "tma:rt=1:c=300:p=0", "tma:rt=4:c=5", "tma:wg=1", "tma:wg=1:c=5:p=0"]
-    if variants is not None:  # e.g. ["gemv"]: only specs of these variants
-        specs = [s for s in specs if s.split(":")[0] in variants]
+    configs = [c for c in _swiglu_configs() if variants is None or c.variant in variants]
     for dtype in dtypes:
         for d, f in shapes:
             f_ = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
             wg, wu, wd = f_(d, f, sc=d ** -0.5), f_(d, f, sc=d ** -0.5), f_(f, d, sc=f ** -0.5)
             for m in (1, 33):
                 x, res = f_(m, d), f_(m, d)
-                for spec in specs:
-                    print("swiglu", spec, jnp.dtype(dtype).name, d, f, m, flush=True)  # which one, if it dies
+                for config in configs:
+                    print("swiglu", config, jnp.dtype(dtype).name, d, f, m, flush=True)  # which one, if it dies
                     for down in (True, False):
-                        if not down and spec.startswith("fused"):
+                        if not down and config.variant == "fused":
                             continue
                         args = (x, wg, wu, wd, res) if down else (x, wg, wu)
-                        y = jax.jit(lambda *a: jc.swiglu(*a, variant=spec))(*args)
-                        ref = jc.reference.swiglu(*args)
-                        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-                        assert err < 1e-2, (spec, d, f, m, down, err)
+                        y = jax.jit(lambda *a: jc.swiglu(*a, impl="cuda", config=config))(*args)
+                        err = _rel_err(y, jc.reference.swiglu(*args))
+                        assert err < 1e-2, (config, d, f, m, down, err)
     print("swiglu ok")
 
 
-def linear(dtypes, splitk=True):
+def linear(dtypes):
     """The linear projection on the cluster grid (N = 1344: 6 tiles in clusters of 8, the
     last one partial) and the stream-K grid (7 blocks: whole and split tiles, summed through
-    the workspace; M = 70: two row groups), residual, fp32 output; then (splitk)
-    attention_decode's splitk step with its projections on it, vs the jnp reference.
-    racecheck runs without the splitk step: its attention kernel under the tool inside JAX
-    hit the tool's "failed to handle a hardware exception" (session 24), as
-    attention_decode's kernels do (benchmarks/gpu_check.sh)."""
+    the workspace; M = 70: two row groups), residual, fp32 output, vs the jnp reference."""
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
@@ -114,32 +154,21 @@ def linear(dtypes, splitk=True):
                 a, res = f(m, k), f(m, n)
                 for blocks in (None, 7):
                     print("linear", jnp.dtype(dtype).name, k, n, m, blocks, flush=True)
+                    config = jc.LinearConfig(max_blocks=blocks)
                     for r, out in ((res, None), (None, jnp.float32)):
-                        y = jax.jit(lambda a, w, r: jc.linear(a, w, r, out_dtype=out, max_blocks=blocks))(a, w, r)
-                        ref = jc.reference.linear(a, w, r, out)
-                        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
+                        y = jax.jit(lambda a, w, r: jc.linear(a, w, r, out_dtype=out, impl="cuda",
+                                                              config=config))(a, w, r)
+                        err = _rel_err(y, jc.reference.linear(a, w, r, out))
                         assert err < 1e-2, (k, n, m, blocks, err)
-        if not splitk:
-            continue
-        from jax_cluster.ops.attention_decode_xla import attention_decode_splitk
-        hq, hkv, dh = 8, 2, 64
-        args = dict(x=f(3, 512), w_qkv=f(512, (hq + 2 * hkv) * dh, sc=1 / 22), w_o=f(hq * dh, 512, sc=0.05),
-                    k_cache=f(3, hkv, 50, dh), v_cache=f(3, hkv, 50, dh), lengths=jnp.asarray([0, 49, 17], jnp.int32),
-                    inv_freq=jnp.asarray(1e4 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
-        kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm="rms", norm_weight=f(512))
-        extra = dict(norm_bias=None, eps=1e-6, qkv_bias=None, o_bias=None, residual=True,
-                     rotary_dim=dh, rope_layout="half", scale=dh ** -0.5)
-        y = attention_decode_splitk(**args, **kw, **extra, projections="linear")[0]
-        ref = jc.reference.attention_decode(**args, **kw, residual=True)[0]
-        err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(ref, np.float32)) / np.linalg.norm(np.asarray(ref, np.float32))
-        assert err < 1e-2, ("splitk", err)
     print("linear ok")
 
 
-def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), cuda_kernel="auto"):
+def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), kernel=None):
     """Both head dims, ragged / empty query and KV chunks (tile remainders), incoming states,
-    state and finalized outputs, vs the jnp reference."""
+    state and finalized outputs, vs the jnp reference. kernel: "mma", "wgmma" or None (the
+    op's default)."""
     rng = np.random.default_rng(0)
+    config = jc.FlashAttentionConfig(kernel=kernel) if kernel else None
     for dtype in dtypes:
         for dh in (64, 128):
             f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
@@ -147,37 +176,41 @@ def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), cuda_kernel="auto"):
             kvs = [(f(2, n, 2, dh), f(2, n, 2, dh)) for n in (65, 0, 3)]
             states = [jc.reference.flash_attention([qs[0]], [(f(2, 9, 2, dh), f(2, 9, 2, dh))])[0], None, None]
             for finalize in (False, True):
-                out = jc.flash_attention(qs, kvs, states, finalize=finalize, impl="kernel",
-                                         cuda_kernel=cuda_kernel)
+                out = jc.flash_attention(qs, kvs, states, finalize=finalize, impl="cuda", config=config)
                 ref = jc.reference.flash_attention(qs, kvs, states, finalize=finalize)
                 for a, r in zip(out, ref):
                     a, r = (a, r) if finalize else (a[0], r[0])
                     if a.size:
-                        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-                        err = np.linalg.norm(a - r) / np.linalg.norm(r)
+                        err = _rel_err(a, r)
                         assert err < 1e-2, (dtype, dh, finalize, err)
     print("flash_attention ok")
 
 
+def _option(name, default=None):
+    """--name=a,b -> ["a", "b"] (default when absent)."""
+    value = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
+    return default if value is None else value.split(",")
+
+
 if __name__ == "__main__":
     quick = "--quick" in sys.argv  # racecheck is slow: one dtype of each width
-    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+    only = _option("only")
     wanted = lambda name: only is None or name in only  # noqa: E731
-    # --variants=gemv,stream: swiglu's specs of these variants only
-    variants = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), None)
     if wanted("collectives"):
         collectives((jnp.float32, jnp.bfloat16) if quick else (jnp.float32, jnp.float16, jnp.bfloat16))
-    if wanted("attention_decode"):  # --head-dims=64,128: a subset (racecheck died on the whole)
-        dims = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--head-dims=")), None)
-        pipes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--pipelines=")), None)
-        attention_decode(None if dims is None else [int(v) for v in dims.split(",")], pipes)
-    if wanted("swiglu"):
+    if wanted("attention_block"):  # --head-dims=64,128: a subset (a shorter run under the tools)
+        dims = _option("head-dims")
+        attention_block(None if dims is None else [int(v) for v in dims], _option("pipelines"),
+                        _option("dataflows"))
+    if wanted("decode_attention"):
+        decode_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("swiglu"):  # --variants=gemv,tma: those variants' configurations only
         if quick:
-            swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=variants)
+            swiglu((jnp.bfloat16,), shapes=((320, 512),), variants=_option("variants"))
         else:
-            swiglu((jnp.float16, jnp.bfloat16), variants=variants)
+            swiglu((jnp.float16, jnp.bfloat16), variants=_option("variants"))
     if wanted("linear"):
-        linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), splitk=not quick)
-    if wanted("flash_attention"):  # --flash-kernel=mma|wgmma|...: one of its CUDA kernels
-        kern = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--flash-kernel=")), "auto")
-        flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kern)
+        linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("flash_attention"):  # --flash-kernel=mma|wgmma: one of its CUDA kernels
+        kernel = _option("flash-kernel", [None])[0]
+        flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kernel)
