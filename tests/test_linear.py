@@ -167,8 +167,8 @@ def test_gpu_grids_agree_and_are_deterministic(rng, max_blocks, pdl):
 
 @pytest.mark.gpu
 def test_gpu_chained_projections(rng):
-    """Back-to-back calls (each one's output the next one's input), as attention_decode's
-    QKV and output projections run around the attention kernel with programmatic launches."""
+    """Back-to-back calls (each one's output the next one's input), as a decode step's QKV
+    and output projections run around its attention with programmatic launches."""
     a, w1, _ = _inputs(rng, 16, 4096, 6144, "float16")
     w2 = jnp.asarray(rng.standard_normal((6144, 4096)) / np.sqrt(6144), "float16")
     a, w1, w2 = (jax.device_put(x, _gpu()) for x in (a, w1, w2))

@@ -38,24 +38,35 @@ def test_flash_attention_on_each_gpu(rng, gpus, cuda_kernel):
                                                      config=config), (q, k, v), gpus)
 
 
-@pytest.mark.parametrize("pipeline", ["registers", "tma"])
-def test_attention_decode_on_each_gpu(rng, gpus, pipeline):
+@pytest.mark.parametrize("config", [
+    jc.AttentionBlockConfig(cluster_size=4), jc.AttentionBlockConfig(cluster_size=4, pipeline="tma"),
+    jc.AttentionBlockConfig(kernel="split_k"),
+], ids=["registers", "tma", "split_k"])
+def test_attention_block_on_each_gpu(rng, gpus, config):
     b, d, hq, hkv, dh, s = 2, 512, 8, 2, 128, 64
     args = (_normal(rng, (b, d)), _normal(rng, (d, (hq + 2 * hkv) * dh), scale=d ** -0.5),
             _normal(rng, (hq * dh, d), scale=(hq * dh) ** -0.5), _normal(rng, (b, hkv, s, dh)),
             _normal(rng, (b, hkv, s, dh)), jnp.asarray([5, 40], jnp.int32),
             jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32))
-    _same_on_both(lambda *a: jc.attention_decode(*a, num_q_heads=hq, num_kv_heads=hkv, norm=None,
-                                                 cluster_size=4, impl="kernel", pipeline=pipeline),
+    _same_on_both(lambda *a: jc.attention_block(*a, num_q_heads=hq, num_kv_heads=hkv, norm=None,
+                                                impl="cuda", config=config),
                   args, gpus)
 
 
-@pytest.mark.parametrize("variant", ["split", "gemv", "tma"])
+def test_decode_attention_on_each_gpu(rng, gpus):
+    q, k, v = _normal(rng, (2, 8, 4, 128)), _normal(rng, (2, 8, 300, 128)), _normal(rng, (2, 8, 300, 128))
+    lengths = jnp.asarray([299, 17], jnp.int32)
+    config = jc.DecodeAttentionConfig(splits=4)
+    _same_on_both(lambda *a: jc.decode_attention(*a, impl="cuda", config=config), (q, k, v, lengths), gpus)
+
+
+@pytest.mark.parametrize("variant", ["tma", "gemv", "fused"])
 def test_swiglu_on_each_gpu(rng, gpus, variant):
     d, f = 512, 1024
     args = (_normal(rng, (3, d)), _normal(rng, (d, f), scale=d ** -0.5),
             _normal(rng, (d, f), scale=d ** -0.5), _normal(rng, (f, d), scale=f ** -0.5))
-    _same_on_both(lambda *a: jc.swiglu(*a, variant=variant), args, gpus)
+    config = jc.SwigluConfig(variant=variant)
+    _same_on_both(lambda *a: jc.swiglu(*a, impl="cuda", config=config), args, gpus)
 
 
 def test_sharded_flash_attention_schedule(rng, gpus):

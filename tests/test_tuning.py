@@ -1,5 +1,7 @@
-"""jax_cluster.tuning: the persistent profile-driven scheduler (generic; CPU only)."""
+"""jax_cluster.tuning: the persistent profile-driven scheduler (generic), config candidates as
+JSON, and attention_block's candidates and measuring path (CPU only)."""
 
+import dataclasses
 import json
 import os
 import warnings
@@ -248,19 +250,106 @@ def test_steady_seconds_leaves_out_fixed_latency():
     assert 0.0015 < t < 0.003
 
 
-def test_attention_decode_tuner_measures_with_carried_caches(tmp_path, monkeypatch):
-    """The tuner's measuring path end to end (on the CPU handler here): every candidate is
-    timed with its caches carried and donated, the winner is one of them and is cached."""
-    from jax_cluster.ops import attention_decode as ad
+# ---------------------------------------------------------------- config candidates
+@dataclasses.dataclass(frozen=True)
+class FakeConfig:
+    size: int = 1
+    mode: str = "a"
 
-    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
+
+def test_config_candidates_are_json_and_found_again(cache):
+    """A config dataclass candidate is stored as {"type": name, **fields} and comes back, in a
+    new process, as the equal candidate object; strings stay strings."""
+    cands = [FakeConfig(1), FakeConfig(2, "b"), "xla"]
+    m = Counter({FakeConfig(1): 3.0, FakeConfig(2, "b"): 1.0, "xla": 2.0})
+    assert tuning.pick("op", "k", cands, m, heuristic="xla") == FakeConfig(2, "b")
+    entry = json.loads(cache.read_text())["entries"]["op|k"]
+    assert entry["winner"] == {"type": "FakeConfig", "size": 2, "mode": "b"}
+    assert set(entry["times_us"]) == {"FakeConfig(size=1, mode='a')", "FakeConfig(size=2, mode='b')", "xla"}
     tuning.clear_memory_cache()
-    pick = ad._choose_cluster_size(True, 1, 64, 2, 1, 16, 64, jnp.float32)
-    # S_max 16 is no shape for Pallas' kernel: every candidate but "pallas"
-    candidates = [c for c in ad._tuner_candidates(2) if c != "pallas"]
-    assert pick in candidates
-    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
-    assert entry["winner"] == pick and set(entry["times_us"]) == set(map(str, candidates))
-    assert all(0 < t < 1e7 for t in entry["times_us"].values())  # every candidate ran
+    found = tuning.pick("op", "k", cands, Counter({}), heuristic="xla")
+    assert found == FakeConfig(2, "b") and found is cands[1]
+    assert tuning.encode("xla") == "xla"
+    with pytest.raises(TypeError, match="a str or a config dataclass"):
+        tuning.encode(3)
+    with pytest.raises(TypeError, match="a str or a config dataclass"):
+        tuning.encode(FakeConfig)  # the class, not an instance
+
+
+@pytest.mark.parametrize("winner", [
+    {"type": "FakeConfig", "size": 3, "mode": "a"},             # a value no longer a candidate
+    {"type": "FakeConfig", "size": 1, "mode": "a", "rows": 2},  # a field that was removed
+    {"type": "OldConfig", "size": 1, "mode": "a"},              # a renamed class
+    "n8:h2",                                                    # an old string choice
+    [1, 2],
+])
+def test_stale_config_entry_is_ignored_with_a_warning(cache, winner):
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"version": tuning.CACHE_VERSION, "entries": {"op|k": {"winner": winner}}}))
+    cands = [FakeConfig(1), FakeConfig(2)]
+    with pytest.warns(UserWarning, match="ignoring stale cache entry 'op|k'"):
+        assert tuning.lookup("op", "k", cands) is None
+    m = Counter({FakeConfig(1): 2.0, FakeConfig(2): 1.0})
+    with pytest.warns(UserWarning, match="stale"):
+        assert tuning.pick("op", "k", cands, m, heuristic=FakeConfig(1)) == FakeConfig(2)
+    assert json.loads(cache.read_text())["entries"]["op|k"]["winner"] == tuning.encode(FakeConfig(2))
+
+
+def test_make_key():
+    key = tuning.make_key(3, m=16, d=4096, dtype="float16")
+    assert key == f"v3 {tuning.device_name()} m16 d4096 dtypefloat16"
+
+
+# ---------------------------------------------------------------- attention_block's tuner
+def test_attention_block_candidates_are_configs_and_json(cache):
+    """attention_block's candidates are AttentionBlockConfigs and "xla"; each is stored as
+    JSON ({"type": "AttentionBlockConfig", ...} or "xla") and found again, equal, by
+    tuning.lookup in a new process; an entry of the old string choices is stale."""
+    from jax_cluster import AttentionBlockConfig
+    from jax_cluster.ops import attention_block as ab
+    cands = ab.candidates(batch=2, num_q_heads=32, num_kv_heads=8, head_dim=128, max_seq=4096)
+    assert cands[-1] == "xla" and all(isinstance(c, AttentionBlockConfig) for c in cands[:-1])
+    assert {c.kernel for c in cands[:-1]} == {"fused", "split_k"} | ({"pallas"} if ab.pallas_supported(128, 4096)
+                                                                     else set())
+    for i, cand in enumerate(cands):
+        tuning.record("attention_block", f"k{i}", cand)
     tuning.clear_memory_cache()
+    for i, cand in enumerate(cands):
+        assert tuning.lookup("attention_block", f"k{i}", cands) == cand
+    assert tuning.encode(AttentionBlockConfig(cluster_size=3, heads_per_cluster=1)) == {
+        "type": "AttentionBlockConfig", "kernel": "fused", "cluster_size": 3, "heads_per_cluster": 1,
+        "dataflow": "split_token", "pipeline": "registers", "splits": None}
+    # the old string / int choices (cluster sizes, "n8:h2", "tma:4", "splitk"): stale
+    data = json.loads(cache.read_text())
+    old = ["n8:h2", "tma:4", 4, "splitk", {"type": "AttentionBlockConfig", "cluster_size": 4}]
+    data["entries"].update({f"attention_block|old{i}": {"winner": w} for i, w in enumerate(old)})
+    cache.write_text(json.dumps(data))
+    tuning.clear_memory_cache()
+    for i in range(len(old)):
+        with pytest.warns(UserWarning, match="stale cache entry"):
+            assert tuning.lookup("attention_block", f"old{i}", cands) is None
+
+
+def test_attention_block_tuner_measures_with_carried_caches(cache, monkeypatch):
+    """The tuner's measuring path end to end (the CPU handler standing in for the GPU): every
+    candidate is timed with its caches carried and donated, the winner is one of them and
+    is cached as JSON; the next process reads it back without measuring."""
+    import functools
+
+    from jax_cluster import AttentionBlockConfig
+    from jax_cluster.ops import attention_block as ab
+
+    monkeypatch.setenv(tuning.ENV_ENABLE, "1")
+    monkeypatch.setattr(ab, "on_gpu", lambda: True)  # tuning happens on a GPU only
+    monkeypatch.setattr(ab, "measure", functools.partial(ab.measure, steps=2))
+    pick = ab.autotune(1, 64, 2, 1, 16, 64, jnp.float16)
+    # S_max 16 is no shape for Pallas' kernel: every candidate but kernel="pallas"
+    candidates = ab.candidates(batch=1, num_q_heads=2, num_kv_heads=1, head_dim=64, max_seq=16)
+    assert AttentionBlockConfig(kernel="pallas") not in candidates and pick in candidates
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    assert entry["winner"] == tuning.encode(pick)
+    assert set(entry["times_us"]) == {c if c == "xla" else str(c) for c in candidates}
+    assert all(t is not None and 0 < t < 1e7 for t in entry["times_us"].values())  # every candidate ran
+    tuning.clear_memory_cache()  # a new process: the file answers, nothing is measured
+    monkeypatch.setattr(ab, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert ab.autotune(1, 64, 2, 1, 16, 64, jnp.float16) == pick
