@@ -27,7 +27,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_cluster as jc
 from jax_cluster.ops.attention_state import State

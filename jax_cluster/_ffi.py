@@ -39,7 +39,8 @@ def check_impl(op: str, impl: str) -> None:
 
 def check_config(op: str, config, config_type: type) -> None:
     if config is not None and not isinstance(config, config_type):
-        raise TypeError(f"{op}: config must be a {config_type.__name__} or None, got {config!r}")
+        article = "an" if config_type.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{op}: config must be {article} {config_type.__name__} or None, got {config!r}")
 
 
 def check_array(op: str, name: str, array, shape, dtype=None) -> None:

@@ -3,8 +3,6 @@ JSON, and attention_block's candidates and measuring path (CPU only)."""
 
 import dataclasses
 import json
-import os
-import warnings
 
 import jax
 import jax.numpy as jnp
