@@ -192,6 +192,7 @@ def family(config) -> str:
 
 
 def main(argv=None):
+    global RESULT_NAME
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fp16, contexts 4096 and (batch 1) 16384")
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
@@ -200,6 +201,8 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
                         "into the table (a case measured again replaces its row)")
+    parser.add_argument("--results-name", default=RESULT_NAME,
+                        help="the table to write (e.g. attention_block_h200 for another GPU's table)")
     parser.add_argument("--configs", default=None,
                         help="comma list of configurations to time (parse_config: n4, n8:h2, tma:n4, "
                              "split_head:n2, split_k); default: every one the tuner weighs, and SplitHead")
@@ -221,6 +224,7 @@ def main(argv=None):
         return None
     if args.cluster_sweep:
         return cluster_sweep(part=args.part)
+    RESULT_NAME = args.results_name
     bw = measure_bandwidth()
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}")
     dtypes = [jnp.float16] if args.quick else [jnp.dtype(t) for t in args.dtypes.split(",")]

@@ -44,12 +44,15 @@ SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia"}
 
 
 def fused_impl(cfg=None):
-    """Per-component impl using every fused op that exists for this model, or None when
-    there is none. Only SwiGLU MLPs (Llama, DeepSeek) have a fused MLP op; GELU does not."""
+    """Per-component impl on every jax_cluster op that exists for this model, or None when
+    there is none: on a GPU each op's impl="auto" (its tuner's pick per shape among our
+    kernel configurations and XLA's ops), on CPU "fused" (the ops' C++ handlers: a check of
+    the path, not a timing). Only SwiGLU MLPs (Llama, DeepSeek) have a fused MLP op."""
     swiglu_mlp = cfg is None or getattr(cfg, "architecture", "llama") != "gpt_neox"
-    comp = {"attention": "fused" if ops.fused_available("attention_block") else "xla",
-            "mlp": "fused" if swiglu_mlp and ops.fused_available("swiglu") else "xla"}
-    return comp if "fused" in comp.values() else None
+    on = "auto" if ops.on_gpu() else "fused"
+    comp = {"attention": on if ops.fused_available("attention_block") else "xla",
+            "mlp": on if swiglu_mlp and ops.fused_available("swiglu") else "xla"}
+    return comp if on in comp.values() else None
 
 
 def param_bytes(model) -> int:

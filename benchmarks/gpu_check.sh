@@ -64,6 +64,8 @@ XDIST=()
 if ls .carry/wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
    python3 -m pip install -q --no-index --find-links .carry/wheels pytest-xdist >"$OUT/xdist_install.log" 2>&1; then
   XDIST=(-n 8)
+  # eight processes share one GPU: each allocates on demand instead of taking 75% of it
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
 # -P: the source tree (no compiled modules) must not shadow the installed package
 step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" "${SELECT[@]}" $TESTS
@@ -92,7 +94,9 @@ if [ "$SANITIZE" = 1 ]; then
   }
   sanitize memcheck jax_cluster collectives,swiglu
   sanitize memcheck swiglu_tma linear
-  sanitize memcheck decode_attention decode_attention
+  # (decode_attention's kernels: compute-sanitizer itself segfaults at their first launch in a
+  # JAX process, with and without programmatic launches, on H200; they are checked outside
+  # JAX by the probes below.)
   sanitize memcheck flash_attention_kernel flash_attention --quick --flash-kernel=mma
   sanitize memcheck attention_block_kernel attention_block --pipelines=registers --dataflows=split_token
   sanitize memcheck attention_block_tma_kernel attention_block --pipelines=tma
