@@ -2,7 +2,7 @@
 
 import os
 
-# Must precede the first jax import of the session.
+# Must precede the first jax import of the process.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
