@@ -10,16 +10,22 @@
 
 namespace jax_cluster::cpu {
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
+// The float whose IEEE bits are `bits`, and back (std::bit_cast before C++20).
+inline float float_from_bits(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
-
-inline uint16_t float_to_bf16(float f) {
+inline uint32_t bits_of_float(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+inline float bf16_to_float(uint16_t h) { return float_from_bits(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits = bits_of_float(f);
   if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
   bits += 0x7FFF + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
@@ -44,14 +50,11 @@ inline float half_to_float(uint16_t h) {
   } else {
     bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return float_from_bits(bits);
 }
 
 inline uint16_t float_to_half(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  const uint32_t bits = bits_of_float(f);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
   const uint32_t abs = bits & 0x7FFFFFFFu;
   if (abs >= 0x7F800000u) return sign | (abs > 0x7F800000u ? 0x7E00 : 0x7C00);

@@ -30,6 +30,8 @@
 //   JAX_CLUSTER_FFI_CPU_HANDLER(foo, jax_cluster::decode_foo, jax_cluster::run_foo_cpu);
 //   // cpp/ops/foo/ffi_cuda.cc (ffi/cuda_util.h)  run: ffi::Error (const FooParams&, cudaStream_t)
 //   JAX_CLUSTER_FFI_CUDA_HANDLER(foo, jax_cluster::decode_foo, jax_cluster::run_foo_cuda);
+//   // or, where run would only launch: launch: cudaError_t (const FooParams&, cudaStream_t)
+//   JAX_CLUSTER_FFI_CUDA_LAUNCH_HANDLER(foo, jax_cluster::decode_foo, jax_cluster::launch_foo);
 //
 // The handler macros define the symbols jax_cluster_foo_{cpu,cuda} listed in targets.inc;
 // the binding (stream context, buffers, .Attrs<FooAttrs>()) is derived from decode_foo's
@@ -106,6 +108,8 @@ struct Handler;
 
 template <typename Params, typename... Args, ffi::ErrorOr<Params> (*Decode)(Args...)>
 struct Handler<Decode> {
+  using ParamsType = Params;
+
   template <typename B>
   static auto bind(B&& b) { return BindAll<Args...>::to(std::forward<B>(b)); }
 

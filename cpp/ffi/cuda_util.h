@@ -28,3 +28,13 @@ inline xla::ffi::Error from_cuda(cudaError_t err, const char* what) {
       ::jax_cluster::ffi_util::Handler<&decode>::bind(                                       \
           ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()),          \
       {::xla::ffi::Traits::kCmdBufferCompatible})
+
+// The CUDA handler of an op whose launcher needs no check beyond decode's: run is
+// launch(const Params&, cudaStream_t), its error reported under the op's name.
+#define JAX_CLUSTER_FFI_CUDA_LAUNCH_HANDLER(op, decode, launch)                              \
+  namespace jax_cluster::ffi_util {                                                          \
+  static xla::ffi::Error run_##op(const Handler<&decode>::ParamsType& p, cudaStream_t stream) { \
+    return from_cuda(launch(p, stream), #op);                                                \
+  }                                                                                          \
+  }                                                                                          \
+  JAX_CLUSTER_FFI_CUDA_HANDLER(op, decode, ::jax_cluster::ffi_util::run_##op)

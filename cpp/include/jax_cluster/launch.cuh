@@ -69,6 +69,13 @@ inline cudaError_t resident_blocks(const void* kernel, int threads, size_t smem,
   return *blocks > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
+// cudaLaunchKernelEx's configuration (also what occupancy queries take).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                        cudaLaunchAttribute* attrs, unsigned num_attrs) {
+  // gridDim, blockDim, dynamicSmemBytes, stream, attrs, numAttrs: the fields in their order.
+  return cudaLaunchConfig_t{grid, block, smem, stream, attrs, num_attrs};
+}
+
 // One launch through cudaLaunchKernelEx with the given launch attributes (after the
 // kernel's one-time configuration); its return code and the last error checked.
 template <typename... KernelArgs, typename... Args>
@@ -76,13 +83,7 @@ cudaError_t launch_ex(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size
                       cudaStream_t stream, cudaLaunchAttribute* attrs, unsigned num_attrs,
                       Args&&... args) {
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(reinterpret_cast<const void*>(kernel)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attrs;
-  config.numAttrs = num_attrs;
+  cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attrs, num_attrs);
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return cudaGetLastError();
@@ -111,13 +112,9 @@ inline cudaError_t resident_clusters(const void* kernel, int threads, size_t sme
   auto it = known.find({device, kernel, cluster_size});
   if (it == known.end()) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(configure_kernel_once(kernel));
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster_size);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
     cudaLaunchAttribute attr = cluster_attribute(cluster_size);
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    const cudaLaunchConfig_t config =
+        launch_config(dim3(cluster_size), dim3(threads), smem, nullptr, &attr, 1);
     int n = 0;
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
     it = known.emplace(std::make_tuple(device, kernel, cluster_size), n).first;
