@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_cluster {
 
@@ -81,29 +82,25 @@ __device__ __forceinline__ void zero_acc(float (&acc)[A][B][C]) {
       for (int k = 0; k < C; ++k) acc[i][j][k] = 0.f;
 }
 
+// c += a * b: one m16n8k16 tensor-core mma of fp16 (T = __half) or bf16 (__nv_bfloat16)
+// fragments, fp32 accumulators.
+#define JAX_CLUSTER_MMA16816(ab_type)                                                       \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ab_type "." ab_type                 \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"        \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                 uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+                                         uint32_t b1) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>,
+                "mma16816: fp16 or bf16 fragments");
+  if constexpr (std::is_same_v<T, __half>) {
+    JAX_CLUSTER_MMA16816("f16");
+  } else {
+    JAX_CLUSTER_MMA16816("bf16");
+  }
 }
-
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#undef JAX_CLUSTER_MMA16816
 
 // Two fp32 values rounded to one 16-bit pair (an mma A fragment register).
 template <typename T>

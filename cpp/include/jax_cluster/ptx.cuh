@@ -38,40 +38,36 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-// 16-byte load of data read once (weights, KV): read-only path, no L1 allocation.
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// Streaming loads of data read once (weights, KV): read-only path, no L1 allocation.
+// JAX_CLUSTER_LDG_STREAM(v4_name, v2_name, l2_qualifier) defines the 16-byte load v4_name
+// and the 8-byte load v2_name (4 16-bit values) of `ld.global.nc.L1::no_allocate`, with the
+// given (possibly empty) L2 qualifier.
+#define JAX_CLUSTER_LDG_STREAM(v4_name, v2_name, l2_qualifier)                                 \
+  __device__ __forceinline__ uint4 v4_name(const void* p) {                                    \
+    uint4 v;                                                                                   \
+    asm volatile("ld.global.nc.L1::no_allocate" l2_qualifier ".v4.u32 {%0, %1, %2, %3}, [%4];" \
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                  \
+                 : "l"(p));                                                                    \
+    return v;                                                                                  \
+  }                                                                                            \
+  __device__ __forceinline__ uint2 v2_name(const void* p) {                                    \
+    uint2 v;                                                                                   \
+    asm volatile("ld.global.nc.L1::no_allocate" l2_qualifier ".v2.u32 {%0, %1}, [%2];"          \
+                 : "=r"(v.x), "=r"(v.y)                                                        \
+                 : "l"(p));                                                                    \
+    return v;                                                                                  \
+  }
 
-// 8-byte form of ldg_stream (4 16-bit values).
-__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
+// ldg_stream (16 bytes), ldg_stream8 (8 bytes).
+JAX_CLUSTER_LDG_STREAM(ldg_stream, ldg_stream8, "")
 
 // ldg_stream and ldg_stream8 with a 256-byte L2 prefetch-size hint: for warps that read
 // each row in pieces smaller than a line (a whole row is then fetched from DRAM at the
 // first piece's miss). The tensor-core split decode kernel, whose lanes read 64 bytes of
 // each of 8 rows per instruction, streamed 5% faster with it on H100 (docs/attention_block.md).
-__device__ __forceinline__ uint4 ldg_stream_256(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg_stream8_256(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];"
-               : "=r"(v.x), "=r"(v.y)
-               : "l"(p));
-  return v;
-}
+JAX_CLUSTER_LDG_STREAM(ldg_stream_256, ldg_stream8_256, ".L2::256B")
+
+#undef JAX_CLUSTER_LDG_STREAM
 
 // Programmatic dependent launch (a kernel launched with the programmatic stream
 // serialization attribute may start while the previous kernel of the stream still runs):
@@ -152,33 +148,36 @@ __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t remote_bar) {
                : "memory");
 }
 
+// One mbarrier.try_wait on the phase of the given parity (the hardware may suspend the
+// thread a while before it answers): true once that phase completed. name: cta scope;
+// name_cluster: with cluster-scope acquire (barriers other blocks of the cluster arrive on).
+#define JAX_CLUSTER_MBARRIER_TRY_WAIT(name, semantics)                                  \
+  __device__ __forceinline__ bool name(uint32_t addr, uint32_t parity) {              \
+    uint32_t done;                                                                    \
+    asm volatile(                                                                     \
+        "{\n .reg .pred p;\n"                                                         \
+        " mbarrier.try_wait.parity" semantics ".shared::cta.b64 p, [%1], %2;\n"         \
+        " selp.u32 %0, 1, 0, p;\n}"                                                    \
+        : "=r"(done)                                                                  \
+        : "r"(addr), "r"(parity)                                                      \
+        : "memory");                                                                  \
+    return done != 0;                                                                 \
+  }
+JAX_CLUSTER_MBARRIER_TRY_WAIT(mbarrier_try_wait, "")
+JAX_CLUSTER_MBARRIER_TRY_WAIT(mbarrier_try_wait_cluster, ".acquire.cluster")
+#undef JAX_CLUSTER_MBARRIER_TRY_WAIT
+
 // Waits (with cluster-scope acquire) until the phase of the given parity completed.
 __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+  while (!mbarrier_try_wait_cluster(addr, parity)) {
   }
 }
 
 // Same, cta scope: for barriers completed by the bulk-copy engine of this block.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+  while (!mbarrier_try_wait(addr, parity)) {
   }
 }
 
@@ -224,15 +223,7 @@ __device__ __forceinline__ void st_async_8(uint32_t remote_addr, uint2 v, uint32
 __device__ __forceinline__ void mbarrier_wait_cluster_or_trap(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
   for (uint32_t spins = 0;; ++spins) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    if (done) return;
+    if (mbarrier_try_wait_cluster(addr, parity)) return;
     if (spins == (1u << 26)) __trap();
   }
 }

@@ -237,6 +237,21 @@ __device__ void write_new_kv(const AttentionBlockParams& p, const Ctx& c, const 
 }
 
 // Online-softmax state of one thread: MH heads x its 8 dims of the head.
+// This lane's 8 elements (vector dv of the head dim) of each of the block's query heads,
+// scaled by p.scale * log2(e) for the log2-domain softmax: zeros for heads >= hpc and for
+// idle lanes (!active). The SplitToken kernels' attention (registers and tma pipelines).
+template <int DH, int MH>
+__device__ __forceinline__ void load_lane_queries(float (&q)[MH][8], const AttentionBlockParams& p,
+                                                  const float* qkv, int hpc, int dv, bool active) {
+#pragma unroll
+  for (int h = 0; h < MH; ++h) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
+    }
+  }
+}
+
 template <int MH>
 struct SoftmaxState {
   float m[MH], l[MH], o[MH][8];

@@ -61,13 +61,7 @@ __device__ void attend_cached(const AttentionBlockParams& p, const Ctx& c, int h
   const bool active = dv < NV;
 
   float q[MH][8];
-#pragma unroll
-  for (int h = 0; h < MH; ++h) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
-    }
-  }
+  load_lane_queries<DH>(q, p, qkv, hpc, dv, active);
   const int64_t row0 = (c.b * p.num_kv_heads + c.g) * p.max_seq;
   const T* K = static_cast<const T*>(p.k_cache) + row0 * DH + dv * 8;
   const T* V = static_cast<const T*>(p.v_cache) + row0 * DH + dv * 8;

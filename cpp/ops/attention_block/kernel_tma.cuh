@@ -214,13 +214,7 @@ __device__ void attend_streamed(const AttentionBlockParams& p, int hpc, const fl
   const bool active = dv < NV;
 
   float q[MH][8];
-#pragma unroll
-  for (int h = 0; h < MH; ++h) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      q[h][i] = (h < hpc && active) ? qkv[h * DH + dv * 8 + i] * p.scale * kLog2e : 0.f;
-    }
-  }
+  load_lane_queries<DH>(q, p, qkv, hpc, dv, active);
   SoftmaxState<MH> st;
   st.init();
   const int dv_c = active ? dv : 0;  // inactive lanes read a valid vector; their q is 0
