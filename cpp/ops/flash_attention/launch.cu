@@ -34,6 +34,7 @@
 #include "jax_cluster/vec.cuh"
 #include "ops/flash_attention/launch.h"
 #include "jax_cluster/launch.cuh"
+#include "ops/flash_attention/launch_args.h"
 
 namespace jax_cluster {
 namespace {
@@ -47,14 +48,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // ------------------------------------------------------------------ kernel parameters
-struct QDesc {
-  const void* q;
-  const float* o_in;    // null: empty state
-  const float* lse_in;
-  void* o;
-  float* lse;
-  int32_t len;
-  int32_t tile_start;  // first block x of this chunk
+struct QDesc : FlashQDesc {
+  const void* q;  // [B, len, H, D]
 };
 
 struct KVDesc {
@@ -365,30 +360,19 @@ cudaError_t launch_flash_attention(const FlashAttentionParams& p, cudaStream_t s
     if (err != cudaErrorNotSupported || p.kernel != FlashKernel::kAuto) return err;
   }
   FlashArgs args{};
-  args.heads = static_cast<int32_t>(p.heads);
-  args.num_q = p.num_q;
-  args.num_kv = p.num_kv;
-  args.scale_log2 = p.scale * kLog2e;
-  args.finalize = p.finalize ? 1 : 0;
-  int64_t q_tiles = 0, kv_tiles = 0;
-  for (int i = 0; i < p.num_q; ++i) {
-    const FlashQChunk& c = p.q[i];
-    if (c.len > INT_MAX) return cudaErrorInvalidValue;
-    args.q[i] = {c.q, c.o_in, c.lse_in, c.o, c.lse, static_cast<int32_t>(c.len),
-                 static_cast<int32_t>(q_tiles)};
-    q_tiles += (c.len + kBM - 1) / kBM;
-  }
-  for (int j = 0; j < p.num_kv; ++j) {
-    const FlashKVChunk& c = p.kv[j];
-    if (c.len > INT_MAX) return cudaErrorInvalidValue;
-    args.kv[j] = {c.k, c.v, static_cast<int32_t>(c.len), static_cast<int32_t>(kv_tiles)};
-    kv_tiles += (c.len + kBN - 1) / kBN;
-  }
-  if (kv_tiles > INT_MAX || q_tiles > INT_MAX) return cudaErrorInvalidValue;
-  args.kv_tiles = static_cast<int32_t>(kv_tiles);
-  if (q_tiles == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;  // nothing to do
-  if (p.heads > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  const int qt = static_cast<int>(q_tiles), bs = static_cast<int>(p.batch);
+  int qt = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(flash_launch_args(
+      p, kBM, kBN, p.scale * kLog2e, &args, &qt,
+      [&](int i, const FlashQChunk& c, int32_t first_tile) {
+        args.q[i] = {{c.o_in, c.lse_in, c.o, c.lse, static_cast<int32_t>(c.len), first_tile}, c.q};
+        return cudaSuccess;
+      },
+      [&](int j, const FlashKVChunk& c, int32_t first_tile) {
+        args.kv[j] = {c.k, c.v, static_cast<int32_t>(c.len), first_tile};
+        return cudaSuccess;
+      }));
+  if (qt == 0) return cudaSuccess;  // nothing to do
+  const int bs = static_cast<int>(p.batch);
   return dispatch_half(p.dtype, [&](auto t) {
     return dispatch_int<64, 128>(p.head_dim, [&](auto d) {
       return launch<typename decltype(t)::type, decltype(d)::value>(args, qt, bs, stream);

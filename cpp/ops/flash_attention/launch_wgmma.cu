@@ -45,6 +45,7 @@
 #include "ops/flash_attention/launch.h"
 #include "jax_cluster/launch.cuh"
 #include "jax_cluster/tma_host.h"
+#include "ops/flash_attention/launch_args.h"
 
 namespace jax_cluster {
 namespace {
@@ -71,14 +72,7 @@ struct TileConfig<128> {
 };
 
 // ------------------------------------------------------------------ kernel parameters
-struct QDesc {
-  const float* o_in;  // null: empty state
-  const float* lse_in;
-  void* o;
-  float* lse;
-  int32_t len;
-  int32_t tile_start;  // first block x of this chunk
-};
+using QDesc = FlashQDesc;  // (Q itself comes through q_map)
 
 struct KVDesc {
   int32_t len;
@@ -434,40 +428,29 @@ template <int D>
 cudaError_t launch_for_dim(const FlashAttentionParams& p, cudaStream_t stream) {
   constexpr int kBN = TileConfig<D>::kBN;
   Sm90Args args{};
-  args.heads = static_cast<int32_t>(p.heads);
-  args.num_q = p.num_q;
-  args.num_kv = p.num_kv;
-  args.scale_log2 = p.scale * kLog2e;
-  args.finalize = p.finalize ? 1 : 0;
-  int64_t q_tiles = 0, kv_tiles = 0;
-  for (int i = 0; i < p.num_q; ++i) {
-    const FlashQChunk& c = p.q[i];
-    if (c.len > INT_MAX) return cudaErrorInvalidValue;
-    if (c.len > 0) {
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.q_map[i], p.dtype, c.q, p.batch,
-                                                       c.len, p.heads, D, kBM));
-    }
-    args.q[i] = {c.o_in, c.lse_in, c.o, c.lse, static_cast<int32_t>(c.len),
-                 static_cast<int32_t>(q_tiles)};
-    q_tiles += (c.len + kBM - 1) / kBM;
-  }
-  for (int j = 0; j < p.num_kv; ++j) {
-    const FlashKVChunk& c = p.kv[j];
-    if (c.len > INT_MAX) return cudaErrorInvalidValue;
-    if (c.len > 0) {
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.k_map[j], p.dtype, c.k, p.batch,
-                                                       c.len, p.heads, D, kBN));
-      JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.v_map[j], p.dtype, c.v, p.batch,
-                                                       c.len, p.heads, D, kBN));
-    }
-    args.kv[j] = {static_cast<int32_t>(c.len), static_cast<int32_t>(kv_tiles)};
-    kv_tiles += (c.len + kBN - 1) / kBN;
-  }
-  if (kv_tiles > INT_MAX || q_tiles > INT_MAX) return cudaErrorInvalidValue;
-  args.kv_tiles = static_cast<int32_t>(kv_tiles);
-  if (q_tiles == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;  // nothing to do
-  if (p.heads > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  const int qt = static_cast<int>(q_tiles), bs = static_cast<int>(p.batch);
+  int qt = 0;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(flash_launch_args(
+      p, kBM, kBN, p.scale * kLog2e, &args, &qt,
+      [&](int i, const FlashQChunk& c, int32_t first_tile) {
+        if (c.len > 0) {
+          JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.q_map[i], p.dtype, c.q, p.batch,
+                                                           c.len, p.heads, D, kBM));
+        }
+        args.q[i] = {c.o_in, c.lse_in, c.o, c.lse, static_cast<int32_t>(c.len), first_tile};
+        return cudaSuccess;
+      },
+      [&](int j, const FlashKVChunk& c, int32_t first_tile) {
+        if (c.len > 0) {
+          JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.k_map[j], p.dtype, c.k, p.batch,
+                                                           c.len, p.heads, D, kBN));
+          JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_rows_map(&args.v_map[j], p.dtype, c.v, p.batch,
+                                                           c.len, p.heads, D, kBN));
+        }
+        args.kv[j] = {static_cast<int32_t>(c.len), first_tile};
+        return cudaSuccess;
+      }));
+  if (qt == 0) return cudaSuccess;  // nothing to do
+  const int bs = static_cast<int>(p.batch);
   return dispatch_half(p.dtype, [&](auto t) {
     return launch<typename decltype(t)::type, D>(args, qt, bs, stream);
   });
