@@ -179,17 +179,14 @@ def launch_plan(config: AttentionBlockConfig, *, batch: int, hidden: int, head_d
 _PER_ROW = (0, 8, 9, 10)
 
 
-def _workspace_bytes(batch, hidden, num_q_heads, num_kv_heads, max_heads_per_cluster):
-    group = num_q_heads // num_kv_heads
-    chunks = group // _heads_per_cluster(group, max_heads_per_cluster)
-    return batch * num_kv_heads * chunks * hidden * 4
-
-
 def _abstract(x, norm_w, norm_b, w_qkv, qkv_bias, w_o, o_bias, inv_freq, lengths, k_cache,
-              v_cache, *, num_q_heads, num_kv_heads, max_heads_per_cluster, **_):
-    ws = _workspace_bytes(x.shape[0], x.shape[1], num_q_heads, num_kv_heads, max_heads_per_cluster)
+              v_cache, *, num_q_heads, num_kv_heads, rotary_dim, cluster_size, max_heads_per_cluster,
+              dataflow, pipeline, **_):
+    plan = _extension.plans().attention_block(
+        x.shape[0], x.shape[1], k_cache.shape[3], num_q_heads, num_kv_heads, rotary_dim,
+        jnp.dtype(x.dtype).name, cluster_size, max_heads_per_cluster, dataflow, pipeline)
     return (ShapedArray(x.shape, x.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
-            ShapedArray(v_cache.shape, v_cache.dtype), ShapedArray((ws,), np.uint8))
+            ShapedArray(v_cache.shape, v_cache.dtype), ShapedArray((plan["workspace_bytes"],), np.uint8))
 
 
 def _batching(args, dims, **params):

@@ -76,14 +76,17 @@ def default_splits(batch: int, num_kv_heads: int, max_seq: int, num_sms: int = 1
     return int(min(by_sms, by_len, _constants()["max_splits"]))
 
 
-def _workspace_floats(q_shape, splits):
+def _workspace_floats(q_shape, k_cache, splits, append=False, rotary_dim=0) -> int:
+    """The kernels' fp32 workspace (cpp/ops/decode_attention: partial states of every split,
+    and the new k, v in append mode)."""
     b, hkv, g, dh = q_shape
-    return b * hkv * splits * g * (dh + 2) + b * hkv * 2 * dh  # + the new k, v (append mode)
+    plan = _plan(b, hkv, g, dh, k_cache.shape[2], k_cache.dtype, splits, append, rotary_dim)
+    return int(plan["workspace_floats"])
 
 
 def _abstract(q, k_cache, v_cache, lengths, *, splits):
     return (ShapedArray(q.shape, q.dtype),
-            ShapedArray((_workspace_floats(q.shape, splits),), np.float32))
+            ShapedArray((_workspace_floats(q.shape, k_cache, splits),), np.float32))
 
 
 def _batching(args, dims, *, splits):
@@ -178,7 +181,7 @@ def _append_abstract(qkv, k_cache, v_cache, lengths, inv_freq, *, splits, num_q_
     q_shape = (b, hkv, num_q_heads // hkv, dh)
     return (ShapedArray(q_shape, k_cache.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
             ShapedArray(v_cache.shape, v_cache.dtype),
-            ShapedArray((_workspace_floats(q_shape, splits),), np.float32))
+            ShapedArray((_workspace_floats(q_shape, k_cache, splits, True, rotary_dim),), np.float32))
 
 
 def _append_batching(args, dims, **params):
