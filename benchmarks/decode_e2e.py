@@ -1,6 +1,6 @@
 """End-to-end decode: time per output token of whole models (random weights) with flax_models.
 
-Llama-2-7B and Llama-3-8B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
+Llama-2-7B, Llama-3-8B, Llama-3.2-1B, Pythia-2.8B and Pythia-6.9B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
 cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_block,
 swiglu). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
@@ -39,7 +39,8 @@ from flax_models.engine import Engine, cache_slots  # noqa: E402
 from flax_models.loading import parse_dtype  # noqa: E402
 from flax_models.presets import PRESETS, random_model  # noqa: E402
 
-MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b"}
+MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b", "llama3.2-1b": "llama-3.2-1b",
+          "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b"}
 SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia"}
 
 

@@ -271,3 +271,24 @@ def test_group_limited_routing_and_normalisation():
     ws, _ = moe.route(x, router, top_k=2, routed_scaling_factor=3.0)
     w1, _ = moe.route(x, router, top_k=2)
     np.testing.assert_allclose(ws, 3.0 * w1, rtol=1e-6)
+
+
+def test_llama_3_2_1b_preset_is_the_hugging_face_config():
+    """The 1B preset (tied embeddings, llama3 RoPE scaling) parses from Hugging Face's config of
+    those shapes to the same config, and has Llama-3.2-1B's 1.24 B parameters (counted on the
+    abstract model: no weights are made)."""
+    transformers = pytest.importorskip("transformers")
+    from flax import nnx
+
+    from flax_models.config import LlamaConfig
+    from flax_models.presets import abstract_model
+
+    hf = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, eos_token_id=128001)
+    assert LlamaConfig.from_hf(hf.to_dict()) == PRESETS["llama-3.2-1b"]
+    _, state = nnx.split(abstract_model(PRESETS["llama-3.2-1b"], jnp.bfloat16, "auto"))
+    assert sum(v.get_value().size for _, v in nnx.to_flat_state(state)) == 1_235_814_400
