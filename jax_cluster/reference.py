@@ -207,3 +207,79 @@ def flash_attention(q_chunks, kv_chunks, states=None, *, scale=None, finalize=Fa
         else:
             out.append((o, lse))
     return out
+
+
+def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_rank, qk_nope_head_dim,
+               qk_rope_head_dim, v_head_dim, scale, eps, latent_eps=1e-6, residual=False, block_table=None):
+    """DeepSeek-V2's absorbed-MLA decode step (fp32 math); returns (y in x.dtype, latent_cache).
+
+    x [B, hidden]; weights: norm (input RMSNorm), q [hidden, H (dn + dr)] or q_a, q_a_norm
+    (RMSNorm, latent_eps), q_b; kv_a [hidden, r + dr], kv_a_norm, kv_b [r, H (dn + dv)] (per head
+    [W_uk | W_uv]), o [H dv, hidden]; optional q_a_bias, kv_a_bias, o_bias. A cached token is
+    c = RMSNorm(h W_kv_a[:, :r]) followed by its interleaved-RoPE key k_rope (E = r + dr features).
+    The new token (RoPE at position lengths[b] on q_rope and k_rope) is written at slot lengths[b],
+    rounded to the cache dtype, and attends slots 0..lengths[b]:
+    score_h(s) = scale ((q_nope_h W_uk_h^T) . c_s + q_rope_h . k_rope_s) (scale includes YaRN's
+    mscale), out_h = (sum_s p_h(s) c_s) W_uv_h, y = out W_o (+ o_bias) (+ x when residual).
+
+    latent_cache: [B, S_max, E], or with block_table [B, max_blocks] int32 a page pool
+    [num_pages, page_size, E] where slot s of row b is page block_table[b, s // page_size], offset
+    s % page_size. A row whose lengths[b] lies outside [0, capacity) (S_max, or max_blocks *
+    page_size), or whose used blocks name a page outside the pool, gives NaN and writes nothing.
+    """
+    f32 = jnp.float32
+    w = {k: None if v is None else jnp.asarray(v, f32) for k, v in weights.items()}
+    hq, r, dn, dr, dv = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    batch = x.shape[0]
+
+    def lin(a, name, bias=None):
+        y = jnp.dot(a, w[name], precision="highest")
+        return y if w.get(bias) is None else y + w[bias]
+
+    if block_table is None:
+        capacity = latent_cache.shape[1]
+    else:
+        num_pages, page, _ = latent_cache.shape
+        capacity = block_table.shape[1] * page
+    valid = (lengths >= 0) & (lengths < capacity)
+    if block_table is not None:  # every block the row reads must name a page of the pool
+        used = jnp.arange(block_table.shape[1])[None, :] <= jnp.where(valid, lengths, 0)[:, None] // page
+        valid &= jnp.all(~used | ((block_table >= 0) & (block_table < num_pages)), axis=1)
+    pos = jnp.where(valid, lengths, 0)
+
+    h = _norm_f32(x, "rms", w["norm"], None, eps)
+    if w.get("q") is not None:
+        q = lin(h, "q")
+    else:
+        q = lin(_norm_f32(lin(h, "q_a", "q_a_bias"), "rms", w["q_a_norm"], None, latent_eps), "q_b")
+    q = q.reshape(batch, hq, dn + dr)
+    kv = lin(h, "kv_a", "kv_a_bias")
+    c = _norm_f32(kv[:, :r], "rms", w["kv_a_norm"], None, latent_eps)
+    k_rope = _rope(kv[:, r:], pos, inv_freq, dr, "interleaved")
+    q_rope = _rope(q[..., dn:], pos[:, None], inv_freq, dr, "interleaved")
+    new = jnp.concatenate([c, k_rope], -1).astype(latent_cache.dtype)  # [B, E]
+
+    if block_table is None:
+        at_pos = (jnp.arange(capacity)[None, :] == pos[:, None]) & valid[:, None]
+        latent_cache = jnp.where(at_pos[..., None], new[:, None], latent_cache)
+        lat = latent_cache
+    else:
+        page_id = jnp.take_along_axis(block_table, (pos // page)[:, None], axis=1)[:, 0]
+        page_id = jnp.where(valid, page_id, num_pages)  # out of bounds: dropped
+        latent_cache = latent_cache.at[page_id, pos % page].set(new, mode="drop")
+        lat = latent_cache[jnp.clip(block_table, 0, num_pages - 1)].reshape(batch, capacity, -1)
+    seen = jnp.arange(capacity)[None, :] <= pos[:, None]  # [B, S]
+    lat = jnp.where(seen[..., None], lat.astype(f32), 0.0)  # slots past the token never reach the sums
+
+    w_kvb = w["kv_b"].reshape(r, hq, dn + dv)
+    q_lat = jnp.einsum("bhd,rhd->bhr", q[..., :dn], w_kvb[..., :dn], precision="highest")
+    s = (jnp.einsum("bhr,bsr->bhs", q_lat, lat[..., :r], precision="highest")
+         + jnp.einsum("bhd,bsd->bhs", q_rope, lat[..., r:], precision="highest")) * scale
+    p = jax.nn.softmax(jnp.where(seen[:, None], s, -jnp.inf), axis=-1)
+    o_lat = jnp.einsum("bhs,bsr->bhr", p, lat[..., :r], precision="highest")
+    o = jnp.einsum("bhr,rhd->bhd", o_lat, w_kvb[..., dn:], precision="highest")
+    y = lin(o.reshape(batch, hq * dv), "o", "o_bias")
+    if residual:
+        y = y + x.astype(f32)
+    y = jnp.where(valid[:, None], y, jnp.nan)
+    return y.astype(x.dtype), latent_cache
