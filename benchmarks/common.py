@@ -228,10 +228,7 @@ def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], no
     part: this run measured one slice of a grid (a name for it). Its rows are merged into the
     table already there: a case measured again replaces its row in place, new cases are
     appended, and the table's "runs" lists every run that contributed (part, command,
-    device, date, bandwidth). Without part the table is replaced.
-
-    A name starting with "parts/" writes a scratch file under results/parts/ (not kept in
-    git) for merge_results; prefer part=."""
+    device, date, bandwidth). Without part the table is replaced."""
     path = RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -301,24 +298,6 @@ def _markdown(name: str, payload: dict, columns: Sequence[str]) -> str:
     for row in payload["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
     return "\n".join(lines) + "\n"
-
-
-def merge_results(name: str, parts: Sequence[str], *, columns: Sequence[str], notes: str = "") -> Path:
-    """One table from scratch files results/parts/<part>.json (runs that wrote a name
-    "parts/<part>"): a case measured again in a later part replaces the earlier row; each
-    part keeps the bandwidth of its own run. write_results(..., part=) merges as it goes."""
-    rows, runs = {}, []
-    for part in parts:
-        data = json.loads((RESULTS_DIR / "parts" / f"{part}.json").read_text())
-        rows.update({row["case"]: row for row in data["rows"]})
-        runs.append({**_as_run(data), "part": part})
-    same = {k: data[k] for k in ("device", "versions", "date")}  # the GPU runs', not this machine's
-    path = RESULTS_DIR / f"{name}.json"
-    payload = {**same, "command": runs[-1]["command"], "notes": notes, "runs": runs, "parts": list(parts),
-               "rows": list(rows.values())}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    path.with_suffix(".md").write_text(_markdown(name, payload, columns))
-    return path
 
 
 def _fmt(v) -> str:

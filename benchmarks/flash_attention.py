@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import jax_cluster as jc
 from jax_cluster.ops.attention_state import State
-from common import dtype_tag, loop, merge_results, random_normal, time_fn, write_results
+from common import dtype_tag, loop, random_normal, time_fn, write_results
 
 MODELS = {"flux": (24, 128), "cogvideox": (30, 64)}  # heads, head dim
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
@@ -206,20 +206,16 @@ def main(argv=None):
     parser.add_argument("--lengths", type=str, default=None, help="comma-separated L values")
     parser.add_argument("--models", type=str, default=",".join(MODELS))
     parser.add_argument("--dtypes", type=str, default=None, help="comma list (default bfloat16,float16)")
-    parser.add_argument("--part", default=None, help="write results/parts/PART (a grid run in parts)")
+    parser.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
+                        "into the table (a case measured again replaces its row)")
     parser.add_argument("--max-calls", type=int, default=MAX_CALLS, help="calls per timed jit loop (at most)")
-    parser.add_argument("--merge", default=None, help="no run: join these parts into results/flash_attention")
     args = parser.parse_args(argv)
-    if args.merge:
-        return merge_results("flash_attention", args.merge.split(","), columns=COLUMNS,
-                             notes=NOTES + " roofline_fraction = ours / the bf16 matmul TFLOP/s of its run.")
     if jax.default_backend() != "gpu":
         print("warning: no GPU; the CPU handler is plain loops (use tiny --lengths)")
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         QUICK_LENGTHS if args.quick else LENGTHS)
     dtypes = [jnp.dtype(t) for t in args.dtypes.split(",")] if args.dtypes else (
         [jnp.bfloat16] if args.quick else [jnp.bfloat16, jnp.float16])
-    result_name = f"parts/{args.part}" if args.part else "flash_attention"
     peak = measure_matmul_tflops() if jax.default_backend() == "gpu" else None
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {peak or float('nan'):.0f} TFLOP/s")
     rows = []
@@ -240,7 +236,7 @@ def main(argv=None):
                       f"  pallas {f(row['pallas_us'])}  mgpu {f(row['pallas_mgpu_us'])}"
                       f"  err {row['rel_err_vs_cudnn']}")
                 write_results(  # after every case: a partial run still leaves its numbers
-                    result_name, rows,
+                    "flash_attention", rows, part=args.part,
                     columns=COLUMNS,
                     notes=NOTES + f" roofline_fraction = ours / bf16 matmul TFLOP/s measured in this run ({peak or 0:.0f}).",
                     extra={"matmul_tflops": peak})
