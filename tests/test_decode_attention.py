@@ -394,3 +394,15 @@ def test_gpu_append_xla_and_auto(rng, dtype):
     args = make_append(rng, 3, 8, 4, 128, 1000, dtype, [999, 0, 500])
     for impl in ("xla", "auto"):
         check_append(args, device=_gpu(), group=4, impl=impl)
+
+
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_concrete_out_of_range_lengths_are_an_error(rng, bad):
+    """Lengths known at trace time are checked before anything runs (traced ones give NaN
+    rows: test_append_cpu_out_of_range_rows)."""
+    qkv, k, v, _, inv = make_append(rng, 2, 2, 2, 16, 9, "float32", [0, 3])
+    lengths = jnp.asarray([3, bad], jnp.int32)
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, S_max=9\)"):
+        decode_attention(qkv[:, :2 * 2 * 16].reshape(2, 2, 2, 16), k, v, lengths)
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, S_max=9\)"):
+        decode_attention_append(qkv, k, v, lengths, inv, num_q_heads=4, scale=0.25)

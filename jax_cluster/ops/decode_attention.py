@@ -141,10 +141,17 @@ def _attend_xla(q, k_cache, v_cache, lengths):
     return jnp.where(valid[:, None, None, None], out, jnp.nan).astype(q.dtype)
 
 
-def _check_lengths(op: str, lengths, batch: int) -> None:
+def _check_lengths(op: str, lengths, batch: int, max_seq: int) -> None:
+    """Shape and dtype; the values too where they are known (under jit they are traced: an
+    out-of-range row then gives NaN and writes nothing)."""
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"{op}: lengths must be int32 [{batch}], got {jnp.dtype(lengths.dtype).name} "
                          f"{tuple(lengths.shape)}")
+    if not isinstance(lengths, jax.core.Tracer):
+        lens = np.asarray(lengths)
+        if lens.size and (lens.min() < 0 or lens.max() >= max_seq):
+            raise ValueError(f"{op}: lengths must be in [0, S_max={max_seq}); got min {lens.min()}, "
+                             f"max {lens.max()}")
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
@@ -165,7 +172,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _check_lengths(op, lengths, b)
+    _check_lengths(op, lengths, b, k_cache.shape[2])
     splits = _use_kernel(op, impl, k_cache, group, config)
     if impl == "reference":
         return reference.decode_attention(q, k_cache, v_cache, lengths)
@@ -240,7 +247,7 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
     if qkv.shape != (b, (num_q_heads + 2 * hkv) * dh) or qkv.dtype != jnp.float32:
         raise ValueError(f"{op}: qkv must be float32 [{b}, {(num_q_heads + 2 * hkv) * dh}], "
                          f"got {jnp.dtype(qkv.dtype).name} {tuple(qkv.shape)}")
-    _check_lengths(op, lengths, b)
+    _check_lengths(op, lengths, b, k_cache.shape[2])
     rotary_dim = dh if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 <= rotary_dim <= dh or inv_freq.shape != (rotary_dim // 2,) \
             or inv_freq.dtype != jnp.float32:
