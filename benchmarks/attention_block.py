@@ -30,7 +30,17 @@ from common import dtype_tag, measure_bandwidth, print_timeline, random_normal, 
 MODELS = {  # hidden, q heads, kv heads, head dim
     "llama2-7b": (4096, 32, 32, 128),
     "llama3-8b": (4096, 32, 8, 128),
+    # more public decoders' shapes (--models all): head dims 64/80/96/128, GQA groups 1-7
+    "llama3.2-1b": (2048, 32, 8, 64),
+    "llama3.2-3b": (3072, 24, 8, 128),
+    "qwen2.5-1.5b": (1536, 12, 2, 128),
+    "qwen2.5-7b": (3584, 28, 4, 128),
+    "phi3-mini": (3072, 32, 32, 96),
+    "pythia-2.8b": (2560, 32, 32, 80),
+    "llama2-13b": (5120, 40, 40, 128),
+    "mistral-nemo-12b": (5120, 32, 8, 128),
 }
+CORE_MODELS = ("llama2-7b", "llama3-8b")  # the default grid
 STEPS = 20
 
 
@@ -195,7 +205,8 @@ def main(argv=None):
     global RESULT_NAME
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fp16, contexts 4096 and (batch 1) 16384")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
+    parser.add_argument("--models", default=",".join(CORE_MODELS),
+                        help="comma list of " + ", ".join(MODELS) + ", or 'all'")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--dtypes", default="float16,bfloat16")
@@ -231,7 +242,7 @@ def main(argv=None):
     rows = []
     key = jax.random.key(0)
     sms = getattr(jax.devices()[0], "core_count", 132)
-    for model in args.models.split(","):
+    for model in (MODELS if args.models == "all" else args.models.split(",")):
         d, hq, hkv, dh = MODELS[model]
         for dtype in dtypes:
             for batch in map(int, args.batches.split(",")):

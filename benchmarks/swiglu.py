@@ -30,7 +30,12 @@ from jax_cluster import tuning
 from jax_cluster.ops import swiglu as sw
 from common import RESULTS_DIR, dtype_tag, measure_bandwidth, time_fn, write_results
 
-SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336)}
+SHAPES = {"70b-tp4": (8192, 7168), "llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336),
+          # more public decoders' (D, F) (--models all)
+          "llama3.2-1b": (2048, 8192), "llama3.2-3b": (3072, 8192), "qwen2.5-1.5b": (1536, 8960),
+          "qwen2.5-7b": (3584, 18944), "phi3-mini": (3072, 8192), "llama2-13b": (5120, 13824),
+          "mistral-nemo-12b": (5120, 14336)}
+CORE_SHAPES = ("70b-tp4", "llama2-7b", "llama3-8b")  # the default grid
 MS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("tma", "tma+xla", "gemv", "gemv+xla", "fused")
 COLUMNS = ["case", "ours_us", "jnp_us", "speedup_vs_jnp", "roofline_fraction", "pick", "auto_vs_best",
@@ -139,7 +144,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a subset (< 2 minutes)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use the user's tuning cache instead of tuning afresh in this run")
-    parser.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--models", default=",".join(CORE_SHAPES),
+                        help="comma list of " + ", ".join(SHAPES) + ", or 'all'")
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -164,7 +170,8 @@ def main(argv=None):
     bw = args.bandwidth or measure_bandwidth()
     dev = jax.devices()[0]
     print(f"measured bandwidth {bw / 1e12:.2f} TB/s on {dev.device_kind}")
-    shapes = {k: SHAPES[k] for k in (("70b-tp4", "llama2-7b") if args.quick else args.models.split(","))}
+    names = ("70b-tp4", "llama2-7b") if args.quick else SHAPES if args.models == "all" else args.models.split(",")
+    shapes = {k: SHAPES[k] for k in names}
     ms = (1, 16, 64) if args.quick else tuple(map(int, args.ms.split(",")))
     dtypes = (jnp.float16,) if args.quick else tuple(jnp.dtype(t) for t in args.dtypes.split(","))
     variants = tuple(args.variants.split(","))
