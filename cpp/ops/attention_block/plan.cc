@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "ffi/plan_util.h"
 #include "ops/attention_block/plan.h"
 
 namespace nb = nanobind;
@@ -13,15 +14,6 @@ using namespace nb::literals;
 
 namespace jax_cluster {
 namespace {
-
-// A dtype name as numpy spells it -> DType; false for another.
-bool dtype_of(const std::string& name, DType* dtype) {
-  if (name == "float32") *dtype = DType::kF32;
-  else if (name == "float16") *dtype = DType::kF16;
-  else if (name == "bfloat16") *dtype = DType::kBF16;
-  else return false;
-  return true;
-}
 
 nb::dict constants() {
   nb::dict norm, rope, dataflow, pipeline;
@@ -66,7 +58,7 @@ nb::dict plan(int64_t batch, int64_t hidden, int64_t head_dim, int64_t num_q_hea
   p.max_heads_per_cluster = static_cast<int>(max_heads_per_cluster);
   p.dataflow = static_cast<AttnDataflow>(dataflow);
   p.pipeline = static_cast<AttnPipeline>(pipeline);
-  std::string error = dtype_of(dtype, &p.dtype) ? attention_block_check(p) : "dtype must be float32, float16 or bfloat16";
+  std::string error = dtype_from_name(dtype, &p.dtype) ? attention_block_check(p) : "dtype must be float32, float16 or bfloat16";
   nb::dict out;
   out["error"] = error;
   if (!error.empty()) return out;

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "ffi/plan_util.h"
 #include "ops/decode_attention/params.h"
 
 namespace nb = nanobind;
@@ -16,7 +17,7 @@ namespace {
 nb::dict plan(int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t max_seq,
               const std::string& dtype, int64_t splits, bool append, int64_t rotary_dim) {
   DecodeAttentionParams p{};
-  p.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
+  const bool known_dtype = dtype_from_name(dtype, &p.dtype);
   p.batch = batch;
   p.num_kv_heads = num_kv_heads;
   p.group = group;
@@ -28,9 +29,8 @@ nb::dict plan(int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_d
   p.rotary_dim = rotary_dim;
   nb::dict out;
   out["error"] = decode_attention_check(p);
-  out["cuda_error"] = dtype == "float32" || dtype == "float16" || dtype == "bfloat16"
-                          ? decode_attention_cuda_check(p)
-                          : std::string("dtype must be float32, float16 or bfloat16");
+  out["cuda_error"] =
+      known_dtype ? decode_attention_cuda_check(p) : std::string("dtype must be float32, float16 or bfloat16");
   out["workspace_floats"] = decode_attention_workspace_floats(p);
   out["tensor_cores"] = decode_attention_uses_tensor_cores(p);
   return out;

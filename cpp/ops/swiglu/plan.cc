@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "ffi/plan_util.h"
 #include "ops/swiglu/params.h"
 
 namespace nb = nanobind;
@@ -35,8 +36,8 @@ int64_t balanced_clusters(int64_t tiles, int64_t max_clusters) {
 }
 
 DType dtype_of(const std::string& name) {
-  if (name == "float16") return DType::kF16;
-  if (name == "bfloat16") return DType::kBF16;
+  DType dtype;
+  if (dtype_from_name(name, &dtype) && dtype != DType::kF32) return dtype;
   throw nb::value_error(("swiglu: dtype must be float16 or bfloat16, got " + name).c_str());
 }
 
@@ -157,6 +158,11 @@ void bind_swiglu_plan(nb::module_& m) {
       [](int64_t variant, int64_t m, int64_t d, int64_t f, const std::string& dtype,
          bool has_down, int64_t row_tiles, int64_t blocks, int64_t clusters,
          int64_t cluster_size, int64_t f_group, int64_t k_splits_up, int64_t k_splits_down) {
+        // The resolved knobs of a launch plan (swiglu(...) returns them): all >= 1, and some
+        // are divisors below, so anything else is refused rather than divided by.
+        for (int64_t knob : {row_tiles, blocks, clusters, cluster_size, f_group, k_splits_up, k_splits_down}) {
+          if (knob < 1) throw nb::value_error("swiglu_workspace_bytes: every knob must be >= 1 (a launch plan's)");
+        }
         SwigluParams p{};
         p.dtype = dtype_of(dtype);
         p.variant = static_cast<SwigluVariant>(variant);
