@@ -210,14 +210,16 @@ def flash_attention(q_chunks, kv_chunks, states=None, *, scale=None, finalize=Fa
 
 
 def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_rank, qk_nope_head_dim,
-               qk_rope_head_dim, v_head_dim, scale, eps, latent_eps=1e-6, residual=False, block_table=None):
+               qk_rope_head_dim, v_head_dim, scale, eps, latent_eps=1e-6, rope_factor=1.0, residual=False,
+               block_table=None):
     """DeepSeek-V2's absorbed-MLA decode step (fp32 math); returns (y in x.dtype, latent_cache).
 
     x [B, hidden]; weights: norm (input RMSNorm), q [hidden, H (dn + dr)] or q_a, q_a_norm
     (RMSNorm, latent_eps), q_b; kv_a [hidden, r + dr], kv_a_norm, kv_b [r, H (dn + dv)] (per head
     [W_uk | W_uv]), o [H dv, hidden]; optional q_a_bias, kv_a_bias, o_bias. A cached token is
     c = RMSNorm(h W_kv_a[:, :r]) followed by its interleaved-RoPE key k_rope (E = r + dr features).
-    The new token (RoPE at position lengths[b] on q_rope and k_rope) is written at slot lengths[b],
+    The new token (RoPE at position lengths[b] on q_rope and k_rope, cos and sin times
+    rope_factor: YaRN's attention factor) is written at slot lengths[b],
     rounded to the cache dtype, and attends slots 0..lengths[b]:
     score_h(s) = scale ((q_nope_h W_uk_h^T) . c_s + q_rope_h . k_rope_s) (scale includes YaRN's
     mscale), out_h = (sum_s p_h(s) c_s) W_uv_h, y = out W_o (+ o_bias) (+ x when residual).
@@ -255,8 +257,8 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads, kv_lor
     q = q.reshape(batch, hq, dn + dr)
     kv = lin(h, "kv_a", "kv_a_bias")
     c = _norm_f32(kv[:, :r], "rms", w["kv_a_norm"], None, latent_eps)
-    k_rope = _rope(kv[:, r:], pos, inv_freq, dr, "interleaved")
-    q_rope = _rope(q[..., dn:], pos[:, None], inv_freq, dr, "interleaved")
+    k_rope = _rope(kv[:, r:], pos, inv_freq, dr, "interleaved") * rope_factor  # RoPE is linear
+    q_rope = _rope(q[..., dn:], pos[:, None], inv_freq, dr, "interleaved") * rope_factor
     new = jnp.concatenate([c, k_rope], -1).astype(latent_cache.dtype)  # [B, E]
 
     if block_table is None:
