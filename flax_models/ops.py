@@ -8,7 +8,7 @@ whole block at once:
                          ``jax_cluster.attention_block``
 :func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
 :func:`gelu_mlp`         GPT-NeoX's MLP: no fused op (always XLA)
-:func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode`` once it exists
+:func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode``
 =====================  ==========================================================================
 
 Model-level ``impl`` (a string, or a dict per component ``{"attention": ..., "mlp": ...}``):
@@ -336,12 +336,12 @@ def mla_decode_xla(x, w, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_
 
 
 def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
-    """MLA decode block. Fused: ``jax_cluster.mla_decode(x, weights_dict, latent_cache, lengths,
-    inv_freq, **same keywords)`` once that op lands; its contract is :func:`mla_decode_xla`."""
-    chosen = _choose(impl, "mla_decode", "mla_decode", x.dtype,
-                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    """MLA decode block on ``jax_cluster.mla_decode`` (same arguments; its contract is
+    :func:`mla_decode_xla`). The model's latent cache [B, 1, S, E] is the op's [B, S, E]."""
+    chosen = _choose(impl, "mla_decode", "mla_decode", x.dtype)
     if chosen is None:
         return mla_decode_xla(x, w, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
     op, op_impl = chosen
-    return _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache, lengths,
-                jnp.asarray(inv_freq, jnp.float32), **kw)
+    y, latent = _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache[:, 0], lengths,
+                     jnp.asarray(inv_freq, jnp.float32), rope_factor=rope_factor, **kw)
+    return y, latent[:, None]

@@ -12,6 +12,7 @@ from jax_cluster.ops.cluster_collectives import ClusterCollectiveConfig, cluster
 from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_append
 from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
 from jax_cluster.ops.linear import LinearConfig, linear
+from jax_cluster.ops.mla_decode import MlaDecodeConfig, mla_decode
 from jax_cluster.ops.swiglu import SwigluConfig, swiglu, swiglu_tp
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "DecodeAttentionConfig",
     "FlashAttentionConfig",
     "LinearConfig",
+    "MlaDecodeConfig",
     "SwigluConfig",
     "attention_block",
     "cluster_gather",
@@ -33,6 +35,7 @@ __all__ = [
     "decode_attention_append",
     "flash_attention",
     "linear",
+    "mla_decode",
     "reference",
     "register_targets",
     "swiglu",

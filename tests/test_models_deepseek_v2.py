@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import flax_models.deepseek_v2 as ds  # noqa: E402
 import flax_models.mla as mla  # noqa: E402
+from flax_models import ops  # noqa: E402
 from flax_models.config import DeepseekV2Config, RopeConfig  # noqa: E402
 from flax_models.testing import compare_greedy, compare_logits, hf_roundtrip  # noqa: E402
 
@@ -70,6 +71,21 @@ def test_deepseek_v2_matches_transformers(name, tmp_path):
     assert err["decode"] <= TOL, err
     ours, theirs = compare_greedy(hf, model)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_deepseek_v2_fused_mla_on_cpu_matches_transformers(name, tmp_path):
+    """Decode through jax_cluster.mla_decode's C++ CPU handler (impl attention=fused)."""
+    if not ops.fused_available("mla_decode"):
+        pytest.skip("jax_cluster.mla_decode not available")
+    cfg = transformers.DeepseekV2Config(**BASE, **CONFIGS[name])
+    hf, model = hf_roundtrip(cfg, tmp_path, impl="attention=fused,mlp=xla")
+    if not hf_has_mscale(hf, cfg):
+        _align_hf_scale(hf, model.config)
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    assert "mla_decode: jax_cluster (C++ CPU handler, no GPU)" in [str(r) for r in routes]
 
 
 def test_wrong_softmax_scale_is_detected(tmp_path, monkeypatch):

@@ -1,0 +1,51 @@
+// mla_decode's checks and workspace for Python (jax_cluster._extension.plans()): the
+// functions the FFI handlers call (params.h), so Python needs no copy of them.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "ffi/plan_util.h"
+#include "ops/mla_decode/params.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace jax_cluster {
+namespace {
+
+nb::dict plan(int64_t batch, int64_t num_heads, int64_t rank, int64_t rope_dim, int64_t capacity,
+              const std::string& dtype, int64_t splits, bool paged) {
+  MlaDecodeParams p{};
+  const bool known_dtype = dtype_from_name(dtype, &p.dtype);
+  p.batch = batch;
+  p.num_heads = num_heads;
+  p.rank = rank;
+  p.rope_dim = rope_dim;
+  p.capacity = capacity;
+  p.splits = splits;
+  p.paged = paged;
+  p.page_size = p.max_blocks = p.num_pages = 1;  // only their presence is checked here
+  nb::dict out;
+  out["error"] = mla_decode_check(p);
+  out["cuda_error"] = known_dtype ? mla_decode_cuda_check(p) : std::string("dtype must be float32, float16 or bfloat16");
+  out["workspace_floats"] = mla_decode_workspace_floats(p);
+  return out;
+}
+
+}  // namespace
+}  // namespace jax_cluster
+
+void bind_mla_decode_plan(nb::module_& m) {
+  m.def("mla_decode_constants", [] {
+    nb::dict out;
+    out["max_splits"] = jax_cluster::kMlaDecodeMaxSplits;
+    out["head_tile"] = jax_cluster::kMlaDecodeHeadTile;
+    out["tile_tokens"] = jax_cluster::kMlaDecodeTileTokens;
+    return out;
+  });
+  m.def("mla_decode", &jax_cluster::plan, "batch"_a, "num_heads"_a, "rank"_a, "rope_dim"_a, "capacity"_a,
+        "dtype"_a, "splits"_a, "paged"_a,
+        "mla_decode's checks for one call: 'error' (sizes out of range, '' if valid), 'cuda_error' "
+        "(why the CUDA kernels cannot run it), the workspace");
+}

@@ -1,0 +1,336 @@
+"""mla_decode: one decode step of DeepSeek-V2's multi-head latent attention, absorbed.
+
+    h       = RMSNorm(x)
+    q       = h W_q  (or RMSNorm(h W_q_a + b) W_q_b: q LoRA)     per head [q_nope | q_rope]
+    c, k_r  = RMSNorm((h W_kv_a + b)[:r]), (h W_kv_a + b)[r:]     the new latent token
+    q_rope, k_r rotated (interleaved RoPE at lengths[b], cos/sin times rope_factor)
+    [c | k_r] written to the latent cache at slot lengths[b]
+    s_h(t)  = scale * ((q_nope_h W_uk_h^T) . c_t + q_rope_h . k_r_t)     t = 0..lengths[b]
+    y       = concat_h(softmax(s_h) . c  W_uv_h) W_o (+ o_bias) (+ x when residual)
+
+W_uk and W_uv are the per-head halves of W_kv_b [r, H (dn + dv)]: keys and values are never
+expanded, and a step reads the latent cache once for all heads (r + dr = 576 features per
+token for V2 and V2-Lite, against 2 H (dn + dr) expanded). The cache is contiguous
+[B, S_max, r + dr] or paged: a page pool [num_pages, page_size, r + dr] with a block table
+[B, max_blocks] (slot t of row b lives in page block_table[b, t // page_size]). A row whose
+lengths[b] is outside [0, capacity), or whose used blocks name a page outside the pool, gets
+NaN and writes nothing; with concrete arguments that is a ValueError before anything runs.
+
+`impl` has the meaning of every op (docs/architecture.md): "cuda" runs the projections as
+XLA dots (fp32 accumulation) around the latent-attention custom call (cache write, paged
+or contiguous reads, split-K over tokens with a fixed-order merge: cpp/ops/mla_decode); on
+CPU the custom call's C++ handler. "xla" is the absorbed formulation in jnp a JAX user
+writes (the page pool gathered into rows), "reference" the fp32 jnp reference, "auto" the
+CUDA kernels on a GPU where they take the shape, else "xla" (one warning).
+MlaDecodeConfig(splits=...) fixes the token splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+
+from jax_cluster import _extension, reference
+from jax_cluster._ffi import check_array, check_config, check_impl, ffi_primitive, num_sms, on_gpu, warn_once
+
+__all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
+
+MIN_SPLIT_TOKENS = 128
+_REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
+_OPTIONAL = ("q", "q_a", "q_a_norm", "q_b", "q_a_bias", "kv_a_bias", "o_bias")
+
+
+@functools.cache
+def _constants() -> dict:
+    return dict(_extension.plans().mla_decode_constants())
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeConfig:
+    """How mla_decode's latent attention runs on the GPU (impl="auto" or "cuda").
+
+    splits  token splits per (row, 16-head tile), 1..256; None: default_splits.
+    """
+
+    splits: int | None = None
+
+    def __post_init__(self):
+        if self.splits is None:
+            return
+        if isinstance(self.splits, bool) or not isinstance(self.splits, (int, np.integer)):
+            raise TypeError(f"MlaDecodeConfig: splits must be an int or None, got {self.splits!r}")
+        if not 1 <= self.splits <= _constants()["max_splits"]:
+            raise ValueError(f"MlaDecodeConfig: splits must be in 1..{_constants()['max_splits']}, got {self.splits}")
+
+
+def default_splits(batch: int, num_heads: int, capacity: int, num_sms: int = 132) -> int:
+    """About two blocks per SM in all (the split kernel keeps two resident), and no split
+    shorter than MIN_SPLIT_TOKENS of the capacity: a split's partial state (16 heads x r
+    floats) costs about what one 32-token tile of the cache does."""
+    tiles = -(-num_heads // _constants()["head_tile"])
+    by_sms = max(1, round(2 * num_sms / (batch * tiles)))
+    by_len = max(1, -(-capacity // MIN_SPLIT_TOKENS))
+    return int(min(by_sms, by_len, _constants()["max_splits"]))
+
+
+# ----------------------------------------------------------------------------- the custom call
+def _plan(batch, num_heads, rank, rope_dim, capacity, dtype, splits, paged) -> dict:
+    return dict(_extension.plans().mla_decode(batch, num_heads, rank, rope_dim, capacity,
+                                              jnp.dtype(dtype).name, splits, paged))
+
+
+def _abstract(q, new_latent, cache, block_table, lengths, *, splits, rank, paged, scale):
+    b, h, e = q.shape
+    capacity = block_table.shape[1] * cache.shape[1] if paged else cache.shape[1]
+    ws = _plan(b, h, rank, e - rank, capacity, cache.dtype, splits, paged)["workspace_floats"]
+    return (ShapedArray((b, h, rank), cache.dtype), ShapedArray(cache.shape, cache.dtype),
+            ShapedArray((max(int(ws), 1),), np.float32))
+
+
+def _batching(args, dims, **params):
+    """vmap: the mapped axis folds into the rows; a mapped page pool folds into one pool whose
+    block tables are offset per instance (entries outside a pool stay outside)."""
+    q, new, cache, table, lengths = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(a[None], (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    q, new, cache, table, lengths = moved
+    n, b = q.shape[:2]
+    flat = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
+    if params["paged"]:
+        pages = cache.shape[1]
+        inside = (table >= 0) & (table < pages)
+        table = jnp.where(inside, table + (jnp.arange(n, dtype=jnp.int32) * pages)[:, None, None], -1)
+    else:
+        table = table[0]
+    out, cache2, ws = _PRIM.bind(flat(q), flat(new), flat(cache), flat(table) if params["paged"] else table,
+                                 flat(lengths), **params)
+    ws = jnp.broadcast_to(ws, (n,) + ws.shape)  # scratch: one per instance in name only
+    return (out.reshape((n, b) + out.shape[1:]), cache2.reshape(cache.shape), ws), (0, 0, 0)
+
+
+_PRIM = ffi_primitive("mla_decode", abstract_eval=_abstract, batching_rule=_batching,
+                      operand_output_aliases={2: 1})
+
+
+# ----------------------------------------------------------------------------- jnp pieces
+def _dense(x, w, b=None):
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    return w.astype(x.dtype) * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _rope_interleaved(v, cos, sin):
+    a, b = v[..., 0::2].astype(jnp.float32), v[..., 1::2].astype(jnp.float32)
+    return jnp.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(v.shape).astype(v.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    heads: int
+    rank: int
+    nope: int
+    rope: int
+    v: int
+
+
+def _project(x, w, d: _Dims, pos, inv_freq, rope_factor, eps, latent_eps):
+    """XLA's projections in x.dtype: q_nope [B, H, dn], rotated q_rope [B, H, dr] and the new
+    latent token [c | rotated k_rope] [B, r + dr]."""
+    h = _rms_norm(x, w["norm"], eps)
+    if w.get("q") is not None:
+        q = _dense(h, w["q"])
+    else:
+        q = _dense(_rms_norm(_dense(h, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], latent_eps), w["q_b"])
+    q = q.reshape(x.shape[0], d.heads, d.nope + d.rope)
+    kv = _dense(h, w["kv_a"], w.get("kv_a_bias"))
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq
+    cos, sin = jnp.cos(angle) * rope_factor, jnp.sin(angle) * rope_factor
+    q_rope = _rope_interleaved(q[..., d.nope:], cos[:, None], sin[:, None])
+    new = jnp.concatenate([_rms_norm(kv[:, :d.rank], w["kv_a_norm"], latent_eps),
+                           _rope_interleaved(kv[:, d.rank:], cos, sin)], -1)
+    return q[..., :d.nope], q_rope, new
+
+
+def _row_validity(lengths, block_table, capacity, num_pages):
+    valid = (lengths >= 0) & (lengths < capacity)
+    if block_table is not None:
+        page = capacity // block_table.shape[1]
+        used = jnp.arange(block_table.shape[1])[None, :] <= jnp.where(valid, lengths, 0)[:, None] // page
+        valid &= jnp.all(~used | ((block_table >= 0) & (block_table < num_pages)), axis=1)
+    return valid
+
+
+def _attend_xla(q_nope, q_rope, new, w_kvb, cache, lengths, block_table, d: _Dims, scale, valid):
+    """The absorbed attention as jnp writes it: cache write (a scatter that drops invalid
+    rows), the pages gathered into rows, einsums in the input dtype."""
+    b = q_nope.shape[0]
+    if block_table is None:
+        capacity = cache.shape[1]
+        slot = jnp.where(valid, lengths, capacity)
+        cache = cache.at[jnp.arange(b), slot].set(new.astype(cache.dtype), mode="drop")
+        lat = cache
+    else:
+        pages, page, _ = cache.shape
+        capacity = block_table.shape[1] * page
+        pos = jnp.where(valid, lengths, 0)
+        page_id = jnp.where(valid, jnp.take_along_axis(block_table, (pos // page)[:, None], 1)[:, 0], pages)
+        cache = cache.at[page_id, pos % page].set(new.astype(cache.dtype), mode="drop")
+        lat = cache[jnp.clip(block_table, 0, pages - 1)].reshape(b, capacity, -1)
+    dt = q_nope.dtype
+    seen = jnp.arange(capacity)[None, :] <= lengths[:, None]
+    lat = jnp.where(seen[..., None], lat, 0)  # slots past the token (stale or unowned pages) never reach p . c
+    q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope].astype(dt), preferred_element_type=jnp.float32)
+    q_full = jnp.concatenate([q_lat.astype(dt), q_rope], -1)
+    s = jnp.einsum("bhe,bse->bhs", q_full, lat.astype(dt), preferred_element_type=jnp.float32) * scale
+    s = jnp.where(seen[:, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(dt)
+    o_lat = jnp.einsum("bhs,bsr->bhr", p, lat[..., :d.rank].astype(dt), preferred_element_type=jnp.float32)
+    return jnp.where(valid[:, None, None], o_lat, jnp.nan).astype(dt), cache
+
+
+# ----------------------------------------------------------------------------- checks
+def _check(op, x, weights, cache, lengths, inv_freq, block_table, d: _Dims):
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{op}: x must be a float [B, hidden] array, got {x.dtype} {tuple(x.shape)}")
+    b, hidden = x.shape
+    for name, value in (("num_heads", d.heads), ("kv_lora_rank", d.rank), ("qk_nope_head_dim", d.nope),
+                        ("v_head_dim", d.v)):
+        if value < 1:
+            raise ValueError(f"{op}: {name} must be >= 1, got {value}")
+    if d.rope < 0 or d.rope % 2:
+        raise ValueError(f"{op}: qk_rope_head_dim must be even and >= 0, got {d.rope}")
+    unknown = set(weights) - set(_REQUIRED) - set(_OPTIONAL)
+    missing = [k for k in _REQUIRED if weights.get(k) is None]
+    has_q, has_lora = weights.get("q") is not None, weights.get("q_a") is not None
+    if unknown or missing:
+        raise ValueError(f"{op}: weights: unknown {sorted(unknown)}, missing {missing} (required {_REQUIRED}, "
+                         f"optional {_OPTIONAL})")
+    if has_q == has_lora:
+        raise ValueError(f"{op}: weights need either 'q' (no q LoRA) or 'q_a', 'q_a_norm' and 'q_b', not "
+                         f"{'both' if has_q else 'neither'}")
+    e, qk = d.rank + d.rope, d.heads * (d.nope + d.rope)
+    shapes = dict(norm=(hidden,), kv_a=(hidden, e), kv_a_norm=(d.rank,), kv_a_bias=(e,),
+                  kv_b=(d.rank, d.heads * (d.nope + d.v)), o=(d.heads * d.v, hidden), o_bias=(hidden,), q=(hidden, qk))
+    if has_lora:
+        if weights.get("q_a").ndim != 2:
+            raise ValueError(f"{op}: q_a must be [hidden, q_lora_rank], got {tuple(weights['q_a'].shape)}")
+        ql = weights["q_a"].shape[1]
+        shapes.update(q_a=(hidden, ql), q_a_norm=(ql,), q_a_bias=(ql,), q_b=(ql, qk))
+        if weights.get("q_a_norm") is None or weights.get("q_b") is None:
+            raise ValueError(f"{op}: q LoRA needs q_a, q_a_norm and q_b")
+    for name, shape in shapes.items():
+        check_array(op, f"weights[{name!r}]", weights.get(name), shape, x.dtype)
+    if block_table is None:
+        if cache.ndim != 3 or cache.shape[0] != b or cache.shape[2] != e:
+            raise ValueError(f"{op}: latent_cache must be [B={b}, S_max, r + dr={e}], got {tuple(cache.shape)}")
+        capacity, pages = cache.shape[1], 0
+    else:
+        if cache.ndim != 3 or cache.shape[2] != e:
+            raise ValueError(f"{op}: a paged latent_cache must be [num_pages, page_size, r + dr={e}], "
+                             f"got {tuple(cache.shape)}")
+        if block_table.ndim != 2 or block_table.shape[0] != b or block_table.dtype != jnp.int32:
+            raise ValueError(f"{op}: block_table must be int32 [B={b}, max_blocks], got "
+                             f"{jnp.dtype(block_table.dtype).name} {tuple(block_table.shape)}")
+        pages, capacity = cache.shape[0], block_table.shape[1] * cache.shape[1]
+    if cache.dtype != x.dtype:
+        raise ValueError(f"{op}: latent_cache must have x's dtype {x.dtype}, got {cache.dtype}")
+    check_array(op, "lengths", lengths, (b,), jnp.int32)
+    check_array(op, "inv_freq", inv_freq, (d.rope // 2,), jnp.float32)
+    concrete = not isinstance(lengths, jax.core.Tracer) and (
+        block_table is None or not isinstance(block_table, jax.core.Tracer))
+    if concrete and b:
+        lens = np.asarray(lengths)
+        if lens.min() < 0 or lens.max() >= capacity:
+            raise ValueError(f"{op}: lengths must be in [0, capacity={capacity}); got min {lens.min()}, "
+                             f"max {lens.max()}")
+        if block_table is not None:
+            table, page = np.asarray(block_table), cache.shape[1]
+            for row, length in enumerate(lens):
+                used = table[row, :length // page + 1]
+                bad = used[(used < 0) | (used >= pages)]
+                if bad.size:
+                    raise ValueError(f"{op}: block_table row {row} uses page {bad[0]}, outside the pool of "
+                                     f"{pages} pages")
+    return capacity, pages
+
+
+def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
+    """The token splits to launch with, or None for the jnp formulation."""
+    check_impl(op, impl)
+    check_config(op, config, MlaDecodeConfig)
+    if config is not None and impl in ("xla", "reference"):
+        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
+    if impl in ("xla", "reference"):
+        return None
+    b = x.shape[0]
+    splits = config.splits if config is not None and config.splits is not None else \
+        default_splits(b, d.heads, capacity, num_sms())
+    plan = _plan(b, d.heads, d.rank, d.rope, capacity, x.dtype, splits, paged)
+    why_not = plan["error"] or (plan["cuda_error"] if on_gpu() or impl == "auto" else "")
+    if why_not:
+        if impl == "cuda":
+            raise ValueError(f"{op}: {why_not}")
+        if on_gpu():
+            warn_once((op, d.rank, d.rope, jnp.dtype(x.dtype).name), f"{op}: {why_not}; using XLA's ops (impl='xla')")
+        return None
+    if impl == "auto" and not on_gpu():
+        return None
+    return splits
+
+
+# ----------------------------------------------------------------------------- the op
+def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float,
+               latent_eps: float = 1e-6, rope_factor: float = 1.0, residual: bool = False, block_table=None,
+               impl: str = "auto", config: MlaDecodeConfig | None = None):
+    """(y [B, hidden] in x.dtype, latent_cache): see the module docstring.
+
+    weights: norm (the input RMSNorm), q [hidden, H (dn + dr)] or q_a [hidden, q_lora_rank],
+    q_a_norm, q_b [q_lora_rank, H (dn + dr)]; kv_a [hidden, r + dr], kv_a_norm [r], kv_b
+    [r, H (dn + dv)], o [H dv, hidden]; optional q_a_bias, kv_a_bias, o_bias; all of x's
+    dtype. lengths int32 [B]: the tokens cached before this step. inv_freq float32 [dr / 2]
+    (YaRN's frequencies); rope_factor scales cos and sin (YaRN's attention factor); scale
+    multiplies the scores (YaRN's mscale folded in). Donate latent_cache: it is updated in
+    place. On a GPU the kernels take float16 / bfloat16, kv_lora_rank <= 512 and
+    qk_rope_head_dim <= 64 (both multiples of 8); the CPU handler any shape and float32.
+    """
+    op = "mla_decode"
+    d = _Dims(int(num_heads), int(kv_lora_rank), int(qk_nope_head_dim), int(qk_rope_head_dim), int(v_head_dim))
+    weights = dict(weights)
+    capacity, pages = _check(op, x, weights, latent_cache, lengths, inv_freq, block_table, d)
+    splits = _use_kernel(op, impl, config, x, d, capacity, block_table is not None)
+    kw = dict(num_heads=d.heads, kv_lora_rank=d.rank, qk_nope_head_dim=d.nope, qk_rope_head_dim=d.rope,
+              v_head_dim=d.v, scale=scale, eps=eps, latent_eps=latent_eps, residual=residual,
+              block_table=block_table)
+    if impl == "reference":
+        return reference.mla_decode(x, weights, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+    valid = _row_validity(lengths, block_table, capacity, pages)
+    q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
+                                   latent_eps)
+    w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
+    if splits is None:
+        o_lat, latent_cache = _attend_xla(q_nope, q_rope, new, w_kvb, latent_cache, lengths, block_table, d,
+                                          scale, valid)
+    else:
+        q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope], preferred_element_type=jnp.float32)
+        q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], -1)
+        table = block_table if block_table is not None else jnp.zeros((0,), jnp.int32)
+        o_lat, latent_cache, _ = _PRIM.bind(q_full, new.astype(jnp.float32), latent_cache, table, lengths,
+                                            splits=int(splits), rank=d.rank, paged=block_table is not None,
+                                            scale=np.float32(scale))
+    o = jnp.einsum("bhr,rhd->bhd", o_lat, w_kvb[..., d.nope:].astype(o_lat.dtype), preferred_element_type=jnp.float32)
+    y = _dense(o.astype(x.dtype).reshape(x.shape[0], d.heads * d.v), weights["o"], weights.get("o_bias"))
+    if residual:
+        y = (y.astype(jnp.float32) + x.astype(jnp.float32)).astype(x.dtype)
+    return y, latent_cache
