@@ -285,3 +285,76 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads, kv_lor
         y = y + x.astype(f32)
     y = jnp.where(valid[:, None], y, jnp.nan)
     return y.astype(x.dtype), latent_cache
+
+
+def moe_route(x, router, *, top_k: int, topk_method: str = "greedy", n_group=None, topk_group=None,
+              norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0):
+    """DeepSeek-V2's router: x [N, H], router [H, E] -> (weights float32 [N, k], ids int32 [N, k]).
+
+    scores = softmax(x @ router) in fp32 (Precision.HIGHEST). "group_limited_greedy" first
+    keeps the topk_group groups (of E / n_group experts) with the highest best score (the
+    others' scores become 0). The top_k scores are renormalised to sum 1 when norm_topk_prob
+    (and top_k > 1), otherwise multiplied by routed_scaling_factor. Every impl of
+    moe_decode routes with this function (it runs in XLA: tiny next to the experts).
+    """
+    scores = jax.nn.softmax(
+        jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
+        axis=-1)
+    n, e = scores.shape
+    if topk_method == "group_limited_greedy":
+        group_best = scores.reshape(n, n_group, e // n_group).max(axis=-1)
+        _, groups = jax.lax.top_k(group_best, topk_group)
+        keep = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], groups].set(True)
+        scores = jnp.where(jnp.repeat(keep, e // n_group, axis=1), scores, 0.0)
+    elif topk_method != "greedy":
+        raise ValueError(f"moe_route: unknown topk_method {topk_method!r}")
+    weights, ids = jax.lax.top_k(scores, top_k)
+    if top_k > 1 and norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    else:
+        weights = weights * routed_scaling_factor
+    return weights, ids.astype(jnp.int32)
+
+
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None):
+    """The routed experts: y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n]) (+ residual).
+
+    x [N, H], weights float32 [N, k], ids int32 [N, k], w_gate / w_up [E, H, I], w_down
+    [E, I, H]. fp32 math; h = silu(x W_gate) * (x W_up) rounded to x.dtype (as every
+    implementation stores it); y rounded once, after the residual. A row with an id
+    outside [0, E) is all NaN.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    f32 = jnp.float32
+    e = w_gate.shape[0]
+    valid = jnp.all((ids >= 0) & (ids < e), axis=-1)
+    safe = jnp.clip(ids, 0, e - 1)
+    xf = x.astype(f32)
+    g = jnp.einsum("nh,nkhi->nki", xf, w_gate[safe].astype(f32), precision=hi)
+    u = jnp.einsum("nh,nkhi->nki", xf, w_up[safe].astype(f32), precision=hi)
+    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype).astype(f32)
+    y_e = jnp.einsum("nki,nkih->nkh", h, w_down[safe].astype(f32), precision=hi)
+    y = jnp.einsum("nkh,nk->nh", y_e, weights.astype(f32), precision=hi)
+    if residual is not None:
+        y = y + residual.astype(f32)
+    return jnp.where(valid[:, None], y, jnp.nan).astype(x.dtype)
+
+
+def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
+               topk_group=None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0, shared=None,
+               residual=None):
+    """DeepSeek-V2's MoE layer at decode: routed experts (+ residual), then the shared experts.
+
+    x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
+    [E, I, H], shared None or dict(w_gate [H, Is], w_up [H, Is], w_down [Is, H]), residual
+    None or [N, H]. routed = moe_experts(x, moe_route(x, ...), residual) in x.dtype; with
+    shared experts y = swiglu(x, shared..., residual=routed) (one rounding after their
+    sum), as flax_models' MoE composes them.
+    """
+    weights, ids = moe_route(x, router, top_k=top_k, topk_method=topk_method, n_group=n_group,
+                             topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                             routed_scaling_factor=routed_scaling_factor)
+    y = moe_experts(x, weights, ids, w_gate, w_up, w_down, residual)
+    if shared is not None:
+        y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y)
+    return y

@@ -1,0 +1,58 @@
+#include "ops/moe_decode/cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/numerics.h"
+
+namespace jax_cluster::cpu {
+
+namespace {
+
+// y [cols] += a [rows] (fp32) @ w [rows, cols] (dtype t at element offset `base`), in
+// row order.
+void gemv_accumulate(DType t, const float* a, int64_t rows, const void* w, int64_t base, int64_t cols,
+                     float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float av = a[r];
+    for (int64_t c = 0; c < cols; ++c) y[c] += av * load(t, w, base + r * cols + c);
+  }
+}
+
+}  // namespace
+
+void moe_decode(const MoeDecodeParams& p) {
+  const int64_t h = p.h, i = p.i;
+  std::vector<float> x(h), g(i), u(i), y(h), acc(h);
+  for (int64_t n = 0; n < p.n; ++n) {
+    for (int64_t c = 0; c < h; ++c) x[c] = load(p.dtype, p.x, n * h + c);
+    bool valid = true;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t s = 0; s < p.k; ++s) {
+      const int64_t e = p.ids[n * p.k + s];
+      if (e < 0 || e >= p.e) {
+        valid = false;
+        continue;
+      }
+      std::fill(g.begin(), g.end(), 0.f);
+      std::fill(u.begin(), u.end(), 0.f);
+      gemv_accumulate(p.dtype, x.data(), h, p.w_gate, e * h * i, i, g.data());
+      gemv_accumulate(p.dtype, x.data(), h, p.w_up, e * h * i, i, u.data());
+      for (int64_t c = 0; c < i; ++c) g[c] = round_to(p.dtype, g[c] / (1.f + std::exp(-g[c])) * u[c]);
+      std::fill(y.begin(), y.end(), 0.f);
+      gemv_accumulate(p.dtype, g.data(), i, p.w_down, e * i * h, h, y.data());
+      const float w = p.weights[n * p.k + s];
+      for (int64_t c = 0; c < h; ++c) acc[c] += w * y[c];
+    }
+    for (int64_t c = 0; c < h; ++c) {
+      float v = acc[c];
+      if (p.has_residual) v += load(p.dtype, p.residual, n * h + c);
+      if (!valid) v = std::numeric_limits<float>::quiet_NaN();
+      store(p.dtype, p.out, n * h + c, v);
+    }
+  }
+}
+
+}  // namespace jax_cluster::cpu

@@ -1,0 +1,100 @@
+// The FFI binding of moe_decode (the pattern of ffi/common.h): one decode into
+// MoeDecodeParams, shared by the CPU and CUDA handlers. The Python wrapper
+// (jax_cluster/ops/moe_decode.py) checks the same things first with friendlier messages,
+// through the same C++ check (plan.cc).
+//
+// Operands: x [N, H], weights float32 [N, k], ids int32 [N, k], w_gate, w_up [E, H, I],
+// w_down [E, I, H], residual [N, H] (or empty). Results: y [N, H] (x's dtype), workspace
+// (uint8). Attributes: MoeDecodeAttrs.
+#pragma once
+
+#include <string>
+
+#include "ffi/common.h"
+#include "ops/moe_decode/params.h"
+
+namespace jax_cluster {
+
+struct MoeDecodeAttrs {
+  int64_t cols_up;
+  int64_t cols_down;
+  bool pdl;
+  bool has_residual;
+};
+
+}  // namespace jax_cluster
+
+JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeDecodeAttrs,
+                      xla::ffi::StructMember<int64_t>("cols_up"),
+                      xla::ffi::StructMember<int64_t>("cols_down"),
+                      xla::ffi::StructMember<bool>("pdl"),
+                      xla::ffi::StructMember<bool>("has_residual"));
+
+namespace jax_cluster {
+
+namespace ffi = xla::ffi;
+
+inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
+    ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer ids, ffi::AnyBuffer w_gate,
+    ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer residual,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, MoeDecodeAttrs a) {
+  auto fail = [](const std::string& m) {
+    return ffi::Unexpected(ffi_util::invalid("moe_decode: " + m));
+  };
+  auto xd = x.dimensions(), wd = weights.dimensions(), gd = w_gate.dimensions();
+  if (xd.size() != 2) return fail("x must be [N, H], got " + ffi_util::dims_str(xd));
+  if (wd.size() != 2) return fail("weights must be [N, k], got " + ffi_util::dims_str(wd));
+  if (gd.size() != 3) return fail("w_gate must be [E, H, I], got " + ffi_util::dims_str(gd));
+  auto dtype = ffi_util::to_dtype(x.element_type(), "x");
+  if (!dtype) return ffi::Unexpected(dtype.error());
+  MoeDecodeParams p{};
+  p.dtype = *dtype;
+  p.n = xd[0];
+  p.h = xd[1];
+  p.k = wd[1];
+  p.e = gd[0];
+  p.i = gd[2];
+  p.cols_up = a.cols_up >= 0 && a.cols_up <= 1024 ? static_cast<int>(a.cols_up) : -1;
+  p.cols_down = a.cols_down >= 0 && a.cols_down <= 1024 ? static_cast<int>(a.cols_down) : -1;
+  p.pdl = a.pdl;
+  p.has_residual = a.has_residual;
+  if (weights.element_type() != ffi::DataType::F32 || wd[0] != p.n) {
+    return fail("weights must be float32 [N, k] with N = x.shape[0]");
+  }
+  auto id = ids.dimensions();
+  if (ids.element_type() != ffi::DataType::S32 || id.size() != 2 || id[0] != p.n || id[1] != p.k) {
+    return fail("ids must be int32 [N, k], weights' shape");
+  }
+  if (gd[1] != p.h) return fail("w_gate must be [E, H, I] with H = x.shape[1], got " + ffi_util::dims_str(gd));
+  auto ud = w_up.dimensions(), dd = w_down.dimensions();
+  if (ud.size() != 3 || ud[0] != p.e || ud[1] != p.h || ud[2] != p.i) return fail("w_up must have w_gate's shape [E, H, I]");
+  if (dd.size() != 3 || dd[0] != p.e || dd[1] != p.i || dd[2] != p.h) {
+    return fail("w_down must be [E, I, H], got " + ffi_util::dims_str(dd));
+  }
+  for (const ffi::AnyBuffer* b : {&w_gate, &w_up, &w_down}) {
+    if (b->element_type() != x.element_type()) return fail("expert weights must have x's dtype");
+  }
+  if (out->element_type() != x.element_type() || static_cast<int64_t>(out->element_count()) != p.n * p.h) {
+    return fail("output must be [N, H] of x's dtype");
+  }
+  if (p.has_residual && (residual.element_type() != x.element_type() ||
+                         static_cast<int64_t>(residual.element_count()) != p.n * p.h)) {
+    return fail("residual must be [N, H] of x's dtype");
+  }
+  if (const std::string why = moe_decode_check(p); !why.empty()) return fail(why);
+  if (static_cast<int64_t>(workspace->size_bytes()) < moe_decode_workspace_bytes(p.n, p.k, p.h, p.i, p.dtype)) {
+    return fail("workspace too small");
+  }
+  p.x = x.untyped_data();
+  p.weights = static_cast<const float*>(weights.untyped_data());
+  p.ids = static_cast<const int32_t*>(ids.untyped_data());
+  p.w_gate = w_gate.untyped_data();
+  p.w_up = w_up.untyped_data();
+  p.w_down = w_down.untyped_data();
+  p.residual = residual.untyped_data();
+  p.out = out->untyped_data();
+  p.workspace = workspace->untyped_data();
+  return p;
+}
+
+}  // namespace jax_cluster

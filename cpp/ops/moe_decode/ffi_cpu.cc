@@ -1,0 +1,4 @@
+#include "ops/moe_decode/cpu.h"
+#include "ops/moe_decode/ffi.h"
+
+JAX_CLUSTER_FFI_CPU_HANDLER(moe_decode, jax_cluster::decode_moe_decode, jax_cluster::cpu::moe_decode);

@@ -1,0 +1,336 @@
+// The MoE decode kernels (params.h has the algorithm): two expert-grouped GEMVs and a
+// combine.
+//
+// GEMV block = (column tile of `cols` columns, expert), 256 threads. It first lists the
+// (row, slot) pairs whose id is its expert (scan_pairs: a ballot per warp and a prefix over
+// the warps, in pair order) and exits when there are none. Otherwise, per pass of up to MR
+// pairs: the pairs' input rows (x for gate/up, h for down) are staged in shared memory as
+// fp32 [K row][pair] in chunks; each thread owns 8 columns (one 16-byte weight load per
+// matrix per K row) and a K slice (K rows ks, ks + S, ...; S = 256 / (cols / 8) slices),
+// and accumulates every pair of the pass in fp32 registers (CUDA cores: a handful of rows
+// per expert is far from needing tensor cores). The weight tile is streamed once per pass
+// (one pass whenever the expert has at most MR pairs: every row of a batch of <= 8, and
+// the typical expert of a larger batch). K slices are summed in a fixed order: a shuffle
+// tree inside the warp, then the 8 warps in index order through shared memory.
+//   gate/up: two matrices; h = round(silu(g) * u) to T, written to h [pair][I].
+//   down:    one matrix; the fp32 sums written to y_e [pair][H].
+// The combine kernel sums the k slots of each row in slot order (+ residual), NaN for a
+// row with an invalid id.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "jax_cluster/activation.cuh"
+#include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/launch.cuh"
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/vec.cuh"
+#include "ops/moe_decode/launch.h"
+
+namespace jax_cluster {
+namespace {
+
+constexpr int kThreads = kMoeDecodeThreads;
+constexpr int kWarps = kThreads / 32;
+
+struct GemvArgs {
+  const void* a;         // input rows: x [N, H] (gate/up) or h [pairs, I] (down)
+  const void* w0;        // w_gate (gate/up) or w_down (down): [E][K][cols_total]
+  const void* w1;        // w_up (gate/up) or null
+  const int32_t* ids;    // [pairs]
+  void* out;             // h [pairs][I] (T, gate/up) or y_e [pairs][H] (fp32, down)
+  int64_t pairs;         // N * k
+  int64_t row_div;       // input row of pair p: p / row_div (k for gate/up, 1 for down)
+  int64_t k;             // K: H (gate/up) or I (down)
+  int64_t n;             // output columns: I (gate/up) or H (down)
+  int cols;              // column tile: 32, 64 or 128
+  bool wait_prior;       // PDL: wait for the previous kernel before reading `a`
+};
+
+struct CombineArgs {
+  const float* y;        // y_e [pairs][H] fp32
+  const float* weights;  // [N, k]
+  const int32_t* ids;    // [N, k]
+  const void* residual;  // [N, H] or null
+  void* out;             // [N, H]
+  int64_t n, h, k, e;
+};
+
+// Ranks [first, first + MR) of the pairs whose id is `expert` (in pair order) -> list;
+// returns how many pairs chose the expert. Called by every thread of the block (barriers
+// inside; list is complete when it returns).
+template <int MR>
+__device__ int scan_pairs(const int32_t* ids, int64_t pairs, int expert, int first, int* list,
+                          int* warp_counts) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int base = 0;
+  for (int64_t c0 = 0; c0 < pairs; c0 += kThreads) {
+    const int64_t p = c0 + tid;
+    const bool hit = p < pairs && __ldg(ids + p) == expert;
+    const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = base, chunk = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = warp_counts[w];
+      before += w < warp ? c : 0;
+      chunk += c;
+    }
+    before += __popc(ballot & ((1u << lane) - 1u));
+    if (hit && before >= first && before < first + MR) list[before - first] = static_cast<int>(p);
+    base += chunk;
+    __syncthreads();  // warp_counts is rewritten by the next chunk
+  }
+  return base;
+}
+
+// The MR staged inputs of K row r (fp32 [r][MR] in shared memory).
+template <int MR>
+__device__ __forceinline__ void load_rows(const float* xs, float (&v)[MR]) {
+  if constexpr (MR % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < MR; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(xs + j);
+      v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
+    }
+  } else if constexpr (MR == 2) {
+    const float2 q = *reinterpret_cast<const float2*>(xs);
+    v[0] = q.x, v[1] = q.y;
+  } else {
+    v[0] = xs[0];
+  }
+}
+
+template <int A, int B, int C>
+__device__ __forceinline__ void zero(float (&acc)[A][B][C]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[i][j][c] = 0.f;
+}
+
+template <typename T, int MR, bool kUp>
+__global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a) {
+  constexpr int kMat = kUp ? 2 : 1;
+  // K rows in flight per thread (16-byte loads per matrix each): more where fewer
+  // accumulators leave registers for them.
+  constexpr int kUnroll = MR * kMat <= 4 ? 8 : 4;
+  extern __shared__ __align__(16) float smem[];  // staged inputs, later the warps' partials
+  __shared__ int list[MR];
+  __shared__ int warp_counts[kWarps];
+  ptx::griddep_launch_dependents();  // the next kernel may launch; it waits for our results
+
+  const int expert = blockIdx.y;
+  const int total = scan_pairs<MR>(a.ids, a.pairs, expert, 0, list, warp_counts);
+  if (total == 0) return;  // no row chose this expert: its weights are never read
+  if (a.wait_prior) ptx::griddep_wait();
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int groups = a.cols / 8;             // 8-column groups of the tile
+  const int rows_per_warp = 32 / groups;     // K rows a warp covers per step
+  const int slices = kWarps * rows_per_warp;  // K rows the block covers per step
+  const int cg = lane % groups, ks = warp * rows_per_warp + lane / groups;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * a.cols + cg * 8;
+  const bool col_ok = col < a.n;  // n % 8 == 0: a group is all in or all out
+  const int64_t expert_off = static_cast<int64_t>(expert) * a.k * a.n + col;
+  const T* w0 = static_cast<const T*>(a.w0) + expert_off;
+  const T* w1 = kUp ? static_cast<const T*>(a.w1) + expert_off : nullptr;
+  const T* in = static_cast<const T*>(a.a);
+  const int64_t chunk_rows = moe_decode_chunk_rows(MR);
+
+  for (int first = 0; first < total; first += MR) {
+    if (first > 0) scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
+    const int count = min(MR, total - first);
+    float acc[kMat][MR][8];
+    zero(acc);
+    for (int64_t r0 = 0; r0 < a.k; r0 += chunk_rows) {
+      const int rows = static_cast<int>(min(chunk_rows, a.k - r0));
+      __syncthreads();  // the previous chunk's (or pass's) readers are done
+      for (int e = tid; e < MR * rows; e += kThreads) {
+        const int j = e / rows, q = e - j * rows;
+        float v = 0.f;
+        if (j < count) v = to_float(in[(list[j] / a.row_div) * a.k + r0 + q]);
+        smem[q * MR + j] = v;
+      }
+      __syncthreads();
+      for (int r = ks; r < rows; r += slices * kUnroll) {
+        uint4 v0[kUnroll], v1[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int rr = r + u * slices;
+          const bool ok = col_ok && rr < rows;
+          const int64_t off = (r0 + rr) * a.n;
+          v0[u] = ok ? ptx::ldg_stream(w0 + off) : make_uint4(0, 0, 0, 0);
+          if constexpr (kUp) v1[u] = ok ? ptx::ldg_stream(w1 + off) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int rr = r + u * slices;
+          if (rr < rows) {
+            float xv[MR];
+            load_rows<MR>(smem + rr * MR, xv);
+            float wf[8];
+            unpack<T>(v0[u], wf);
+#pragma unroll
+            for (int j = 0; j < MR; ++j)
+#pragma unroll
+              for (int c = 0; c < 8; ++c) acc[0][j][c] = fmaf(xv[j], wf[c], acc[0][j][c]);
+            if constexpr (kUp) {
+              unpack<T>(v1[u], wf);
+#pragma unroll
+              for (int j = 0; j < MR; ++j)
+#pragma unroll
+                for (int c = 0; c < 8; ++c) acc[1][j][c] = fmaf(xv[j], wf[c], acc[1][j][c]);
+            }
+          }
+        }
+      }
+    }
+    // K slices: the warp's lanes of one column group (a fixed shuffle tree), then the warps
+    // in order through shared memory (overlaying the staged inputs).
+#pragma unroll
+    for (int m = 0; m < kMat; ++m)
+#pragma unroll
+      for (int j = 0; j < MR; ++j)
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          for (int off = groups; off < 32; off *= 2) acc[m][j][c] += __shfl_xor_sync(0xffffffffu, acc[m][j][c], off);
+    __syncthreads();
+    if (lane < groups) {
+#pragma unroll
+      for (int m = 0; m < kMat; ++m)
+#pragma unroll
+        for (int j = 0; j < MR; ++j) {
+          float* dst = smem + ((warp * kMat + m) * MR + j) * a.cols + cg * 8;
+          *reinterpret_cast<float4*>(dst) = make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
+          *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[m][j][4], acc[m][j][5], acc[m][j][6], acc[m][j][7]);
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < count * a.cols; e += kThreads) {
+      const int j = e / a.cols, c = e - j * a.cols;
+      const int64_t out_col = static_cast<int64_t>(blockIdx.x) * a.cols + c;
+      if (out_col >= a.n) continue;
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        s0 += smem[((w * kMat) * MR + j) * a.cols + c];
+        if constexpr (kUp) s1 += smem[((w * kMat + 1) * MR + j) * a.cols + c];
+      }
+      const int64_t dst = static_cast<int64_t>(list[j]) * a.n + out_col;
+      if constexpr (kUp) {
+        static_cast<T*>(a.out)[dst] = from_float<T>(silu(s0) * s1);
+      } else {
+        static_cast<float*>(a.out)[dst] = s0;
+      }
+    }
+    // the next pass's scan rewrites `list` only after a barrier; its staging after another
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) moe_combine_kernel(const CombineArgs a) {
+  ptx::griddep_wait();  // y_e is the previous kernel's (a no-op without PDL)
+  const int64_t quads = a.h / 4, total = a.n * quads;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < total;
+       q += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = q / quads, c = (q - row * quads) * 4;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    bool valid = true;
+    for (int64_t slot = 0; slot < a.k; ++slot) {
+      const int64_t p = row * a.k + slot;
+      const int id = __ldg(a.ids + p);
+      if (id < 0 || id >= a.e) {  // no block wrote this pair's y_e
+        valid = false;
+        continue;
+      }
+      const float w = __ldg(a.weights + p);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.y + p * a.h + c));
+      s[0] = fmaf(w, v.x, s[0]);
+      s[1] = fmaf(w, v.y, s[1]);
+      s[2] = fmaf(w, v.z, s[2]);
+      s[3] = fmaf(w, v.w, s[3]);
+    }
+    const int64_t o = row * a.h + c;
+    if (a.residual != nullptr) {
+      const T* r = static_cast<const T*>(a.residual) + o;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] += to_float(r[i]);
+    }
+    T out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = from_float<T>(valid ? s[i] : __int_as_float(0x7fc00000));
+    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + o) = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+template <typename T, int MR>
+cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
+  const MoeDecodeLayout l = moe_decode_layout(p.n, p.k, p.h, p.i, p.dtype);
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  float* y = reinterpret_cast<float*>(ws + l.y_offset);
+  const unsigned experts = static_cast<unsigned>(p.e);
+
+  GemvArgs up{};
+  up.a = p.x;
+  up.w0 = p.w_gate;
+  up.w1 = p.w_up;
+  up.ids = p.ids;
+  up.out = ws;
+  up.pairs = p.n * p.k;
+  up.row_div = p.k;
+  up.k = p.h;
+  up.n = p.i;
+  up.cols = p.cols_up;
+  up.wait_prior = false;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
+      moe_gemv_kernel<T, MR, true>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), experts),
+      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_up, p.h, 2), false, stream, up));
+
+  GemvArgs down = up;
+  down.a = ws;
+  down.w0 = p.w_down;
+  down.w1 = nullptr;
+  down.out = y;
+  down.row_div = 1;
+  down.k = p.i;
+  down.n = p.h;
+  down.cols = p.cols_down;
+  down.wait_prior = p.pdl;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
+      moe_gemv_kernel<T, MR, false>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.h, p.cols_down)), experts),
+      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_down, p.i, 1), p.pdl, stream, down));
+
+  CombineArgs c{};
+  c.y = y;
+  c.weights = p.weights;
+  c.ids = p.ids;
+  c.residual = p.has_residual ? p.residual : nullptr;
+  c.out = p.out;
+  c.n = p.n;
+  c.h = p.h;
+  c.k = p.k;
+  c.e = p.e;
+  const int64_t blocks = std::min<int64_t>(moe_decode_ceil_div(p.n * p.h / 4, kThreads), int64_t{1} << 20);
+  return launch_programmatic(moe_combine_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                             p.pdl, stream, c);
+}
+
+}  // namespace
+
+cudaError_t launch_moe_decode(const MoeDecodeParams& p, cudaStream_t stream) {
+  if (!moe_decode_check(p).empty() || !moe_decode_cuda_check(p).empty()) return cudaErrorInvalidValue;
+  return dispatch_half(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return dispatch_int<1, 2, 4, kMoeDecodeMaxPassRows>(moe_decode_pass_rows(p.n), [&](auto mr) {
+      return launch_typed<T, decltype(mr)::value>(p, stream);
+    });
+  });
+}
+
+}  // namespace jax_cluster

@@ -1,0 +1,126 @@
+// The routed experts of a mixture-of-experts layer at decode (DeepSeek-V2's MoE):
+//
+//   y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n])  (+ residual[n])
+//   SwiGLU_e(x) = (round(silu(x @ w_gate[e]) * (x @ w_up[e]))) @ w_down[e]
+//
+// x [N, H]; weights float32 [N, k] and ids int32 [N, k] (the router's output, computed in
+// XLA); w_gate, w_up [E, H, I]; w_down [E, I, H]; residual [N, H] or none. fp16 / bf16
+// (the CPU handler also float32), fp32 accumulation; the activation h = silu(g) * u is
+// rounded to x's dtype (as a 16-bit implementation stores it); the per-(row, slot) expert
+// outputs stay fp32 and y is rounded once, after the weighted sum and the residual.
+//
+// Kernels (launch.cu; docs/moe_decode.md):
+//  1. gate/up: grid (I column tiles of cols_up, E). A block lists the (row, slot) pairs
+//     whose id is its expert (a scan of ids, in pair order) and exits at once if there are
+//     none; otherwise it streams its expert's w_gate / w_up column tile ONCE for all those
+//     pairs (passes of kMoeDecodeMaxPassRows pairs) and writes h [pair][I] (x's dtype) to
+//     the workspace. Only the chosen experts' weights are read, each once per call.
+//  2. down: grid (H column tiles of cols_down, E), the same scheme over w_down: the fp32
+//     expert outputs y_e [pair][H] to the workspace.
+//  3. combine: y[n] = sum over s = 0..k-1 in order of weights[n, s] * y_e[n * k + s]
+//     (+ residual), one thread per 4 outputs. No atomics anywhere: bitwise deterministic.
+//  Kernels 2 and 3 launch programmatically (PDL) behind the previous one.
+//
+// ids outside [0, E) (possible only when the caller passes ids under jit: the Python
+// wrapper rejects concrete ones) give an all-NaN output row; no block reads or writes for
+// such a pair.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "jax_cluster/types.h"
+
+namespace jax_cluster {
+
+inline constexpr int64_t kMoeDecodeAlign = 8;          // H and I must be multiples of this
+inline constexpr int64_t kMoeDecodeMaxExperts = 65535;  // E: the grid's y dimension
+inline constexpr int kMoeDecodeMaxPassRows = 8;         // pairs per pass over a weight tile
+inline constexpr int kMoeDecodeDefaultCols = 64;        // column tile of either GEMV
+// x (or h) rows of one pass are staged in fp32 in chunks of at most this many floats.
+inline constexpr int64_t kMoeDecodeStageFloats = 16384;
+inline constexpr int kMoeDecodeThreads = 256;
+
+struct MoeDecodeParams {
+  DType dtype;             // x, expert weights, residual, y
+  int64_t n, h, i, e, k;   // rows, hidden, expert intermediate, experts, slots per row
+  int cols_up;             // I columns per gate/up block: 32, 64 or 128
+  int cols_down;           // H columns per down block: 32, 64 or 128
+  bool has_residual;
+  bool pdl;                // kernels 2 and 3 launch programmatically
+  const void* x;
+  const float* weights;    // [N, k]
+  const int32_t* ids;      // [N, k]
+  const void* w_gate;      // [E, H, I]
+  const void* w_up;        // [E, H, I]
+  const void* w_down;      // [E, I, H]
+  const void* residual;    // [N, H] or unused
+  void* out;               // [N, H]
+  void* workspace;         // MoeDecodeLayout
+};
+
+inline int64_t moe_decode_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t moe_decode_align16(int64_t v) { return (v + 15) / 16 * 16; }
+
+inline bool moe_decode_valid_cols(int64_t c) { return c == 32 || c == 64 || c == 128; }
+
+// Pairs per pass (the kernels' template rows): a row picks an expert at most once, so an
+// expert has at most N pairs; more than kMoeDecodeMaxPassRows run in several passes.
+inline int moe_decode_pass_rows(int64_t n) {
+  return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : kMoeDecodeMaxPassRows;
+}
+
+// Workspace: h [N k][I] in x's dtype, then the fp32 expert outputs [N k][H].
+struct MoeDecodeLayout {
+  int64_t h_bytes, y_offset, total;
+};
+
+inline MoeDecodeLayout moe_decode_layout(int64_t n, int64_t k, int64_t h, int64_t i, DType dtype) {
+  MoeDecodeLayout l;
+  l.h_bytes = n * k * i * dtype_size(dtype);
+  l.y_offset = moe_decode_align16(l.h_bytes);
+  l.total = l.y_offset + n * k * h * 4;
+  return l;
+}
+
+inline int64_t moe_decode_workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, DType dtype) {
+  return moe_decode_layout(n, k, h, i, dtype).total;
+}
+
+// K rows of one staged chunk of a pass (mr rows of fp32 each).
+JAX_CLUSTER_HOST_DEVICE inline int64_t moe_decode_chunk_rows(int mr) { return kMoeDecodeStageFloats / mr; }
+
+// Dynamic shared memory of a GEMV block: the staged chunk, later overlaid by the 8 warps'
+// partials [warp][matrices][mr][cols] (fp32).
+inline int64_t moe_decode_smem_bytes(int mr, int cols, int64_t k_rows, int matrices) {
+  const int64_t stage = std::min(k_rows, moe_decode_chunk_rows(mr)) * mr * 4;
+  const int64_t red = int64_t{kMoeDecodeThreads / 32} * matrices * mr * cols * 4;
+  return std::max(stage, red);
+}
+
+// Why p's sizes and launch fields are not a valid call (of either handler); empty when
+// they are. The FFI decoder and the Python planner (plan.cc) both ask this.
+inline std::string moe_decode_check(const MoeDecodeParams& p) {
+  const auto s = [](int64_t v) { return std::to_string(v); };
+  if (p.n < 1) return "x must have at least one row";
+  if (p.h < 1 || p.i < 1 || p.h % kMoeDecodeAlign || p.i % kMoeDecodeAlign) {
+    return "H (" + s(p.h) + ") and I (" + s(p.i) + ") must be positive multiples of " + s(kMoeDecodeAlign);
+  }
+  if (p.e < 1 || p.e > kMoeDecodeMaxExperts) return "E must be in 1.." + s(kMoeDecodeMaxExperts) + ", got " + s(p.e);
+  if (p.k < 1 || p.k > p.e) return "k (slots per row) must be in 1..E, got " + s(p.k);
+  if (p.n * p.k > int64_t{1} << 30) return "N * k must be at most 2^30";
+  if (!moe_decode_valid_cols(p.cols_up)) return "cols_up must be 32, 64 or 128, got " + s(p.cols_up);
+  if (!moe_decode_valid_cols(p.cols_down)) return "cols_down must be 32, 64 or 128, got " + s(p.cols_down);
+  return "";
+}
+
+// Why the CUDA kernels cannot run p (beyond moe_decode_check); empty when they can.
+inline std::string moe_decode_cuda_check(const MoeDecodeParams& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
+    return "the CUDA kernels take float16 or bfloat16 (float32 runs on the CPU handler only)";
+  }
+  return "";
+}
+
+}  // namespace jax_cluster

@@ -1,0 +1,62 @@
+// moe_decode's launch plan for Python (jax_cluster._extension.plans().moe_decode*): the
+// defaults of the launch fields, the checks both FFI handlers apply (moe_decode_check,
+// moe_decode_cuda_check) and the workspace size, computed here once.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "ffi/plan_util.h"
+#include "ops/moe_decode/params.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace jax_cluster {
+namespace {
+
+nb::dict plan(int64_t n, int64_t h, int64_t i, int64_t e, int64_t k, const std::string& dtype,
+              int64_t cols_up, int64_t cols_down) {
+  MoeDecodeParams p{};
+  const bool known_dtype = dtype_from_name(dtype, &p.dtype);
+  p.n = n;
+  p.h = h;
+  p.i = i;
+  p.e = e;
+  p.k = k;
+  // 0: the default; other values reach the check as given (out of int range: -1)
+  const auto knob = [](int64_t v) { return v == 0 ? kMoeDecodeDefaultCols : v > 0 && v <= 1024 ? static_cast<int>(v) : -1; };
+  p.cols_up = knob(cols_up);
+  p.cols_down = knob(cols_down);
+  nb::dict out;
+  std::string error = known_dtype ? moe_decode_check(p) : "dtype must be float32, float16 or bfloat16, got " + dtype;
+  out["error"] = error;
+  out["cuda_error"] = known_dtype ? moe_decode_cuda_check(p) : error;
+  out["cols_up"] = int64_t{p.cols_up};
+  out["cols_down"] = int64_t{p.cols_down};
+  out["workspace_bytes"] = error.empty() ? moe_decode_workspace_bytes(n, k, h, i, p.dtype) : int64_t{0};
+  return out;
+}
+
+int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::string& dtype) {
+  DType t;
+  if (!dtype_from_name(dtype, &t) || n < 0 || k < 0 || h < 0 || i < 0) return 0;
+  return moe_decode_workspace_bytes(n, k, h, i, t);
+}
+
+}  // namespace
+}  // namespace jax_cluster
+
+void bind_moe_decode_plan(nb::module_& m) {
+  using namespace jax_cluster;
+  m.attr("MOE_DECODE_ALIGN") = kMoeDecodeAlign;
+  m.attr("MOE_DECODE_MAX_EXPERTS") = kMoeDecodeMaxExperts;
+  m.attr("MOE_DECODE_DEFAULT_COLS") = kMoeDecodeDefaultCols;
+  m.def("moe_decode", &plan, "n"_a, "h"_a, "i"_a, "e"_a, "k"_a, "dtype"_a, "cols_up"_a = 0,
+        "cols_down"_a = 0,
+        "moe_decode's checks for one call: 'error' (why neither handler takes it, '' if both "
+        "do), 'cuda_error' (why the CUDA kernels cannot run it), the resolved column tiles "
+        "(0: the default) and the workspace bytes");
+  m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a,
+        "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I.");
+}

@@ -1,0 +1,324 @@
+"""moe_decode: DeepSeek-V2's mixture-of-experts layer at decode, one fused routed-experts op.
+
+    weights, ids = route(x)                      softmax(x @ router) in fp32, top-k (greedy or
+                                                 group-limited greedy), DeepSeek-V2's scaling
+    routed = sum_s weights[:, s] * SwiGLU_{ids[:, s]}(x)  (+ residual)     [N, H] in x.dtype
+    y      = swiglu(x, shared experts, residual=routed)  (without shared experts: routed)
+
+x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
+[E, I, H]. The router is tiny and runs in XLA in every impl
+(:func:`jax_cluster.reference.moe_route`); the shared experts run through
+:func:`jax_cluster.swiglu` with the same impl. `impl` decides the routed experts:
+
+  "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
+               down GEMV, combine; cpp/ops/moe_decode/params.h) that read ONLY the chosen
+               experts' weights, each chosen expert once per call however many rows chose
+               it; on CPU the C++ handler (same math, also float32).
+  "auto"       "cuda" where the kernels take the shape and dtype (float16 / bfloat16, H and
+               I multiples of 8), else "xla" with a one-time warning.
+  "xla"        the gather formulation a JAX user writes (flax_models' experts_gather): the
+               chosen experts' weights gathered per (row, slot), XLA's einsums in x.dtype.
+  "reference"  jax_cluster.reference.moe_decode (fp32).
+
+:func:`moe_experts` is the routed part alone, for callers that route themselves (weights
+float32 [N, k], ids int32 [N, k]); ids known at trace time must lie in [0, E) (a
+ValueError otherwise); traced ids outside it give all-NaN output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+
+from jax_cluster import _extension, reference
+from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
+                              on_gpu, warn_once)
+from jax_cluster.ops.swiglu import swiglu
+
+__all__ = ["MoeDecodeConfig", "TOPK_METHODS", "launch_plan", "moe_decode", "moe_experts"]
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+COLS = (32, 64, 128)
+_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeDecodeConfig:
+    """How the routed experts run on the GPU (impl "auto" or "cuda"). None: the default.
+
+    cols_up    columns of I per gate/up block: 32, 64 or 128 (default 64). Narrower tiles
+               give more blocks per chosen expert (the GPU fills at batch 1), wider ones
+               longer contiguous weight-row segments.
+    cols_down  columns of H per down block: 32, 64 or 128 (default 64).
+    pdl        the down and combine kernels launch programmatically (PDL) behind the
+               previous kernel.
+    """
+
+    cols_up: int | None = None
+    cols_down: int | None = None
+    pdl: bool = True
+
+    def __post_init__(self):
+        for name in ("cols_up", "cols_down"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoeDecodeConfig: {name} must be an int or None, got {value!r}")
+            if value not in COLS:
+                raise ValueError(f"MoeDecodeConfig: {name} must be one of {COLS}, got {value}")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"MoeDecodeConfig: pdl must be a bool, got {self.pdl!r}")
+
+
+# ----------------------------------------------------------------------------- launch plan
+def _plans():
+    return _extension.plans()
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(n: int, h: int, i: int, e: int, k: int, dtype: str, cols_up: int, cols_down: int) -> dict:
+    return dict(_plans().moe_decode(n, h, i, e, k, dtype, cols_up, cols_down))
+
+
+def launch_plan(config: MoeDecodeConfig | None, n: int, h: int, i: int, e: int, k: int, dtype) -> dict:
+    """The C++ plan of one call (cpp/ops/moe_decode/plan.cc): 'error' (why no handler takes
+    it, '' if they do), 'cuda_error' (why the CUDA kernels cannot), the resolved column
+    tiles and the workspace bytes."""
+    config = config or MoeDecodeConfig()
+    return _plan(n, h, i, e, k, jnp.dtype(dtype).name, config.cols_up or 0, config.cols_down or 0)
+
+
+# ----------------------------------------------------------------------------- primitive
+def _abstract(x, weights, ids, w_gate, w_up, w_down, residual, *, cols_up, cols_down, pdl, has_residual):
+    del weights, w_up, w_down, residual, cols_up, cols_down, pdl, has_residual
+    n, h = x.shape
+    k = ids.shape[1]
+    ws = _plans().moe_decode_workspace_bytes(n, k, h, w_gate.shape[2], jnp.dtype(x.dtype).name)
+    return ShapedArray((n, h), x.dtype), ShapedArray((ws,), np.uint8)
+
+
+def _batching(args, dims, **params):
+    """vmap: the mapped axis folds into the rows (one call over B * N rows) when the expert
+    weights are shared; mapped expert weights run the calls one after another."""
+    x, weights, ids, w_gate, w_up, w_down, residual = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if all(d is None for d in dims[3:6]):
+        rows = [fold_batch_axis(a, d, size) for a, d in zip(args[:3], dims[:3])]
+        b, n = rows[0].shape[:2]
+        flat = lambda a: a.reshape((b * n,) + a.shape[2:])  # noqa: E731
+        res = flat(fold_batch_axis(residual, dims[6], size)) if params["has_residual"] else residual
+        out, ws = _PRIM.bind(*(flat(a) for a in rows), w_gate, w_up, w_down, res, **params)
+        return (out.reshape(b, n, -1), ws), (0, None)
+    moved = [fold_batch_axis(a, d, size) if d is not None else a for a, d in zip(args, dims)]
+
+    def one(i):
+        return _PRIM.bind(*[a[i] if d is not None else a for a, d in zip(moved, dims)], **params)[0]
+
+    return (jax.lax.map(one, jnp.arange(size)), jnp.zeros((0,), np.uint8)), (0, None)
+
+
+_PRIM = ffi_primitive("moe_decode", abstract_eval=_abstract, batching_rule=_batching)
+
+
+# ----------------------------------------------------------------------------- the paths
+def _silu(v):
+    vf = v.astype(jnp.float32)
+    return vf * jax.nn.sigmoid(vf)
+
+
+def _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual):
+    """The gather formulation (flax_models' experts_gather): each (row, slot) pair's expert
+    weights gathered, XLA's einsums in x.dtype with fp32 accumulation, 16-bit results."""
+    f32 = jnp.float32
+    e = w_gate.shape[0]
+    valid = jnp.all((ids >= 0) & (ids < e), axis=-1)
+    safe = jnp.clip(ids, 0, e - 1)
+    g = jnp.einsum("nh,nkhi->nki", x, w_gate[safe], preferred_element_type=f32).astype(x.dtype)
+    u = jnp.einsum("nh,nkhi->nki", x, w_up[safe], preferred_element_type=f32).astype(x.dtype)
+    h = (_silu(g) * u.astype(f32)).astype(x.dtype)
+    y_e = jnp.einsum("nki,nkih->nkh", h, w_down[safe], preferred_element_type=f32).astype(x.dtype)
+    y = jnp.einsum("nkh,nk->nh", y_e.astype(f32), weights.astype(f32))
+    if residual is not None:
+        y = y + residual.astype(f32)
+    return jnp.where(valid[:, None], y, jnp.nan).astype(x.dtype)
+
+
+def _custom_call(x, weights, ids, w_gate, w_up, w_down, residual, plan: dict, pdl: bool):
+    has_res = residual is not None
+    out, _ = _PRIM.bind(x, weights, ids, w_gate, w_up, w_down,
+                        residual if has_res else jnp.zeros((0,), x.dtype),
+                        cols_up=int(plan["cols_up"]), cols_down=int(plan["cols_down"]), pdl=pdl,
+                        has_residual=has_res)
+    return out
+
+
+def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config):
+    """The routed experts (+ residual) by impl (validated arguments)."""
+    if impl == "reference":
+        return reference.moe_experts(x, weights, ids, w_gate, w_up, w_down, residual)
+    n, h = x.shape
+    e, _, i = w_gate.shape
+    k = ids.shape[1]
+    if impl in ("auto", "cuda"):
+        plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype)
+        why_not = plan["error"] or (plan["cuda_error"] if on_gpu() else "")
+        if impl == "auto" and jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
+            why_not = why_not or "dtype float32 (the kernels take float16 or bfloat16)"
+        if why_not:
+            if impl == "cuda":
+                raise ValueError(f"{op}: impl='cuda' cannot run this call: {why_not}")
+            warn_once((op, h, i, e, k, jnp.dtype(x.dtype).name), f"{op}: no kernel for this call ({why_not}); "
+                      "running impl='xla'")
+            impl = "xla"
+    if impl == "xla":
+        return _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual)
+    if n == 0:
+        return jnp.zeros((0, h), x.dtype)
+    return _custom_call(x, weights, ids, w_gate, w_up, w_down, residual, plan, (config or MoeDecodeConfig()).pdl)
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_call(op: str, impl: str, config) -> None:
+    check_impl(op, impl)
+    check_config(op, config, MoeDecodeConfig)
+    if config is not None and impl in ("xla", "reference"):
+        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
+
+
+def _check_experts(op: str, x, w_gate, w_up, w_down, residual) -> tuple[int, int, int, int]:
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"{op}: x must be [N, H], got shape {tuple(getattr(x, 'shape', ()))}")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"{op}: x dtype must be float16, bfloat16 or float32, got {jnp.dtype(x.dtype).name}")
+    n, h = x.shape
+    if h < 1:
+        raise ValueError(f"{op}: x must have H >= 1 columns, got shape {tuple(x.shape)}")
+    if getattr(w_gate, "ndim", None) != 3 or w_gate.shape[1] != h:
+        raise ValueError(f"{op}: w_gate must be [E, H, I] with H = x.shape[1] = {h}, got shape "
+                         f"{tuple(getattr(w_gate, 'shape', ()))}")
+    e, _, i = w_gate.shape
+    if e < 1 or i < 1:
+        raise ValueError(f"{op}: w_gate must have E >= 1 experts and I >= 1 columns, got shape {tuple(w_gate.shape)}")
+    check_array(op, "w_gate", w_gate, (e, h, i), x.dtype)
+    check_array(op, "w_up", w_up, (e, h, i), x.dtype)
+    check_array(op, "w_down", w_down, (e, i, h), x.dtype)
+    check_array(op, "residual", residual, (n, h), x.dtype)
+    return n, h, i, e
+
+
+def _check_int(op: str, name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{op}: {name} must be in {lo}..{hi}, got {value}" if hi is not None
+                         else f"{op}: {name} must be >= {lo}, got {value}")
+
+
+def _check_routing(op: str, e: int, top_k, topk_method, n_group, topk_group, norm_topk_prob,
+                   routed_scaling_factor) -> None:
+    _check_int(op, "top_k", top_k, 1, e)
+    if topk_method not in TOPK_METHODS:
+        raise ValueError(f"{op}: topk_method must be one of {TOPK_METHODS}, got {topk_method!r}")
+    if topk_method == "group_limited_greedy":
+        if n_group is None or topk_group is None:
+            raise ValueError(f"{op}: topk_method='group_limited_greedy' needs n_group and topk_group")
+        _check_int(op, "n_group", n_group, 1, e)
+        if e % n_group:
+            raise ValueError(f"{op}: n_group ({n_group}) must divide the number of experts E ({e})")
+        _check_int(op, "topk_group", topk_group, 1, n_group)
+        if top_k > topk_group * (e // n_group):
+            raise ValueError(f"{op}: top_k ({top_k}) must be at most topk_group * E / n_group "
+                             f"({topk_group * (e // n_group)}), the experts the kept groups hold")
+    if not isinstance(norm_topk_prob, (bool, np.bool_)):
+        raise TypeError(f"{op}: norm_topk_prob must be a bool, got {norm_topk_prob!r}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real):
+        raise TypeError(f"{op}: routed_scaling_factor must be a real number, got {routed_scaling_factor!r}")
+    if not np.isfinite(routed_scaling_factor):
+        raise ValueError(f"{op}: routed_scaling_factor must be finite, got {routed_scaling_factor}")
+
+
+def _check_shared(op: str, shared, h: int, dtype) -> None:
+    if shared is None:
+        return
+    if not isinstance(shared, dict) or set(shared) != {"w_gate", "w_up", "w_down"}:
+        keys = sorted(shared) if isinstance(shared, dict) else type(shared).__name__
+        raise ValueError(f"{op}: shared must be None or a dict with keys 'w_gate', 'w_up', 'w_down', got {keys}")
+    wg = shared["w_gate"]
+    if getattr(wg, "ndim", None) != 2 or wg.shape[0] != h or wg.shape[1] < 1:
+        raise ValueError(f"{op}: shared['w_gate'] must be [H, Is] with H = {h}, got shape "
+                         f"{tuple(getattr(wg, 'shape', ()))}")
+    i_s = wg.shape[1]
+    check_array(op, "shared['w_gate']", wg, (h, i_s), dtype)
+    check_array(op, "shared['w_up']", shared["w_up"], (h, i_s), dtype)
+    check_array(op, "shared['w_down']", shared["w_down"], (i_s, h), dtype)
+
+
+# ----------------------------------------------------------------------------- public
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, impl: str = "auto",
+                config: MoeDecodeConfig | None = None):
+    """The routed experts alone: y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n])
+    (+ residual), [N, H] in x.dtype.
+
+    weights float32 [N, k], ids int32 [N, k] (a router's output; k <= E). ids known at trace
+    time outside [0, E) raise a ValueError; traced ones there give an all-NaN row (every
+    impl). impl / config: as moe_decode.
+    """
+    op = "moe_experts"
+    _check_call(op, impl, config)
+    n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
+    if getattr(ids, "ndim", None) != 2 or ids.shape[0] != n or jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
+        raise ValueError(f"{op}: ids must be int32 [N={n}, k], got {jnp.dtype(ids.dtype).name} {tuple(ids.shape)}")
+    k = ids.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"{op}: ids must have 1..E={e} slots per row, got {k}")
+    check_array(op, "weights", weights, (n, k), jnp.float32)
+    if not isinstance(ids, jax.core.Tracer):
+        vals = np.asarray(ids)
+        if vals.size and (vals.min() < 0 or vals.max() >= e):
+            raise ValueError(f"{op}: ids must be in [0, E={e}); got min {vals.min()}, max {vals.max()}")
+    return _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)
+
+
+def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
+               topk_group=None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
+               shared: dict | None = None, residual=None, impl: str = "auto",
+               config: MoeDecodeConfig | None = None):
+    """DeepSeek-V2's MoE layer for N rows (see the module docstring): y [N, H] in x.dtype.
+
+    x [N, H] float16 / bfloat16 (float32: "xla", "reference" or the CPU handler); router
+    [H, E] (any float dtype; fp32 math); w_gate / w_up [E, H, I], w_down [E, I, H] in
+    x.dtype. Routing as DeepSeek-V2: top_k experts per row, topk_method "greedy" or
+    "group_limited_greedy" (n_group groups of E / n_group experts, the topk_group best
+    groups kept), norm_topk_prob (renormalise the top_k weights to sum 1, when top_k > 1)
+    else routed_scaling_factor. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
+    [Is, H]), the always-on shared experts (one SwiGLU, run by jax_cluster.swiglu with the
+    same impl). residual: None or [N, H], added to the routed sum before the shared
+    experts' output. config: a MoeDecodeConfig (impl "auto" or "cuda").
+    """
+    op = "moe_decode"
+    _check_call(op, impl, config)
+    n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
+    if getattr(router, "ndim", None) != 2 or tuple(router.shape) != (h, e):
+        raise ValueError(f"{op}: router must be [H, E] = ({h}, {e}), got shape {tuple(getattr(router, 'shape', ()))}")
+    if not jnp.issubdtype(router.dtype, jnp.floating):
+        raise ValueError(f"{op}: router must be a float array, got {jnp.dtype(router.dtype).name}")
+    _check_routing(op, e, top_k, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    _check_shared(op, shared, h, x.dtype)
+    if n == 0:
+        return jnp.zeros((0, h), x.dtype)
+    route = dict(top_k=int(top_k), topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                 norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor))
+    if impl == "reference":
+        return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
+    weights, ids = reference.moe_route(x, router, **route)
+    y = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)
+    if shared is not None:
+        y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
+    return y

@@ -1,0 +1,522 @@
+"""moe_decode (DeepSeek-V2's MoE at decode) vs the jnp reference: the router against
+flax_models' route() (same ids and weights), reference vs an independent float64
+computation, every impl on CPU (the C++ handler for "cuda", float32 too), jit, vmap,
+invalid ids, every validation error; on a GPU the CUDA kernels for float16 / bfloat16,
+N in {1, 3, 16, 64} (and more rows than a pass holds), both routing methods, shared experts
+and residual, every column tile, V2-Lite and DeepSeek-V2 shapes, bitwise determinism."""
+
+import dataclasses
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_cluster as jc
+from jax_cluster import _ffi, reference
+from jax_cluster.ops import moe_decode as md
+from jax_cluster.ops.moe_decode import MoeDecodeConfig
+from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
+
+DTYPES = ["float16", "bfloat16"]
+GREEDY = dict(topk_method="greedy")
+GROUPED = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)
+
+
+def _arr(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def _inputs(rng, n, h, i, e, dtype, *, shared=None, residual=False):
+    """x, router, w_gate, w_up, w_down and the optional shared experts ([H, Is]) / residual."""
+    args = dict(x=_arr(rng, (n, h), dtype), router=_arr(rng, (h, e), dtype, h ** -0.5),
+                w_gate=_arr(rng, (e, h, i), dtype, h ** -0.5), w_up=_arr(rng, (e, h, i), dtype, h ** -0.5),
+                w_down=_arr(rng, (e, i, h), dtype, i ** -0.5))
+    extra = {}
+    if shared:
+        extra["shared"] = dict(w_gate=_arr(rng, (h, shared), dtype, h ** -0.5),
+                               w_up=_arr(rng, (h, shared), dtype, h ** -0.5),
+                               w_down=_arr(rng, (shared, h), dtype, shared ** -0.5))
+    if residual:
+        extra["residual"] = _arr(rng, (n, h), dtype)
+    return args, extra
+
+
+def _tol(dtype) -> float:
+    return TOLERANCE[jnp.dtype(dtype).name]
+
+
+def _check(out, ref, dtype, factor=1.0):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
+    err = rel_l2(out, ref)
+    assert err <= factor * _tol(dtype), err
+    return err
+
+
+def _run(kwargs, args, extra, device=None):
+    """jc.moe_decode under jit (arrays committed to `device`)."""
+    if device is not None:
+        args, extra = jax.device_put((args, extra), device)
+    names = list(args)
+    fn = jax.jit(lambda a, ex: jc.moe_decode(**dict(zip(names, a)), **ex, **kwargs))
+    return np.asarray(fn(list(args.values()), extra))
+
+
+# ---------------------------------------------------------------- the router
+@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_router_matches_flax_models(rng, method, norm):
+    """The op's router (reference.moe_route) and flax_models' route() give the same ids and
+    weights on random inputs (both run the same jnp ops)."""
+    from flax_models.moe import route
+
+    for dtype, (n, h, e, k) in (("float32", (7, 64, 8, 3)), ("bfloat16", (33, 96, 16, 4)), ("float16", (1, 64, 64, 6))):
+        x, router = _arr(rng, (n, h), dtype), _arr(rng, (h, e), dtype, h ** -0.5)
+        kw = dict(top_k=k, norm_topk_prob=norm, routed_scaling_factor=1.5)
+        groups = dict(n_group=method.get("n_group"), topk_group=method.get("topk_group"))
+        w_flax, ids_flax = jax.jit(lambda x, r: route(x, r, method=method["topk_method"], **groups, **kw))(x, router)
+        w_op, ids_op = jax.jit(lambda x, r: reference.moe_route(x, r, **method, **kw))(x, router)
+        np.testing.assert_array_equal(np.asarray(ids_op), np.asarray(ids_flax))
+        np.testing.assert_array_equal(np.asarray(w_op), np.asarray(w_flax))
+        assert ids_op.dtype == jnp.int32 and w_op.dtype == jnp.float32
+        if method is GROUPED:  # every chosen expert lies in one of the topk_group kept groups
+            assert (np.asarray([len(set(r)) for r in np.asarray(ids_op) // (e // 4)]) <= 2).all()
+
+
+# ---------------------------------------------------------------- the reference itself
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_matches_float64_math(rng, dtype):
+    np_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    args, extra = _inputs(rng, 4, 64, 32, 8, dtype, residual=True)
+    weights, ids = reference.moe_route(args["x"], args["router"], top_k=3)
+    f64 = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    x, ids_np, w_np = f64(args["x"]), np.asarray(ids), f64(weights)
+    y = f64(extra["residual"]).copy()
+    for n in range(4):
+        for s in range(3):
+            e = ids_np[n, s]
+            g, u = x[n] @ f64(args["w_gate"][e]), x[n] @ f64(args["w_up"][e])
+            h = (g / (1 + np.exp(-g)) * u).astype(np_dtype).astype(np.float64)
+            y[n] += w_np[n, s] * (h @ f64(args["w_down"][e]))
+    out = reference.moe_experts(args["x"], weights, ids, args["w_gate"], args["w_up"], args["w_down"],
+                                extra["residual"])
+    assert rel_l2(np.asarray(out), y.astype(np_dtype).astype(np.float64)) < 2e-3
+
+
+# ---------------------------------------------------------------- CPU: every impl
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32"] + DTYPES)
+@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+def test_cpu_impls_agree(rng, dtype, method):
+    """reference vs xla vs the custom call (CPU handler) vs auto, with and without shared
+    experts and residual, k = 2 and 3, N = 1 and 16."""
+    for n, k, shared, residual in ((1, 2, None, False), (16, 3, 64, True)):
+        if dtype == "float32" and shared:
+            shared = None  # swiglu's custom call (the shared experts) takes 16-bit dtypes only
+        args, extra = _inputs(rng, n, 64, 32, 8, dtype, shared=shared, residual=residual)
+        kw = dict(top_k=k, norm_topk_prob=n == 16, routed_scaling_factor=1.0 if n == 16 else 2.0, **method)
+        ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
+        factor = 1.0 if dtype != "float32" else 2.0
+        impls = ("xla", "cuda") + (("auto",) if dtype != "float32" and n > 1 else ())
+        for impl in impls:
+            _check(_run(dict(impl=impl, **kw), args, extra, _cpu()), ref, dtype, factor)
+
+
+def test_cpu_handler_matches_reference_closely(rng):
+    """The CPU handler computes the reference's math (fp32, h rounded): nearly every
+    element bitwise equal, and eager calls equal jitted ones."""
+    args, extra = _inputs(rng, 8, 64, 32, 8, "bfloat16", residual=True)
+    kw = dict(top_k=3, **GROUPED)
+    out = jc.moe_decode(**args, **extra, **kw, impl="cuda")
+    ref = jc.moe_decode(**args, **extra, **kw, impl="reference")
+    assert np.mean(np.asarray(out) == np.asarray(ref)) > 0.9
+    np.testing.assert_array_equal(np.asarray(out), _run(dict(impl="cuda", **kw), args, extra))
+
+
+def test_impl_values(rng):
+    """"xla" runs no custom call; "cuda" and "auto" (float16 / bfloat16) run one for the
+    routed experts (plus swiglu's for the shared experts); "reference" is the reference."""
+    args, extra = _inputs(rng, 5, 64, 32, 8, "float16", shared=64, residual=True)
+    names = list(args)
+    for impl, calls, swiglu_calls in (("xla", 0, 0), ("cuda", 1, 1), ("auto", 1, 1), ("reference", 0, 0)):
+        fn = jax.jit(lambda a, ex, impl=impl: jc.moe_decode(**dict(zip(names, a)), **ex, top_k=2, impl=impl))
+        hlo = fn.lower(list(args.values()), extra).as_text()
+        assert hlo.count("jax_cluster_moe_decode") == calls, impl
+        assert hlo.count("jax_cluster_swiglu") == swiglu_calls, impl
+    np.testing.assert_array_equal(np.asarray(jc.moe_decode(**args, **extra, top_k=2, impl="reference")),
+                                  np.asarray(reference.moe_decode(**args, **extra, top_k=2)))
+
+
+def test_shared_and_residual_composition(rng):
+    """y = swiglu(x, shared, residual = routed (+ residual)): the composition flax_models'
+    MoE writes."""
+    args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=64, residual=True)
+    weights, ids = reference.moe_route(args["x"], args["router"], top_k=2)
+    routed = reference.moe_experts(args["x"], weights, ids, args["w_gate"], args["w_up"], args["w_down"],
+                                   extra["residual"])
+    s = extra["shared"]
+    expect = reference.swiglu(args["x"], s["w_gate"], s["w_up"], s["w_down"], routed)
+    np.testing.assert_array_equal(np.asarray(reference.moe_decode(**args, **extra, top_k=2)), np.asarray(expect))
+    for impl in ("cuda", "xla"):
+        _check(jc.moe_decode(**args, **extra, top_k=2, impl=impl), expect, "bfloat16")
+
+
+def test_float32_auto_falls_back_with_one_warning(rng):
+    _ffi._warned.clear()
+    args, _ = _inputs(rng, 3, 64, 32, 8, "float32")
+    with pytest.warns(UserWarning, match=r"no kernel for this call \(dtype float32.*running impl='xla'"):
+        out = jc.moe_decode(**args, top_k=2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jc.moe_decode(**args, top_k=2, impl="xla")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jc.moe_decode(**args, top_k=2)  # once only
+
+
+def test_unsupported_shape_falls_back(rng):
+    _ffi._warned.clear()
+    args, _ = _inputs(rng, 3, 60, 32, 8, "float16")  # H not a multiple of 8
+    with pytest.warns(UserWarning, match=r"H \(60\) and I \(32\) must be positive multiples of 8\); running impl='xla'"):
+        out = jc.moe_decode(**args, top_k=2)
+    _check(out, jc.moe_decode(**args, top_k=2, impl="reference"), "float16")
+    with pytest.raises(ValueError, match=r"impl='cuda' cannot run this call: H \(60\) and I \(32\)"):
+        jc.moe_decode(**args, top_k=2, impl="cuda")
+
+
+def test_empty_batch(rng):
+    args, extra = _inputs(rng, 0, 64, 32, 8, "float16", shared=64, residual=True)
+    for impl in ("auto", "cuda", "xla", "reference"):
+        assert jc.moe_decode(**args, **extra, top_k=2, impl=impl).shape == (0, 64)
+
+
+def test_vmap(rng):
+    """vmap over x (and residual) folds the mapped axis into the rows (one custom call);
+    mapped expert weights run one call per element."""
+    args, extra = _inputs(rng, 4, 64, 32, 8, "bfloat16", shared=64)
+    xs, res = _arr(rng, (3, 4, 64), "bfloat16"), _arr(rng, (3, 4, 64), "bfloat16")
+    rest = {k: v for k, v in args.items() if k != "x"}
+    fn = jax.vmap(lambda x, r: jc.moe_decode(x, **rest, **extra, top_k=3, residual=r, impl="cuda", **GROUPED))
+    out = jax.jit(fn)(xs, res)
+    hlo = jax.jit(fn).lower(xs, res).as_text()
+    assert hlo.count("jax_cluster_moe_decode") == 1
+    for b in range(3):
+        ref = jc.moe_decode(xs[b], **rest, **extra, top_k=3, residual=res[b], impl="reference", **GROUPED)
+        _check(out[b], ref, "bfloat16")
+    # mapped axis not first
+    out = jax.vmap(lambda x: jc.moe_decode(x, **rest, top_k=2, impl="cuda"), in_axes=1)(jnp.moveaxis(xs, 0, 1))
+    for b in range(3):
+        _check(out[b], jc.moe_decode(xs[b], **rest, top_k=2, impl="reference"), "bfloat16")
+    # expert weights mapped: sequential calls
+    wgs = jnp.stack([args["w_gate"], -args["w_gate"]])
+    others = {k: v for k, v in args.items() if k != "w_gate"}
+    out = jax.vmap(lambda w: jc.moe_decode(w_gate=w, **others, top_k=2, impl="cuda"))(wgs)
+    for b in range(2):
+        _check(out[b], jc.moe_decode(w_gate=wgs[b], **others, top_k=2, impl="reference"), "bfloat16")
+
+
+# ---------------------------------------------------------------- moe_experts and ids
+def test_moe_experts_given_routing(rng):
+    """Caller-made routing: duplicate ids in a row and one expert chosen by every row (more
+    pairs than a kernel pass holds) are summed like any other pair."""
+    args, extra = _inputs(rng, 20, 64, 32, 8, "float16", residual=True)
+    ids = jnp.asarray(np.stack([np.full(20, 3), rng.integers(0, 8, 20), np.full(20, 3)], 1), jnp.int32)
+    weights = jnp.asarray(rng.random((20, 3)), jnp.float32)
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    ref = reference.moe_experts(args["x"], weights, ids, *w, extra["residual"])
+    for impl in ("cuda", "xla", "auto"):
+        _check(jc.ops.moe_decode.moe_experts(args["x"], weights, ids, *w, extra["residual"], impl=impl), ref, "float16")
+
+
+def test_invalid_ids(rng):
+    """Concrete ids outside [0, E) are rejected before anything runs; traced ones give an
+    all-NaN row in every impl (the other rows are computed normally)."""
+    args, _ = _inputs(rng, 4, 64, 32, 8, "float16")
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    weights = jnp.full((4, 2), 0.5, jnp.float32)
+    for bad in (8, -1):
+        ids = jnp.asarray([[0, 1], [2, bad], [3, 4], [5, 6]], jnp.int32)
+        with pytest.raises(ValueError, match=r"ids must be in \[0, E=8\); got min"):
+            md.moe_experts(args["x"], weights, ids, *w)
+        good = jnp.asarray([[0, 1], [2, 7], [3, 4], [5, 6]], jnp.int32)
+        ref = np.asarray(reference.moe_experts(args["x"], weights, good, *w))
+        for impl in ("cuda", "xla", "reference"):
+            out = np.asarray(jax.jit(lambda i, impl=impl: md.moe_experts(args["x"], weights, i, *w, impl=impl))(ids))
+            assert np.isnan(out[1]).all(), impl
+            rows = [0, 2, 3]
+            _check(out[rows], ref[rows], "float16")
+
+
+# ---------------------------------------------------------------- validation
+def _bad_call(change: dict):
+    rng = np.random.default_rng(0)
+    args, extra = _inputs(rng, 3, 64, 32, 8, "float16", shared=64, residual=True)
+    kw = dict(args, **extra, top_k=2)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(x=jnp.ones((3, 4, 64), jnp.float16)), ValueError, "x must be [N, H], got shape (3, 4, 64)"),
+    (dict(x=jnp.ones((3, 64), jnp.int32)), ValueError, "x dtype must be float16, bfloat16 or float32, got int32"),
+    (dict(router=jnp.ones((64, 7))), ValueError, "router must be [H, E] = (64, 8), got shape (64, 7)"),
+    (dict(router=jnp.ones((64, 8), jnp.int32)), ValueError, "router must be a float array, got int32"),
+    (dict(w_gate=jnp.ones((8, 32, 32), jnp.float16)), ValueError, "w_gate must be [E, H, I] with H = x.shape[1] = 64"),
+    (dict(w_gate=jnp.ones((64, 32), jnp.float16)), ValueError, "w_gate must be [E, H, I]"),
+    (dict(w_up=jnp.ones((8, 64, 16), jnp.float16)), ValueError, "w_up has shape (8, 64, 16), expected (8, 64, 32)"),
+    (dict(w_down=jnp.ones((8, 64, 32), jnp.float16)), ValueError, "w_down has shape (8, 64, 32), expected (8, 32, 64)"),
+    (dict(w_down=jnp.ones((8, 32, 64), jnp.bfloat16)), ValueError, "w_down has dtype bfloat16, expected float16"),
+    (dict(residual=jnp.ones((2, 64), jnp.float16)), ValueError, "residual has shape (2, 64), expected (3, 64)"),
+    (dict(top_k=0), ValueError, "top_k must be in 1..8, got 0"),
+    (dict(top_k=9), ValueError, "top_k must be in 1..8, got 9"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int, got 2.0"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(topk_method="noaux_tc"), ValueError, "topk_method must be one of ('greedy', 'group_limited_greedy')"),
+    (dict(topk_method="group_limited_greedy"), ValueError, "needs n_group and topk_group"),
+    (dict(topk_method="group_limited_greedy", n_group=3, topk_group=1), ValueError,
+     "n_group (3) must divide the number of experts E (8)"),
+    (dict(topk_method="group_limited_greedy", n_group=0, topk_group=1), ValueError, "n_group must be in 1..8, got 0"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=5), ValueError, "topk_group must be in 1..4, got 5"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=0), ValueError, "topk_group must be in 1..4, got 0"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=1, top_k=3), ValueError,
+     "top_k (3) must be at most topk_group * E / n_group (2)"),
+    (dict(norm_topk_prob="yes"), TypeError, "norm_topk_prob must be a bool"),
+    (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor must be a real number"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor must be finite"),
+    (dict(shared=dict(w_gate=1)), ValueError, "shared must be None or a dict with keys 'w_gate', 'w_up', 'w_down'"),
+    (dict(shared=(1, 2, 3)), ValueError, "shared must be None or a dict"),
+    (dict(shared=dict(w_gate=jnp.ones((32, 64), jnp.float16), w_up=0, w_down=0)), ValueError,
+     "shared['w_gate'] must be [H, Is] with H = 64"),
+    (dict(shared=dict(w_gate=jnp.ones((64, 64), jnp.float16), w_up=jnp.ones((64, 32), jnp.float16),
+                      w_down=jnp.ones((64, 64), jnp.float16))), ValueError,
+     "shared['w_up'] has shape (64, 32), expected (64, 64)"),
+    (dict(shared=dict(w_gate=jnp.ones((64, 64), jnp.float16), w_up=jnp.ones((64, 64), jnp.float16),
+                      w_down=jnp.ones((64, 64), jnp.float32))), ValueError,
+     "shared['w_down'] has dtype float32, expected float16"),
+    (dict(impl="fast"), ValueError, "impl must be one of"),
+    (dict(config="wide"), TypeError, "config must be a MoeDecodeConfig or None"),
+    (dict(impl="xla", config=MoeDecodeConfig()), ValueError, "a config applies to impl='auto' or 'cuda', not 'xla'"),
+])
+def test_bad_arguments(change, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        jc.moe_decode(**_bad_call(change))
+
+
+def test_bad_routing_arguments_of_moe_experts(rng):
+    args, _ = _inputs(rng, 3, 64, 32, 8, "float16")
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    ids, weights = jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), jnp.float32)
+    cases = [((weights, ids.astype(jnp.int64) if jax.config.jax_enable_x64 else ids.astype(jnp.int16)),
+              "ids must be int32 [N=3, k]"),
+             ((weights, jnp.zeros((2, 2), jnp.int32)), "ids must be int32 [N=3, k]"),
+             ((weights, jnp.zeros((3, 9), jnp.int32)), "ids must have 1..E=8 slots per row, got 9"),
+             ((weights.astype(jnp.float16), ids), "weights has dtype float16, expected float32"),
+             ((jnp.ones((3, 3), jnp.float32), ids), "weights has shape (3, 3), expected (3, 2)")]
+    for (wt, i), message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            md.moe_experts(args["x"], wt, i, *w)
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(cols_up=48), ValueError, "cols_up must be one of (32, 64, 128), got 48"),
+    (dict(cols_down=256), ValueError, "cols_down must be one of (32, 64, 128), got 256"),
+    (dict(cols_up=64.0), TypeError, "cols_up must be an int or None"),
+    (dict(cols_down=True), TypeError, "cols_down must be an int or None"),
+    (dict(pdl=1), TypeError, "pdl must be a bool"),
+])
+def test_config_validation(fields, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        MoeDecodeConfig(**fields)
+
+
+def test_config_frozen_and_every_knob_runs(rng):
+    cfg = MoeDecodeConfig(cols_up=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cols_up = 64
+    assert {cfg: 1}[MoeDecodeConfig(cols_up=32)] == 1
+    args, extra = _inputs(rng, 5, 64, 32, 8, "bfloat16", residual=True)
+    ref = jc.moe_decode(**args, **extra, top_k=3, impl="reference")
+    for c in (MoeDecodeConfig(cols_up=32, cols_down=128), MoeDecodeConfig(cols_up=128, pdl=False)):
+        _check(jc.moe_decode(**args, **extra, top_k=3, impl="cuda", config=c), ref, "bfloat16")
+
+
+def test_launch_plan():
+    """The C++ plan: defaults, workspace (h in x's dtype, then fp32 expert outputs), limits."""
+    plan = md.launch_plan(None, 16, 2048, 1408, 64, 6, "bfloat16")
+    assert plan["error"] == "" and plan["cuda_error"] == ""
+    assert (plan["cols_up"], plan["cols_down"]) == (64, 64)
+    assert plan["workspace_bytes"] == 16 * 6 * 1408 * 2 + 16 * 6 * 2048 * 4
+    assert "must be positive multiples of 8" in md.launch_plan(None, 1, 2044, 1408, 64, 6, "float16")["error"]
+    assert "k (slots per row) must be in 1..E" in md.launch_plan(None, 1, 64, 64, 4, 6, "float16")["error"]
+    assert "E must be in 1..65535" in md.launch_plan(None, 1, 64, 64, 70000, 6, "float16")["error"]
+    assert "float16 or bfloat16" in md.launch_plan(None, 1, 64, 64, 8, 2, "float32")["cuda_error"]
+    assert md.launch_plan(None, 1, 64, 64, 8, 2, "float32")["error"] == ""
+    assert md.launch_plan(MoeDecodeConfig(cols_up=128, cols_down=32), 1, 64, 64, 8, 2, "float16")["cols_up"] == 128
+
+
+def test_ffi_validation_errors():
+    """The C++ decoder rejects malformed calls (the last line of defence behind the wrapper)."""
+    x = jnp.ones((2, 64), jnp.float16)
+    wg, wd = jnp.ones((8, 64, 32), jnp.float16), jnp.ones((8, 32, 64), jnp.float16)
+    weights, ids = jnp.ones((2, 2), jnp.float32), jnp.zeros((2, 2), jnp.int32)
+    empty = jnp.zeros((0,), jnp.float16)
+    good = dict(cols_up=64, cols_down=64, pdl=True, has_residual=False)
+    cases = [(dict(cols_up=48), "cols_up must be 32, 64 or 128, got 48"),
+             (dict(cols_down=0), "cols_down must be 32, 64 or 128, got 0"),
+             (dict(has_residual=True), "residual must be [N, H] of x's dtype")]
+    for change, message in cases:
+        with pytest.raises(Exception, match=re.escape(message)):
+            jax.jit(lambda *a: md._PRIM.bind(*a, **{**good, **change})[0])(
+                x, weights, ids, wg, wg, wd, empty).block_until_ready()
+    with pytest.raises(Exception, match=re.escape("ids must be int32 [N, k]")):
+        jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(
+            x, weights, ids.astype(jnp.float32), wg, wg, wd, empty).block_until_ready()
+    with pytest.raises(Exception, match=re.escape("k (slots per row) must be in 1..E")):
+        w9, i9 = jnp.ones((2, 9), jnp.float32), jnp.zeros((2, 9), jnp.int32)
+        jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(x, w9, i9, wg, wg, wd, empty).block_until_ready()
+
+
+# ---------------------------------------------------------------- GPU
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+def _ref_experts(args, extra, weights, ids):
+    """The reference (on the CPU) of the routed experts for given routing, then the shared
+    experts: what moe_decode computes."""
+    def fn(x, wg, wu, wd, weights, ids, shared, residual):
+        y = reference.moe_experts(x, weights, ids, wg, wu, wd, residual)
+        if shared is not None:
+            y = reference.swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y)
+        return y
+
+    return np.asarray(on_cpu(fn)(args["x"], args["w_gate"], args["w_up"], args["w_down"], weights, ids,
+                                 extra.get("shared"), extra.get("residual")))
+
+
+def _route_on_gpu(args, kw):
+    route = {k: v for k, v in kw.items() if k in ("top_k", "topk_method", "n_group", "topk_group",
+                                                  "norm_topk_prob", "routed_scaling_factor")}
+    return jax.jit(lambda x, r: reference.moe_route(x, r, **route))(*jax.device_put((args["x"], args["router"]), _gpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+@pytest.mark.parametrize("shared, residual", [(None, False), (128, True), (None, True), (128, False)], ids=str)
+def test_gpu_vs_reference(rng, dtype, method, shared, residual):
+    """The CUDA kernels against the reference: N in {1, 3, 16, 64}, I not a multiple of the
+    column tiles (192), E = 16, k = 4 (group-limited: 4 groups, 2 kept)."""
+    for n in (1, 3, 16, 64):
+        args, extra = _inputs(rng, n, 256, 192, 16, dtype, shared=shared, residual=residual)
+        kw = dict(top_k=4, norm_topk_prob=n % 2 == 1, routed_scaling_factor=1.0 if n % 2 else 16.0, **method)
+        weights, ids = _route_on_gpu(args, kw)
+        ref = _ref_experts(args, extra, weights, ids)
+        _check(_run(dict(impl="cuda", **kw), args, extra, _gpu()), ref, dtype)
+        _check(_run(dict(impl="auto", **kw), args, extra, _gpu()), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [dict(cols_up=32, cols_down=32), dict(cols_up=64, cols_down=128),
+                                    dict(cols_up=128, cols_down=64), dict(cols_up=128, cols_down=128),
+                                    dict(pdl=False)], ids=str)
+def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
+    """Every column tile on H, I multiples of 8 only (tile remainders of 8 columns), one
+    expert (k = E = 1), more rows than a pass holds (N = 9, 70: several passes per expert),
+    duplicate ids through moe_experts."""
+    cfg = MoeDecodeConfig(**config)
+    for n, h, i, e, k in ((1, 136, 72, 4, 2), (9, 264, 200, 1, 1), (70, 136, 72, 4, 3), (3, 64, 8, 6, 6)):
+        args, extra = _inputs(rng, n, h, i, e, dtype, residual=n % 2 == 1)
+        kw = dict(top_k=k)
+        weights, ids = _route_on_gpu(args, kw)
+        ref = _ref_experts(args, extra, weights, ids)
+        _check(_run(dict(impl="cuda", config=cfg, **kw), args, extra, _gpu()), ref, dtype)
+    args, extra = _inputs(rng, 20, 136, 72, 4, dtype, residual=True)
+    ids = jnp.asarray(np.stack([np.full(20, 3), rng.integers(0, 4, 20), np.full(20, 3)], 1), jnp.int32)
+    weights = jnp.asarray(rng.random((20, 3)), jnp.float32)
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    out = jax.jit(lambda *a: md.moe_experts(*a, impl="cuda", config=cfg))(
+        *jax.device_put((args["x"], weights, ids, *w, extra["residual"]), _gpu()))
+    _check(out, _ref_experts(args, extra, weights, ids), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_deepseek_shapes(dtype):
+    """DeepSeek-V2-Lite (H 2048, I 1408, E 64, k 6, 2 shared experts: Is 2816, greedy) at
+    N = 1, 16, 64 and DeepSeek-V2 (H 5120, I 1536, E 160, k 6, group-limited 8 / 3) at N = 1,
+    16. Weights made on the GPU; the reference runs there too, under jit."""
+    key = jax.random.key(0)
+    for (h, i, e, k, shared, method, ns) in ((2048, 1408, 64, 6, 2816, GREEDY, (1, 16, 64)),
+                                             (5120, 1536, 160, 6, None, dict(topk_method="group_limited_greedy",
+                                                                            n_group=8, topk_group=3), (1, 16))):
+        with jax.default_device(_gpu()):
+            ks = jax.random.split(key, 9)
+            f = lambda kk, shape, scale: (jax.random.normal(kk, shape, jnp.float32) * scale).astype(dtype)  # noqa: E731
+            args = dict(router=f(ks[1], (h, e), h ** -0.5), w_gate=f(ks[2], (e, h, i), h ** -0.5),
+                        w_up=f(ks[3], (e, h, i), h ** -0.5), w_down=f(ks[4], (e, i, h), i ** -0.5))
+            extra = {}
+            if shared:
+                extra["shared"] = dict(w_gate=f(ks[5], (h, shared), h ** -0.5), w_up=f(ks[6], (h, shared), h ** -0.5),
+                                       w_down=f(ks[7], (shared, h), shared ** -0.5))
+            kw = dict(top_k=k, routed_scaling_factor=1.0 if shared else 16.0, **method)
+            for n in ns:
+                x = f(jax.random.fold_in(ks[0], n), (n, h), 1.0)
+                ex = dict(extra, residual=f(ks[8], (n, h), 1.0)[:n])
+                ref = jax.jit(lambda x, a, ex: reference.moe_decode(x, **a, **ex, **kw))(x, args, ex)
+                out = jax.jit(lambda x, a, ex: jc.moe_decode(x, **a, **ex, **kw, impl="cuda"))(x, args, ex)
+                _check(out, ref, dtype)
+            del args, extra
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_deterministic(rng, dtype, n):
+    """Bitwise equal outputs over 5 calls (no float atomics; fixed summation orders)."""
+    args, extra = _inputs(rng, n, 1024, 704, 32, dtype, shared=512, residual=True)
+    args, extra = jax.device_put((args, extra), _gpu())
+    names = list(args)
+    fn = jax.jit(lambda a, ex: jc.moe_decode(**dict(zip(names, a)), **ex, top_k=6, impl="cuda", **GROUPED))
+    first = np.asarray(fn(list(args.values()), extra))
+    for _ in range(4):
+        np.testing.assert_array_equal(np.asarray(fn(list(args.values()), extra)), first)
+
+
+@pytest.mark.gpu
+def test_gpu_invalid_ids_give_nan_rows(rng):
+    args, extra = _inputs(rng, 4, 128, 64, 8, "bfloat16", residual=True)
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    weights = jnp.full((4, 2), 0.5, jnp.float32)
+    ids = jnp.asarray([[0, 1], [2, 8], [3, -4], [5, 6]], jnp.int32)
+    fn = jax.jit(lambda *a: md.moe_experts(*a, impl="cuda"))
+    out = np.asarray(fn(*jax.device_put((args["x"], weights, ids, *w, extra["residual"]), _gpu())))
+    assert np.isnan(out[1]).all() and np.isnan(out[2]).all()
+    ref = _ref_experts(args, extra, weights, ids)
+    _check(out[[0, 3]], ref[[0, 3]], "bfloat16")
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_and_chained_layers(rng):
+    """vmap folds into one call; two layers chained inside one jit (the second's input is
+    the first's output: PDL edges between calls)."""
+    args, extra = _inputs(rng, 4, 256, 192, 16, "float16", shared=128)
+    xs = _arr(rng, (3, 4, 256), "float16")
+    rest = {k: v for k, v in args.items() if k != "x"}
+    fn = jax.jit(jax.vmap(lambda x: jc.moe_decode(x, **rest, **extra, top_k=4, impl="cuda")))
+    out = np.asarray(fn(jax.device_put(xs, _gpu())))
+    for b in range(3):
+        weights, ids = _route_on_gpu(dict(args, x=xs[b]), dict(top_k=4))
+        _check(out[b], _ref_experts(dict(args, x=xs[b]), extra, weights, ids), "float16")
+    two = jax.jit(lambda x: jc.moe_decode(jc.moe_decode(x, **rest, top_k=4, residual=x, impl="cuda"), **rest,
+                                          top_k=4, impl="cuda"))
+    y = np.asarray(two(jax.device_put(args["x"], _gpu())))
+    ref = jc.moe_decode(jc.moe_decode(args["x"], **rest, top_k=4, residual=args["x"], impl="reference"), **rest,
+                        top_k=4, impl="reference")
+    _check(y, ref, "float16", factor=2.0)
