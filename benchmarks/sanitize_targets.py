@@ -5,7 +5,7 @@ sanitizers finish quickly, but cover every cluster size and both dtype widths. E
 result is checked: the collectives bitwise against the CPU handler (same order of
 operations), the other ops against the jnp reference.
 
-    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,...]
+    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,moe_decode,...]
         [--head-dims=64,128] [--pipelines=registers,tma] [--dataflows=split_token,split_head]
         [--variants=gemv,tma] [--flash-kernel=mma|wgmma]
 """
@@ -186,6 +186,35 @@ def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), kernel=None):
     print("flash_attention ok")
 
 
+def moe_decode(dtypes):
+    """The MoE decode kernels: one pass per expert (N = 1, 3) and several (N = 70 rows over
+    4 experts), every column tile, tile remainders (I = 72, H = 136), duplicate ids, an
+    invalid id (a NaN row, nothing read or written for it), PDL off; vs the jnp reference."""
+    from jax_cluster.ops.moe_decode import moe_experts
+
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
+        h, i, e = 136, 72, 4
+        wg, wu, wd = f(e, h, i, sc=h ** -0.5), f(e, h, i, sc=h ** -0.5), f(e, i, h, sc=i ** -0.5)
+        for n in (1, 3, 70):
+            x, res = f(n, h), f(n, h)
+            ids = jnp.asarray(rng.integers(0, e, (n, 3)), jnp.int32).at[0, 1].set(e)  # row 0 invalid
+            weights = jnp.asarray(rng.random((n, 3)), jnp.float32)
+            ref = np.asarray(jc.reference.moe_experts(x, weights, ids, wg, wu, wd, res))
+            for cols in (32, 64, 128):
+                config = jc.MoeDecodeConfig(cols_up=cols, cols_down={32: 128, 64: 64, 128: 32}[cols],
+                                            pdl=cols != 32)
+                print("moe_decode", jnp.dtype(dtype).name, n, config, flush=True)
+                y = np.asarray(jax.jit(lambda *a: moe_experts(*a, impl="cuda", config=config))(
+                    x, weights, ids, wg, wu, wd, res))
+                assert np.isnan(y[0]).all(), (n, config)
+                if n > 1:
+                    err = _rel_err(y[1:], ref[1:])
+                    assert err < 1e-2, (n, config, err)
+    print("moe_decode ok")
+
+
 def _option(name, default=None):
     """--name=a,b -> ["a", "b"] (default when absent)."""
     value = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
@@ -211,6 +240,8 @@ if __name__ == "__main__":
             swiglu((jnp.float16, jnp.bfloat16), variants=_option("variants"))
     if wanted("linear"):
         linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("moe_decode"):
+        moe_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("flash_attention"):  # --flash-kernel=mma|wgmma: one of its CUDA kernels
         kernel = _option("flash-kernel", [None])[0]
         flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kernel)

@@ -13,6 +13,7 @@ from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_atten
 from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
 from jax_cluster.ops.linear import LinearConfig, linear
 from jax_cluster.ops.mla_decode import MlaDecodeConfig, mla_decode
+from jax_cluster.ops.moe_decode import MoeDecodeConfig, moe_decode
 from jax_cluster.ops.swiglu import SwigluConfig, swiglu, swiglu_tp
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "FlashAttentionConfig",
     "LinearConfig",
     "MlaDecodeConfig",
+    "MoeDecodeConfig",
     "SwigluConfig",
     "attention_block",
     "cluster_gather",
@@ -36,6 +38,7 @@ __all__ = [
     "flash_attention",
     "linear",
     "mla_decode",
+    "moe_decode",
     "reference",
     "register_targets",
     "swiglu",
