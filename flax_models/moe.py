@@ -1,9 +1,11 @@
 """DeepSeek-V2 mixture of experts: softmax router, top-k (greedy or group-limited greedy), routed
 SwiGLU experts and always-on shared experts.
 
-Two ways to run the routed experts, same result: for few (token, expert) pairs (decode) gather the
-chosen experts' weights, reading only those; for many (prefill) sort the pairs by expert and use
-``jax.lax.ragged_dot`` (grouped matmul).
+Two ways to run the routed experts in jnp, same result (:func:`experts_xla` picks): for few
+(token, expert) pairs (decode) gather the chosen experts' weights, reading only those; for many
+(prefill) sort the pairs by expert and use ``jax.lax.ragged_dot`` (grouped matmul). The whole
+layer is the block :func:`flax_models.ops.moe`, which runs it on ``jax_cluster.moe_decode`` under
+impl "fused" (and "auto" on a GPU at decode sizes).
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def experts_grouped(x, weights, ids, w_gate, w_up, w_down):
     return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
 
 
+def experts_xla(x, weights, ids, w_gate, w_up, w_down):
+    """The routed experts in jnp: gathered when there are at most E (token, expert) pairs (decode),
+    else grouped (prefill)."""
+    run = experts_gather if ids.size <= w_gate.shape[0] else experts_grouped
+    return run(x, weights, ids, w_gate, w_up, w_down)
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: DeepseekV2Config, *, dtype, rngs: nnx.Rngs):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -81,18 +90,14 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
 
     def __call__(self, x, residual=None, *, impl="xla"):
-        """x [..., H] (normalised) -> routed + shared (+ residual)."""
+        """x [..., H] (normalised) -> routed + shared (+ residual): the block :func:`ops.moe`."""
         c = self.cfg
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        weights, ids = route(x2, self.router[...], top_k=c.num_experts_per_tok, method=c.topk_method,
-                             n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-                             routed_scaling_factor=c.routed_scaling_factor)
-        run = experts_gather if ids.size <= c.n_routed_experts else experts_grouped
-        ops.note_unfused("moe_experts", "no fused MoE op")
-        y = run(x2, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...]).reshape(shape)
-        if residual is not None:
-            y = ops._add_residual(y, residual)
-        if self.shared is not None:
-            y = ops.swiglu_mlp(x, residual=y, impl=impl, **self.shared.weights())
-        return y
+        h = shape[-1]
+        y = ops.moe(x.reshape(-1, h), self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
+                    shared=None if self.shared is None else self.shared.weights(),
+                    residual=None if residual is None else residual.reshape(-1, h), impl=impl,
+                    top_k=c.num_experts_per_tok, topk_method=c.topk_method, n_group=c.n_group,
+                    topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                    routed_scaling_factor=c.routed_scaling_factor)
+        return y.reshape(shape)

@@ -9,6 +9,9 @@ whole block at once:
 :func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
 :func:`gelu_mlp`         GPT-NeoX's MLP: no fused op (always XLA)
 :func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode``
+:func:`moe`              DeepSeek-V2's MoE layer: router -> routed SwiGLU experts (+ residual) ->
+                         shared experts: ``jax_cluster.moe_decode`` (its shared experts through
+                         ``jax_cluster.swiglu``); prefill-sized calls under "auto" stay on XLA
 =====================  ==========================================================================
 
 Model-level ``impl`` (a string, or a dict per component ``{"attention": ..., "mlp": ...}``):
@@ -174,8 +177,12 @@ def _choose(impl: str, block: str, op_name: str | None, dtype, unsupported: str 
     return op, "auto"
 
 
-def _run(block: str, op_name: str, op, op_impl: str, *args, **kw):
-    """Calls the jax_cluster op; notes the route (an op's own fallback warning included)."""
+def _run(block: str, op_name: str, op, op_impl: str, *args, _inner: dict | None = None,
+         _auto_why: str = "impl=auto: the tuner's pick per shape, a CUDA kernel configuration or XLA", **kw):
+    """Calls the jax_cluster op; notes the route (an op's own fallback warning included).
+
+    _inner: {op name: block} for ops the op calls itself (e.g. moe_decode's swiglu for the shared
+    experts): their fallback warnings are noted as that block's route."""
     if op_impl == "cuda":
         try:
             out = op(*args, impl="cuda", **kw)
@@ -189,13 +196,18 @@ def _run(block: str, op_name: str, op, op_impl: str, *args, **kw):
         warnings.simplefilter("always")
         out = op(*args, impl=op_impl, **kw)
     fell_back = [w for w in caught if str(w.message).startswith(op_name)]
+    inner = {name: [w for w in caught if str(w.message).startswith(name)] for name in (_inner or {})}
+    noted = fell_back + [w for ws in inner.values() for w in ws]
     for w in caught:
-        if w not in fell_back:
+        if w not in noted:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if fell_back:
         _note(block, "xla", f"jax_cluster fell back: {fell_back[0].message}")
     else:
-        _note(block, "jax_cluster", "impl=auto: the tuner's pick per shape, a CUDA kernel configuration or XLA")
+        _note(block, "jax_cluster", _auto_why)
+    for name, ws in inner.items():
+        if ws:
+            _note(_inner[name], "xla", f"jax_cluster fell back: {ws[0].message}")
     return out
 
 
@@ -345,3 +357,69 @@ def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_facto
     y, latent = _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache[:, 0], lengths,
                      jnp.asarray(inv_freq, jnp.float32), rope_factor=rope_factor, **kw)
     return y, latent[:, None]
+
+
+# ----------------------------------------------------------------------------- MoE (DeepSeek-V2)
+# The most rows "auto" sends to jax_cluster.moe_decode: its kernels are decode kernels (N = 1-64);
+# more rows (prefill) run the grouped ragged_dot formulation.
+MOE_DECODE_MAX_ROWS = 64
+_SHARED_KEYS = ("w_gate", "w_up", "w_down")
+
+
+def moe_xla(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, shared_impl="xla", top_k,
+            topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False, routed_scaling_factor=1.0):
+    """DeepSeek-V2's MoE layer in jnp: route (:func:`flax_models.moe.route`), the routed experts
+    (gathered for decode, grouped ragged_dot for prefill: :func:`flax_models.moe.experts_xla`)
+    rounded to x.dtype, + residual, then the shared experts (one SwiGLU, the dict of
+    :meth:`SwiGLU.weights`) through :func:`swiglu_mlp` with ``shared_impl`` and the sum so far as
+    its residual. x [N, H]; router [H, E]; w_gate / w_up [E, H, I]; w_down [E, I, H]."""
+    from .moe import experts_xla, route  # noqa: PLC0415  (moe.py imports this module)
+
+    weights, ids = route(x, router, top_k=top_k, method=topk_method, n_group=n_group, topk_group=topk_group,
+                         norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    y = _add_residual(experts_xla(x, weights, ids, w_gate, w_up, w_down), residual)
+    if shared is not None:
+        y = swiglu_mlp(x, residual=y, impl=shared_impl, **shared)
+    return y
+
+
+def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="auto", shared_impl=None, **routing):
+    """DeepSeek-V2's MoE layer (the block "moe"); arguments and contract as :func:`moe_xla`.
+
+    On ``jax_cluster.moe_decode`` (impl "fused" for any N; "auto" on a GPU for 16-bit x and at
+    most :data:`MOE_DECODE_MAX_ROWS` rows): the op routes (the same router), runs the routed
+    experts in its custom call, adds residual and runs the shared experts through
+    ``jax_cluster.swiglu`` with the same impl. Rounding differs from :func:`moe_xla` only in
+    that the op keeps the routed sum in fp32 until the residual is added (one rounding, not two).
+    Under "fused" a call the op or its swiglu cannot take is an error naming why: float32
+    (jax_cluster.swiglu has no float32 path, on CPU neither), or a shared width that is not a
+    multiple of 64.
+
+    shared_impl: None runs the shared experts with the routed ones (inside the op when it runs);
+    an impl runs them afterwards as their own swiglu block (:func:`swiglu_mlp`) with that impl,
+    e.g. "xla" for the float32 routed experts on the op's C++ CPU handler.
+    """
+    n = x.shape[0]
+    too_many = impl == "auto" and n > MOE_DECODE_MAX_ROWS
+    has_bias = shared is not None and any(shared.get(k) is not None for k in ("b_gate", "b_up", "b_down"))
+    unsupported = "shared-expert biases" if has_bias and shared_impl is None else ""
+    if not unsupported and too_many:
+        unsupported = f"{n} rows > {MOE_DECODE_MAX_ROWS}: prefill-sized, grouped ragged_dot"
+    chosen = _choose(impl, "moe", "moe_decode", x.dtype, unsupported=unsupported)
+    if chosen is None:
+        return moe_xla(x, router, w_gate, w_up, w_down, shared=shared, residual=residual,
+                       shared_impl=impl if shared_impl is None else shared_impl, **routing)
+    op, op_impl = chosen
+    inside = None if (shared is None or shared_impl is not None) else {k: shared[k] for k in _SHARED_KEYS}
+    try:
+        y = _run("moe", "moe_decode", op, op_impl, x, router, w_gate, w_up, w_down, shared=inside, residual=residual,
+                 _inner={"swiglu": "moe shared experts"},
+                 _auto_why="impl=auto: the routed-experts kernel where its checks pass, else XLA", **routing)
+    except ValueError as e:
+        if not str(e.__cause__ or "").startswith("swiglu"):
+            raise
+        raise ValueError("impl='fused' for moe: its shared experts (which jax_cluster.moe_decode runs through "
+                         f"jax_cluster.swiglu) are not covered: {e.__cause__}") from e
+    if shared is not None and shared_impl is not None:
+        y = swiglu_mlp(x, residual=y, impl=shared_impl, **shared)
+    return y

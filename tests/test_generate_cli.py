@@ -12,6 +12,7 @@ import flax_models
 from flax_models import generate as generate_cli
 from flax_models import ops
 from flax_models.generate import main
+from flax_models.presets import PRESETS
 from flax_models.testing import fake_checkpoint
 
 SRC_ROOT = str(Path(flax_models.__file__).resolve().parent.parent)
@@ -130,6 +131,43 @@ def test_cli_fused_on_cpu_runs_the_cpu_handlers(capsys):
     out = capsys.readouterr().out
     assert "attention_block: jax_cluster (C++ CPU handler, no GPU)" in out
     assert "swiglu: jax_cluster (C++ CPU handler, no GPU)" in out
+
+
+FUSABLE_DEEPSEEK = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=64,
+                        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256, eos_token_id=63)
+
+
+def test_cli_fused_deepseek_on_cpu_runs_every_block_on_the_cpu_handlers(tmp_path, capsys):
+    """A DeepSeek-V2 whose SwiGLU widths are multiples of 64: MLA, the dense SwiGLU and the MoE
+    (routed experts, shared experts inside moe_decode) all on jax_cluster."""
+    if not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode", "swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    fake_checkpoint(FUSABLE_DEEPSEEK, tmp_path)
+    assert main(["--model", str(tmp_path), "--impl", "fused", "--dtype", "bf16", "--batch", "2",
+                 "--max-new-tokens", "3", "--ignore-eos", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for block in ("mla_decode", "swiglu", "moe"):
+        assert f"{block}: jax_cluster (C++ CPU handler, no GPU)" in out, out
+
+
+def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
+    """tiny-deepseek --impl fused (bf16): runs on the CPU handlers when its shared-expert width
+    (moe_intermediate_size * n_shared_experts) is a multiple of 64, which jax_cluster.swiglu
+    needs; otherwise a one-line error naming the MoE's shared experts and the width."""
+    if not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode", "swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    cfg = PRESETS["tiny-deepseek"]
+    width = cfg.moe_intermediate_size * cfg.n_shared_experts
+    argv = ["--model", "tiny-deepseek", "--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "2"]
+    if width % 64:
+        err = _usage_error(capsys, monkeypatch, argv)
+        assert "impl='fused' for moe: its shared experts" in err and f"F={width}" in err, err
+        return
+    assert main(argv + ["--no-progress"]) == 0
+    assert "moe: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
 
 
 def test_cli_per_component_impl(capsys):

@@ -6,6 +6,7 @@ the conformance test sets transformers' per-layer scale to the reference formula
 the model is still compared, and the formula itself is tested against hand-computed numbers.
 """
 
+import functools
 import math
 
 import pytest
@@ -17,6 +18,7 @@ import flax_models.deepseek_v2 as ds  # noqa: E402
 import flax_models.mla as mla  # noqa: E402
 from flax_models import ops  # noqa: E402
 from flax_models.config import DeepseekV2Config, RopeConfig  # noqa: E402
+from flax_models.loading import from_pretrained  # noqa: E402
 from flax_models.testing import compare_greedy, compare_logits, hf_roundtrip  # noqa: E402
 
 TOL = 1e-4
@@ -86,6 +88,76 @@ def test_deepseek_v2_fused_mla_on_cpu_matches_transformers(name, tmp_path):
         err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
     assert err["decode"] <= TOL, err
     assert "mla_decode: jax_cluster (C++ CPU handler, no GPU)" in [str(r) for r in routes]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if "dense-only" not in n))
+def test_deepseek_v2_fused_moe_on_cpu_matches_transformers(name, tmp_path, monkeypatch):
+    """fp32 decode with MLA and the MoE's routed experts through jax_cluster's C++ CPU handlers
+    (mla_decode, moe_decode: both take float32 on CPU), at the fp32 tolerance.
+
+    The SwiGLUs (dense layers and the MoE's shared experts) stay on XLA here: jax_cluster.swiglu
+    has no float32 path (CPU handler included) and needs widths that are multiples of 64, which
+    these configs' are not; under plain impl="fused" such a model is an error naming them
+    (test_fused_moe_fp32_is_an_error_naming_the_shared_experts). The bf16 test below runs every
+    block fused."""
+    if not (ops.fused_available("mla_decode") and ops.fused_available("moe_decode")):
+        pytest.skip("jax_cluster.mla_decode / moe_decode not available")
+    cfg = transformers.DeepseekV2Config(**BASE, **CONFIGS[name])
+    hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
+    if not hf_has_mscale(hf, cfg):
+        _align_hf_scale(hf, model.config)
+    swiglu_mlp = ops.swiglu_mlp
+    monkeypatch.setattr(ops, "moe", functools.partial(ops.moe, shared_impl="xla"))
+    monkeypatch.setattr(ops, "swiglu_mlp", lambda *a, impl, **k: swiglu_mlp(*a, impl="xla", **k))
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    routes = [str(r) for r in routes]
+    assert "moe: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+    assert "mla_decode: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+
+
+# H, the dense and the shared SwiGLU widths multiples of 64: every decode block has a fused op.
+FUSABLE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+               first_k_dense_replace=1, rope_parameters=YARN)
+
+
+def test_deepseek_v2_all_fused_bf16_on_cpu_matches_transformers(tmp_path):
+    """bf16 decode with every block fused (mla_decode, swiglu, moe_decode with its shared experts
+    through swiglu; C++ CPU handlers) against transformers in fp32: as close as our XLA bf16
+    decode is (bf16 rounding dominates both; a wrong op would be far off)."""
+    if not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode", "swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    cfg = transformers.DeepseekV2Config(**BASE, **FUSABLE)
+    hf, model = hf_roundtrip(cfg, tmp_path)
+    if not hf_has_mscale(hf, cfg):
+        _align_hf_scale(hf, model.config)
+    errs = {}
+    for impl in ("xla", "fused"):
+        with ops.record_routes() as routes:
+            errs[impl] = compare_logits(hf, from_pretrained(tmp_path, dtype="bf16", impl=impl),
+                                        prompt_lengths=(5, 12), decode_steps=8)["decode"]
+    assert errs["xla"] <= 0.08, errs
+    assert errs["fused"] <= 1.25 * errs["xla"] + 5e-3, errs
+    routes = [str(r) for r in routes]
+    for block in ("mla_decode", "swiglu", "moe"):
+        assert f"{block}: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+
+
+def test_fused_moe_fp32_is_an_error_naming_the_shared_experts(tmp_path):
+    """float32 under impl mlp=fused: the routed experts could run (moe_decode's CPU handler takes
+    float32), the shared experts cannot (jax_cluster.swiglu has no float32 path): a clear error."""
+    if not ops.fused_available("moe_decode"):
+        pytest.skip("jax_cluster.moe_decode not available")
+    cfg = dict(FUSABLE, first_k_dense_replace=0)
+    hf, model = hf_roundtrip(transformers.DeepseekV2Config(**BASE, **cfg), tmp_path)
+    del hf
+    from flax_models.engine import decode_routes
+
+    with pytest.raises(ValueError, match=r"impl='fused' for moe: its shared experts .* float32"):
+        decode_routes(model, 1, 16, "attention=xla,mlp=fused")
 
 
 def test_wrong_softmax_scale_is_detected(tmp_path, monkeypatch):

@@ -273,6 +273,97 @@ def test_group_limited_routing_and_normalisation():
     np.testing.assert_allclose(ws, 3.0 * w1, rtol=1e-6)
 
 
+def _moe_block_inputs(n, dtype, *, h=64, e=8, i=32, i_shared=64):
+    ks = jax.random.split(jax.random.key(3), 9)
+    f = lambda k, *s: (0.3 * jax.random.normal(k, s)).astype(dtype)  # noqa: E731
+    shared = dict(w_gate=f(ks[5], h, i_shared), w_up=f(ks[6], h, i_shared), w_down=f(ks[7], i_shared, h),
+                  b_gate=None, b_up=None, b_down=None)
+    return ((jax.random.normal(ks[0], (n, h)).astype(dtype), jax.random.normal(ks[1], (h, e)).astype(dtype),
+             f(ks[2], e, h, i), f(ks[3], e, h, i), f(ks[4], e, i, h)),
+            dict(shared=shared, residual=jax.random.normal(ks[8], (n, h)).astype(dtype)))
+
+
+ROUTINGS = {"greedy": dict(top_k=3, routed_scaling_factor=2.5),
+            "group-limited": dict(top_k=2, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+            "normalised": dict(top_k=3, norm_topk_prob=True)}
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_moe_block_fused_matches_xla_on_cpu(n, routing):
+    """ops.moe through jax_cluster.moe_decode's C++ CPU handler against its jnp formulation: fp32
+    (routed experts fused, shared experts on XLA: jax_cluster.swiglu has no float32 path) and
+    bf16 (everything fused, the shared experts inside the op). n=40 takes the grouped jnp path."""
+    if not ops.fused_available("moe_decode"):
+        pytest.skip("jax_cluster.moe_decode not available")
+    kw = ROUTINGS[routing]
+    args, extra = _moe_block_inputs(n, jnp.float32)
+    ref = jax.jit(lambda *a: ops.moe(*a, impl="xla", **extra, **kw))(*args)
+    with ops.record_routes() as routes:
+        got = jax.jit(lambda *a: ops.moe(*a, impl="fused", shared_impl="xla", **extra, **kw))(*args)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert [str(r) for r in routes] == ["moe: jax_cluster (C++ CPU handler, no GPU)", "swiglu: xla (impl=xla)"]
+
+    args, extra = _moe_block_inputs(n, jnp.bfloat16)
+    ref32 = np.asarray(ops.moe(*(a.astype(jnp.float32) for a in args), impl="xla", **kw,
+                               shared={k: None if v is None else v.astype(jnp.float32)
+                                       for k, v in extra["shared"].items()},
+                               residual=extra["residual"].astype(jnp.float32)))
+    xla = np.asarray(jax.jit(lambda *a: ops.moe(*a, impl="xla", **extra, **kw))(*args), np.float32)
+    with ops.record_routes() as routes:
+        got = np.asarray(jax.jit(lambda *a: ops.moe(*a, impl="fused", **extra, **kw))(*args), np.float32)
+    assert [str(r) for r in routes] == ["moe: jax_cluster (C++ CPU handler, no GPU)"]
+    rel = lambda a: np.linalg.norm(a - ref32) / np.linalg.norm(ref32)  # noqa: E731
+    assert rel(got) <= 1.25 * rel(xla) + 2e-3, (rel(got), rel(xla))
+    np.testing.assert_allclose(got, xla, rtol=0.05, atol=0.25)
+
+
+def test_moe_block_routes_and_errors(monkeypatch):
+    args, extra = _moe_block_inputs(3, jnp.float32)
+    kw = dict(top_k=2)
+    with ops.record_routes() as routes:
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="auto", **extra, **kw), *args)
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="xla", **extra, **kw), *args)
+    assert [str(r) for r in routes] == ["moe: xla (no GPU: impl=auto runs XLA on CPU)",
+                                        "swiglu: xla (no GPU: impl=auto runs XLA on CPU)",
+                                        "moe: xla (impl=xla)", "swiglu: xla (impl=xla)"]
+    if not ops.fused_available("moe_decode"):
+        pytest.skip("jax_cluster.moe_decode not available")
+    with pytest.raises(ValueError, match=r"impl='fused' for moe: its shared experts .* float32"):
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="fused", **extra, **kw), *args)
+    args16, extra16 = _moe_block_inputs(3, jnp.bfloat16, i_shared=32)
+    with pytest.raises(ValueError, match=r"its shared experts .* D=64, F=32 \(the kernels need multiples of 64\)"):
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="fused", **extra16, **kw), *args16)
+    with pytest.raises(RuntimeError, match="impl='fused' for moe: shared-expert biases"):
+        ops.moe(*args16, impl="fused", shared=dict(extra16["shared"], b_up=jnp.zeros(32, jnp.bfloat16)), **kw)
+    # "auto" on a GPU: decode sizes go to the op, prefill sizes stay on the grouped jnp path
+    monkeypatch.setattr(ops, "on_gpu", lambda: True)
+    big, big_extra = _moe_block_inputs(ops.MOE_DECODE_MAX_ROWS + 1, jnp.bfloat16)
+    with ops.record_routes() as routes:
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="auto", **big_extra, **kw), *big)
+    assert str(routes[0]) == "moe: xla (65 rows > 64: prefill-sized, grouped ragged_dot)"
+
+
+def test_moe_block_notes_a_shared_expert_fallback(fake_jax_cluster, monkeypatch):
+    """impl=auto on a GPU: moe_decode runs, its swiglu falls back for the shared experts: both noted."""
+    def moe_decode(x, router, w_gate, w_up, w_down, *, shared, residual, impl, **routing):
+        warnings.warn("swiglu: no kernel for D=64, F=32 (the kernels need multiples of 64); running impl='xla'")
+        fake_jax_cluster.calls.append(("moe_decode", impl, sorted(shared)))
+        y = ops.moe_xla(x, router, w_gate, w_up, w_down, residual=residual, **routing)
+        return ops.swiglu_mlp_xla(x, residual=y, **shared)
+
+    monkeypatch.setattr(fake_jax_cluster, "moe_decode", staticmethod(moe_decode), raising=False)
+    monkeypatch.setattr(ops, "on_gpu", lambda: True)
+    args, extra = _moe_block_inputs(2, jnp.bfloat16, i_shared=32)
+    with ops.record_routes() as routes:
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="auto", **extra, top_k=2), *args)
+    assert fake_jax_cluster.calls == [("moe_decode", "auto", ["w_down", "w_gate", "w_up"])]
+    assert [str(r) for r in routes] == [
+        "moe: jax_cluster (impl=auto: the routed-experts kernel where its checks pass, else XLA)",
+        "moe shared experts: xla (jax_cluster fell back: swiglu: no kernel for D=64, F=32 (the kernels need "
+        "multiples of 64); running impl='xla')"]
+
+
 def test_llama_3_2_1b_preset_is_the_hugging_face_config():
     """The 1B preset (tied embeddings, llama3 RoPE scaling) parses from Hugging Face's config of
     those shapes to the same config, and has Llama-3.2-1B's 1.24 B parameters (counted on the
