@@ -1,0 +1,168 @@
+"""moe_decode (DeepSeek-V2's MoE layer at decode) vs jnp, DeepSeek-V2-Lite and DeepSeek-V2 shapes.
+
+Rows per case (model, batch): ours = jax_cluster.moe_decode(impl="cuda") (router in XLA, the
+routed-experts custom call, the shared experts through jax_cluster.swiglu); gather = flax_models'
+decode formulation (flax_models.moe.route + experts_gather: the chosen experts' weights gathered
+per (row, slot)); ragged = its prefill formulation (route + experts_grouped: pairs sorted by
+expert, jax.lax.ragged_dot). Both jnp peers add the residual and run the shared experts as
+flax_models does (ops.swiglu_mlp_xla). Every row computes the whole layer: router, routed
+experts, residual, shared experts.
+
+A call runs STEPS steps of LAYERS layers, each layer with its own router and expert weights (so
+the weights do not stay in L2), written out in one jit. Every step feeds the same x through an
+optimization barrier (distinct values, no common-subexpression elimination), so the routing of
+each layer is fixed and known: active_experts = the distinct experts its router picks for the
+batch (flax_models.moe.route, counted once per layer, averaged over the layers). floor = the bytes
+a layer must read (the active experts' w_gate, w_up, w_down + the shared experts + the router +
+x, residual and y) / the HBM bandwidth measured in the same run.
+
+Run: python benchmarks/moe_decode.py [--models v2-lite v2] [--batches 1 4 16 64] [--dtype bf16]
+     python benchmarks/moe_decode.py --tiny      (CPU smoke check of the script: tiny shapes, the
+                                                  ops' C++ CPU handlers; writes moe_decode_tiny.*)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_cluster as jc
+from flax_models.moe import experts_gather, experts_grouped, route
+from flax_models.ops import _add_residual, swiglu_mlp_xla
+from common import dtype_tag, measure_bandwidth, time_fn, write_results
+
+# hidden, routed-expert width, experts, top-k, shared experts (one SwiGLU of width shared * inter),
+# routing, layers per call (DeepSeek-V2's layer is 7.5 GB of bf16 expert weights: one fits)
+MODELS = {
+    "v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6, shared=2, layers=2,
+                    routing=dict(topk_method="greedy", routed_scaling_factor=1.0)),
+    "v2": dict(hidden=5120, inter=1536, experts=160, top_k=6, shared=2, layers=1,
+               routing=dict(topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                            routed_scaling_factor=16.0)),
+    # --tiny: the script's smoke check on CPU (shared width 64: jax_cluster.swiglu takes it)
+    "tiny": dict(hidden=64, inter=32, experts=8, top_k=2, shared=2, layers=2,
+                 routing=dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                              routed_scaling_factor=1.0)),
+}
+BATCHES = (1, 4, 16, 64)
+STEPS = 4
+COLUMNS = ["case", "ours_us", "gather_us", "ragged_us", "floor_us", "floor_fraction", "speedup_vs_gather",
+           "speedup_vs_ragged", "active_experts"]
+
+
+def layer_weights(key, m, dtype):
+    """One layer: router [H, E] (normal / sqrt(H): softmax logits of unit scale, several experts
+    compete), experts and shared experts normal / sqrt(fan-in)."""
+    h, i, e, i_s = m["hidden"], m["inter"], m["experts"], m["inter"] * m["shared"]
+    ks = jax.random.split(key, 7)
+
+    def f(k, *s):  # one matrix at a time: the fp32 temporary of V2's experts is 5 GB
+        return jax.jit(lambda k: (jax.random.normal(k, s, jnp.float32) * s[-2] ** -0.5).astype(dtype))(k)
+
+    return dict(router=f(ks[0], h, e), w_gate=f(ks[1], e, h, i), w_up=f(ks[2], e, h, i), w_down=f(ks[3], e, i, h),
+                shared=dict(w_gate=f(ks[4], h, i_s), w_up=f(ks[5], h, i_s), w_down=f(ks[6], i_s, h)))
+
+
+def routing_kw(m):
+    return dict(top_k=m["top_k"], **m["routing"])
+
+
+def ours_layer(m):
+    kw = routing_kw(m)
+
+    def step(x, w):
+        return jc.moe_decode(x, w["router"], w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], residual=x,
+                             impl="cuda", **kw)
+
+    return step
+
+
+def jnp_layer(m, experts):
+    """flax_models' formulation with the routed experts by `experts` (gather or grouped)."""
+    kw = routing_kw(m)
+    method = kw.pop("topk_method")
+
+    def step(x, w):
+        weights, ids = route(x, w["router"], method=method, **kw)
+        y = _add_residual(experts(x, weights, ids, w["w_gate"], w["w_up"], w["w_down"]), x)
+        return swiglu_mlp_xla(x, residual=y, **w["shared"])
+
+    return step
+
+
+def timed(step, x, ws):
+    """Microseconds per layer: STEPS x LAYERS layers written out in one jit. Each layer reads the
+    same x through an optimization barrier that also takes the previous layer's output, so every
+    layer is computed (nothing is shared between steps) and the routing stays the counted one."""
+
+    def run(x, ws):
+        y = jnp.zeros_like(x)
+        for _ in range(STEPS):
+            for w in ws:
+                xb, _ = jax.lax.optimization_barrier((x, y))
+                y = step(xb, w)
+        return y
+
+    fn = jax.jit(run)
+    fn(x, ws).block_until_ready()
+    return time_fn(lambda: fn(x, ws)) / (STEPS * len(ws)) * 1e6
+
+
+def bench_case(name, batch, dtype, bandwidth, rng):
+    m = MODELS[name]
+    h, i, e, i_s = m["hidden"], m["inter"], m["experts"], m["inter"] * m["shared"]
+    ws = tuple(layer_weights(k, m, dtype) for k in jax.random.split(jax.random.key(0), m["layers"]))
+    x = jnp.asarray(rng.standard_normal((batch, h)), dtype)
+    kw = routing_kw(m)
+    method = kw.pop("topk_method")
+    active = [len(np.unique(np.asarray(route(x, w["router"], method=method, **kw)[1]))) for w in ws]
+    layers = {"ours": ours_layer(m), "gather": jnp_layer(m, experts_gather), "ragged": jnp_layer(m, experts_grouped)}
+    ys = {k: np.asarray(jax.jit(f)(x, ws[0]), np.float32) for k, f in layers.items()}
+    for k in ("gather", "ragged"):  # the same layer; rounding points differ (bf16: ~1e-2)
+        err = np.linalg.norm(ys["ours"] - ys[k]) / np.linalg.norm(ys[k])
+        if not err <= 0.05:
+            raise AssertionError(f"{name} batch {batch}: ours differs from {k} by {err:.3g} (relative norm)")
+    out = {f"{k}_us": timed(f, x, ws) for k, f in layers.items()}
+    item = jnp.dtype(dtype).itemsize
+    nbytes = (float(np.mean(active)) * 3 * h * i + 3 * h * i_s + h * e + 3 * batch * h) * item
+    floor = nbytes / bandwidth * 1e6
+    row = {"case": f"{name}_b{batch}_{dtype_tag(dtype)}", **{k: round(v, 2) for k, v in out.items()},
+           "floor_us": round(floor, 2), "floor_fraction": round(floor / out["ours_us"], 3),
+           "speedup_vs_gather": round(out["gather_us"] / out["ours_us"], 3),
+           "speedup_vs_ragged": round(out["ragged_us"] / out["ours_us"], 3),
+           "active_experts": round(float(np.mean(active)), 2)}
+    print(row, flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="*", default=["v2-lite", "v2"], choices=sorted(MODELS))
+    ap.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--tiny", action="store_true", help="smoke check: tiny shapes, batches 1 and 4, on any backend")
+    ap.add_argument("--part", default=None)
+    a = ap.parse_args()
+    dtype = jnp.bfloat16 if a.dtype == "bf16" else jnp.float16
+    models, batches = (["tiny"], [1, 4]) if a.tiny else (a.models, a.batches)
+    bandwidth = measure_bandwidth(1 / 16 if a.tiny else 1.0)
+    rng = np.random.default_rng(0)
+    rows = []
+    cases = [(mname, b) for mname in models for b in batches]
+    for n, (mname, b) in enumerate(cases):
+        print(f"[{n + 1}/{len(cases)}] {mname} batch {b}", flush=True)
+        rows.append(bench_case(mname, b, dtype, bandwidth, rng))
+    write_results("moe_decode_tiny" if a.tiny else "moe_decode", rows, columns=COLUMNS, part=a.part,
+                  notes="us per MoE layer (router + routed experts + residual + shared experts; STEPS x LAYERS "
+                        "layers with their own weights written out in one jit, x fixed so the routing is the "
+                        "counted one); floor = (active experts' + shared experts' + router weights + x, "
+                        "residual, y) bytes / measured HBM bandwidth; active_experts = distinct experts the "
+                        "batch routes to per layer; ours = jax_cluster.moe_decode impl=cuda; gather / ragged = "
+                        "flax_models' experts_gather / experts_grouped with its router and XLA shared experts.")
+
+
+if __name__ == "__main__":
+    main()
