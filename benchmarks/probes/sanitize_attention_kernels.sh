@@ -1,12 +1,13 @@
 #!/bin/bash
-# Probe: memcheck and racecheck of every attention_block and decode_attention kernel, run
-# alone through the standalone probes (benchmarks/probes/attention_kernel.cu: one decode step
-# per configuration; decode_attention_kernel.cu: plain and append mode), not inside a JAX
+# Probe: memcheck and racecheck of every attention_block, decode_attention and mla_decode
+# kernel, run alone through the standalone probes (benchmarks/probes/attention_kernel.cu: one
+# decode step per configuration; decode_attention_kernel.cu: plain and append mode;
+# mla_decode_kernel.cu: contiguous and paged latent caches), not inside a JAX
 # process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
 # Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
 # run to the end (docs/attention_block.md).
 #   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
-# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE: the probe binaries; without them they are
+# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE: the probe binaries; without them they are
 # built here (2-3 min: build them on the CPU machine with the commands below and carry
 # them). The attention_block probe is built with every lane of the TMA kernel's consumer
 # warps arriving on the ring's "empty" barrier (JC_RING_ARRIVE_PER_LANE in
@@ -26,6 +27,11 @@ da=${JC_DECODE_ATTENTION_PROBE:-}
 if [ -z "$da" ]; then
   da=/tmp/decode_attention_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/decode_attention_kernel.cu -o "$da" || exit 1
+fi
+ml=${JC_MLA_PROBE:-}
+if [ -z "$ml" ]; then
+  ml=/tmp/mla_decode_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_decode_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$ml" || exit 1
 fi
 
 # attention_block: D Hq Hkv Dh ctx batch cluster heads_per_cluster [variant]: every kernel
@@ -56,6 +62,15 @@ da_configs=(
   "1 4 4 96 100 1"
   "2 4 1 64 129 4"
 )
+# mla_decode: B H r dr S_max splits page (0: contiguous): V2-Lite's 16 heads, V2's 128 (8
+# head tiles writing the same new token), a small rank (the padded kernel), one split and
+# several (merge kernel), 64- and 16-token pages.
+ml_configs=(
+  "3 16 512 64 300 1 0"
+  "2 16 512 64 300 4 64"
+  "1 128 512 64 200 2 0"
+  "2 20 32 8 100 3 16"
+)
 failed=0
 check() {  # check LABEL CMD...: each tool over one configuration
   local label=$1; shift
@@ -82,5 +97,8 @@ done
 for cfg in "${da_configs[@]}"; do
   check "decode_attention $cfg" "$da" $cfg
   DA_APPEND=1 check "decode_attention append $cfg" "$da" $cfg
+done
+for cfg in "${ml_configs[@]}"; do
+  check "mla_decode $cfg" "$ml" $cfg
 done
 exit $failed

@@ -4,11 +4,13 @@
 // M dimension of m16n8k16 mma.sync, so every cache token is read once for 16 heads (all of
 // DeepSeek-V2-Lite's; V2's 128 heads are 8 tiles whose re-reads of a token hit L2). Per
 // 32-token stage, with the next stage's cp.async loads in flight (2 stages, 2 blocks/SM):
-//   S = Q K^T     [16 heads x 32 tokens], warp w the tokens 8w..8w+7, over E = r + dr:
-//                 A = Q (shared memory), B = the cache rows (ldmatrix)
-//   online softmax in the exp2 domain: tile row maxima and sums exchanged through shared
-//                 memory (fixed order), P rounded to 16 bits into shared memory
-//   O += P V      [16 heads x r], warp w the columns w r/4..: B = the same cache rows
+//   S = Q K^T     [16 heads x 32 tokens] over E = r + dr, the k-steps split between the
+//                 warps (warp w: k-steps w, w + 4, ...; its Q fragments stay in registers,
+//                 so the stage is read from shared memory once); the four partial S summed
+//                 through shared memory in warp order, every warp then holding all of S
+//   online softmax in the exp2 domain, in registers (the same in every warp); P becomes
+//                 the A fragments of the next mma directly
+//   O += P V      [16 heads x r], warp w the columns w r/4..: B = the stage's rows
 //                 transposed by ldmatrix.trans (values are the tokens' first r features)
 // Shared-memory rows are [latent (padded to RT) | rope (padded to 64)], 128-byte XOR
 // swizzled; padding is zero-filled, so r and dr only need to be multiples of 8.
@@ -27,7 +29,6 @@
 
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
-#include "jax_cluster/softmax.cuh"
 #include "ops/mla_decode/params.h"
 #include "ops/mla_decode/slots.h"
 
@@ -43,13 +44,14 @@ struct MlaTile {
   static constexpr int kRowBytes = 2 * kRowElems;    // a multiple of 128 (swz)
   static constexpr int kWarpCols = RT / kWarps;      // O columns of one warp
   static constexpr int kNT = kWarpCols / 8;          // its n8 tiles
-  static constexpr int kPStride = kTokens + 8;       // P row (elements): conflict-free ldmatrix
+  static constexpr int kKSteps = kRowElems / 16;                // k-steps of S (used or not)
+  static constexpr int kKStepsPerWarp = (kKSteps + kWarps - 1) / kWarps;
+  static constexpr int kSStride = kTokens + 8;                    // partial-S row (floats)
   static constexpr int kQBytes = kHeads * kRowBytes;
   static constexpr int kStageBytes = kTokens * kRowBytes;
-  static constexpr int kPBytes = kHeads * kPStride * 2;
-  static constexpr size_t kSmemBytes =
-      kQBytes + kStages * kStageBytes + kPBytes + 2 * kWarps * kHeads * sizeof(float);
-  static_assert(kRowBytes % 128 == 0 && kNT % 2 == 0, "tile shapes");
+  static constexpr int kSBytes = kWarps * kHeads * kSStride * 4;  // the warps' partial S
+  static constexpr size_t kSmemBytes = kQBytes + kStages * kStageBytes + kSBytes;
+  static_assert(kRowBytes % 128 == 0 && kNT % 2 == 0 && kTokens == 32, "tile shapes");
 };
 
 // The used 16-byte chunks of a shared row, in 32-feature steps (pairs of mma k-steps; the
@@ -62,6 +64,10 @@ struct MlaChunks {
   // u-th used chunk -> shared chunk index.
   template <int RT>
   __device__ int shared_chunk(int u) const { return u < lat ? u : RT / 8 + (u - lat); }
+  // k-steps of S: used k-step u -> shared k-step index (two chunks each).
+  __device__ int ksteps() const { return count() / 2; }
+  template <int RT>
+  __device__ int shared_kstep(int u) const { return u < lat / 2 ? u : RT / 16 + (u - lat / 2); }
   // Shared chunk -> feature of the token row (E = rank + rope_dim), or -1 for padding.
   template <int RT>
   __device__ static int feature(int chunk, int rank, int rope_dim) {
@@ -89,9 +95,7 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* q_s = smem;
   unsigned char* kv_s = q_s + L::kQBytes;
-  T* p_s = reinterpret_cast<T*>(kv_s + L::kStages * L::kStageBytes);
-  float* red_max = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p_s) + L::kPBytes);
-  float* red_sum = red_max + L::kWarps * L::kHeads;
+  float* s_part = reinterpret_cast<float*>(kv_s + L::kStages * L::kStageBytes);
 
   const int split = blockIdx.x, h0 = blockIdx.y * L::kHeads, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
@@ -129,9 +133,9 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     const int f = MlaChunks::feature<RT>(c, R, DR);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (f >= 0 && h0 + h < H) {
-      const float* src = p.q + (static_cast<int64_t>(b) * H + h0 + h) * E + f;
-      v = make_uint4(pack2<T>(src[0], src[1]), pack2<T>(src[2], src[3]), pack2<T>(src[4], src[5]),
-                     pack2<T>(src[6], src[7]));
+      const float4* src = reinterpret_cast<const float4*>(p.q + (static_cast<int64_t>(b) * H + h0 + h) * E + f);
+      const float4 a = src[0], c4 = src[1];  // E and f are multiples of 8: 32-byte aligned
+      v = make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c4.x, c4.y), pack2<T>(c4.z, c4.w));
     }
     *reinterpret_cast<uint4*>(q_s + swz(h, c, L::kRowBytes)) = v;
   }
@@ -157,7 +161,15 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   for (int nt = 0; nt < L::kNT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gq, gq + 8
   const float qk_scale = p.scale * 1.4426950408889634f;
-  const uint32_t q_base = ptx::smem_addr(q_s), p_base = ptx::smem_addr(p_s);
+  // This warp's k-steps of S (w, w + 4, ...) and their Q fragments, in registers for good.
+  uint32_t qa[L::kKStepsPerWarp][4];
+#pragma unroll
+  for (int i = 0; i < L::kKStepsPerWarp; ++i) {
+    const int u = warp + L::kWarps * i;
+    if (u < used.ksteps()) {
+      ldsm_x4(qa[i], ptx::smem_addr(q_s) + swz(lane & 15, 2 * used.shared_kstep<RT>(u) + (lane >> 4), L::kRowBytes));
+    }
+  }
   const int tiles = t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
 
   if (tiles > 0) load_stage(t0, 0);
@@ -170,63 +182,79 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     const uint32_t kv_base = ptx::smem_addr(kv_s + (i % L::kStages) * L::kStageBytes);
     const int first = t0 + i * L::kTokens;
 
-    // S for this warp's 8 tokens: two k-steps per B load (ldmatrix x4).
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    auto score_steps = [&](int ks0, int steps) {
-      for (int ks = ks0; ks < ks0 + steps; ks += 2) {
-        uint32_t kb[4], qa0[4], qa1[4];
-        ldsm_x4(kb, kv_base + swz(8 * warp + (lane & 7), 2 * ks + (lane >> 3), L::kRowBytes));
-        ldsm_x4(qa0, q_base + swz(lane & 15, 2 * ks + (lane >> 4), L::kRowBytes));
-        ldsm_x4(qa1, q_base + swz(lane & 15, 2 * ks + 2 + (lane >> 4), L::kRowBytes));
-        mma16816<T>(s, qa0, kb[0], kb[1]);
-        mma16816<T>(s, qa1, kb[2], kb[3]);
-      }
-    };
-    score_steps(0, used.lat / 2);
-    score_steps(RT / 16, used.rope / 2);
-    const int tok = first + 8 * warp + 2 * cq;
+    // This warp's share of S over all 32 tokens (4 n-tiles, independent accumulators).
+    float acc[4][4] = {};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = tok + (j & 1) < t1 ? s[j] * qk_scale : -INFINITY;
-
-    float x0 = fmaxf(s[0], s[1]), x1 = fmaxf(s[2], s[3]);
-    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
-    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
-    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
-    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
-    if (cq == 0) {
-      red_max[warp * L::kHeads + gq] = x0;
-      red_max[warp * L::kHeads + gq + 8] = x1;
+    for (int i = 0; i < L::kKStepsPerWarp; ++i) {
+      const int u = warp + L::kWarps * i;
+      if (u >= used.ksteps()) break;
+      const int ks = used.shared_kstep<RT>(u);
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t kb[4];
+        ldsm_x4(kb, kv_base + swz(16 * pair + (lane & 7) + 8 * (lane >> 4), 2 * ks + ((lane >> 3) & 1),
+                                  L::kRowBytes));
+        mma16816<T>(acc[2 * pair], qa[i], kb[0], kb[1]);
+        mma16816<T>(acc[2 * pair + 1], qa[i], kb[2], kb[3]);
+      }
+    }
+    float* mine = s_part + warp * L::kHeads * L::kSStride;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      *reinterpret_cast<float2*>(mine + gq * L::kSStride + 8 * nt + 2 * cq) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(mine + (gq + 8) * L::kSStride + 8 * nt + 2 * cq) =
+          make_float2(acc[nt][2], acc[nt][3]);
     }
     __syncthreads();
-    float n0 = m0, n1 = m1;
+    // All of S in every warp: the partials summed in warp order (the same bits everywhere).
+    float s[4][4];
 #pragma unroll
-    for (int w = 0; w < L::kWarps; ++w) {
-      n0 = fmaxf(n0, red_max[w * L::kHeads + gq]);
-      n1 = fmaxf(n1, red_max[w * L::kHeads + gq + 8]);
+    for (int nt = 0; nt < 4; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int w = 0; w < L::kWarps; ++w) {
+        const float* part = s_part + w * L::kHeads * L::kSStride + 8 * nt + 2 * cq;
+        const float2 lo = *reinterpret_cast<const float2*>(part + gq * L::kSStride);
+        const float2 hi = *reinterpret_cast<const float2*>(part + (gq + 8) * L::kSStride);
+        s[nt][0] += lo.x, s[nt][1] += lo.y, s[nt][2] += hi.x, s[nt][3] += hi.y;
+      }
+      const int tok = first + 8 * nt + 2 * cq;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[nt][j] = tok + (j & 1) < t1 ? s[nt][j] * qk_scale : -INFINITY;
     }
+
+    // Online softmax of rows gq (s[.][0..1]) and gq + 8 (s[.][2..3]).
+    float x0 = -INFINITY, x1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
+      x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
     const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
     const float a0 = exp2f(m0 - u0), a1 = exp2f(m1 - u1);
     m0 = n0;
     m1 = n1;
-    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u0);
-    const float p2 = exp2f(s[2] - u1), p3 = exp2f(s[3] - u1);
-    *reinterpret_cast<uint32_t*>(p_s + gq * L::kPStride + 8 * warp + 2 * cq) = pack2<T>(p0, p1);
-    *reinterpret_cast<uint32_t*>(p_s + (gq + 8) * L::kPStride + 8 * warp + 2 * cq) = pack2<T>(p2, p3);
-    float y0 = p0 + p1, y1 = p2 + p3;
-    y0 += __shfl_xor_sync(0xffffffffu, y0, 1);
-    y1 += __shfl_xor_sync(0xffffffffu, y1, 1);
-    y0 += __shfl_xor_sync(0xffffffffu, y0, 2);
-    y1 += __shfl_xor_sync(0xffffffffu, y1, 2);
-    if (cq == 0) {
-      red_sum[warp * L::kHeads + gq] = y0;
-      red_sum[warp * L::kHeads + gq + 8] = y1;
-    }
-    __syncthreads();
-    float z0 = 0.f, z1 = 0.f;  // the same order in every warp: the same l everywhere
+    float z0 = 0.f, z1 = 0.f;
+    uint32_t pa[2][4];  // P as the A fragments of the two 16-token k-steps of P V
 #pragma unroll
-    for (int w = 0; w < L::kWarps; ++w) {
-      z0 += red_sum[w * L::kHeads + gq];
-      z1 += red_sum[w * L::kHeads + gq + 8];
+    for (int nt = 0; nt < 4; ++nt) {
+      const float p0 = exp2f(s[nt][0] - u0), p1 = exp2f(s[nt][1] - u0);
+      const float p2 = exp2f(s[nt][2] - u1), p3 = exp2f(s[nt][3] - u1);
+      z0 += p0 + p1;
+      z1 += p2 + p3;
+      pa[nt >> 1][(nt & 1) * 2] = pack2<T>(p0, p1);
+      pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(p2, p3);
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      z0 += __shfl_xor_sync(0xffffffffu, z0, off);
+      z1 += __shfl_xor_sync(0xffffffffu, z1, off);
     }
     l0 = fmaf(l0, a0, z0);
     l1 = fmaf(l1, a1, z1);
@@ -241,8 +269,6 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     }
 #pragma unroll
     for (int kk = 0; kk < L::kTokens / 16; ++kk) {
-      uint32_t pa[4];
-      ldsm_x4(pa, p_base + ((lane & 15) * L::kPStride + 16 * kk + 8 * (lane >> 4)) * 2);
 #pragma unroll
       for (int np = 0; np < L::kNT / 2; ++np) {
         const int c0 = (warp * L::kWarpCols) / 8 + 2 * np;
@@ -250,8 +276,8 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
         uint32_t vb[4];
         ldsm_x4_trans(vb, kv_base + swz(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), c0 + (lane >> 4),
                                         L::kRowBytes));
-        mma16816<T>(o[2 * np], pa, vb[0], vb[1]);
-        mma16816<T>(o[2 * np + 1], pa, vb[2], vb[3]);
+        mma16816<T>(o[2 * np], pa[kk], vb[0], vb[1]);
+        mma16816<T>(o[2 * np + 1], pa[kk], vb[2], vb[3]);
       }
     }
   }
@@ -284,25 +310,39 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   }
 }
 
-// out[b, h] = the splits' states of (row b, head h) merged in index order; NaN rows for
-// invalid rows. Grid (H, B).
+// out[b, h, c] = the splits' states of (row b, head h) merged in index order; NaN rows for
+// invalid rows. Grid (columns / 128, H, B): the splits' weights exp2(m_s - max m) / L once
+// per block, then one column per thread, the splits summed in order.
 template <typename T>
 __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodeParams p) {
+  __shared__ float weight[kMlaDecodeMaxSplits];
   ptx::griddep_wait();
-  const int h = blockIdx.x, b = blockIdx.y;
+  const int h = blockIdx.y, b = blockIdx.z, c = blockIdx.x * 128 + threadIdx.x;
   const int R = static_cast<int>(p.rank), S = static_cast<int>(p.splits);
   const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
   T* out = static_cast<T*>(p.out) + bh * R;
   if (!mla_row_valid_block<128>(p, b, p.lengths[b])) {
-    for (int c = threadIdx.x; c < R; c += 128) out[c] = T(NAN);
+    if (c < R) out[c] = T(NAN);
     return;
   }
   const float* st = p.partial + bh * S * (R + 2);
-  for (int c = threadIdx.x; c < R; c += 128) {
-    out[c] = T(merge_partial_states(
-        S, [&](int s) { return st[s * (R + 2) + R]; }, [&](int s) { return st[s * (R + 2) + R + 1]; },
-        [&](int s) { return st[s * (R + 2) + c]; }));
+  if (threadIdx.x == 0) {
+    float m = -INFINITY, l = 0.f;
+    for (int s = 0; s < S; ++s) m = fmaxf(m, st[s * (R + 2) + R]);
+    for (int s = 0; s < S; ++s) {
+      const float ms = st[s * (R + 2) + R];
+      weight[s] = ms == -INFINITY ? 0.f : exp2f(ms - m);  // a split without tokens weighs 0
+      l = fmaf(st[s * (R + 2) + R + 1], weight[s], l);
+    }
+    for (int s = 0; s < S; ++s) weight[s] /= l;
   }
+  __syncthreads();
+  if (c >= R) return;
+  float o = 0.f;
+  for (int s = 0; s < S; ++s) {
+    if (weight[s] != 0.f) o = fmaf(st[s * (R + 2) + c], weight[s], o);
+  }
+  out[c] = T(o);
 }
 
 }  // namespace jax_cluster

@@ -20,7 +20,8 @@ cudaError_t launch(const MlaDecodeParams& p, cudaStream_t stream) {
                                                        L::kSmemBytes, true, stream, p));
   if (p.splits == 1) return cudaSuccess;
   return launch_programmatic(mla_decode_merge_kernel<T>,
-                             dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)),
+                             dim3(static_cast<unsigned>((p.rank + 127) / 128), static_cast<unsigned>(p.num_heads),
+                                  static_cast<unsigned>(p.batch)),
                              dim3(128), 0, true, stream, p);
 }
 

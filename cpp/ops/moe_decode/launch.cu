@@ -62,7 +62,7 @@ struct CombineArgs {
 // returns how many pairs chose the expert. Called by every thread of the block (barriers
 // inside; list is complete when it returns).
 template <int MR>
-__device__ int scan_pairs(const int32_t* ids, int64_t pairs, int expert, int first, int* list,
+__device__ __forceinline__ int scan_pairs(const int32_t* ids, int64_t pairs, int expert, int first, int* list,
                           int* warp_counts) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int base = 0;
