@@ -1,14 +1,17 @@
 """End-to-end decode: time per output token of whole models (random weights) with flax_models.
 
-Llama-2-7B, Llama-3-8B, Llama-3.2-1B, Pythia-2.8B and Pythia-6.9B shapes, batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV
-cache), impl="xla" (plain jnp) vs impl="fused" (the jax_cluster ops that exist: attention_block,
-swiglu). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
+Llama-2-7B, Llama-3-8B, Llama-3.2-1B, Pythia-2.8B, Pythia-6.9B and DeepSeek-V2-Lite shapes, batch 1
+and 16, contexts 1K/4K/16K (tokens already in the KV cache), impl="xla" (plain jnp) vs the
+jax_cluster ops that exist for the model (attention_block or mla_decode; swiglu, moe_decode). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
 (jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
 values.
 
-Roofline: floor = (all weight bytes + KV bytes read per step) / HBM bandwidth, the bandwidth
+Roofline: floor = (weight bytes + KV bytes read per step) / HBM bandwidth, the bandwidth
 measured in the same run (best of an elementwise pass and a read-only reduction); roofline_fraction = floor / measured time.
+For DeepSeek-V2 the weights a step reads are the dense ones plus the ACTIVE routed experts
+(top-k per MoE layer at batch 1; at batch B the expected distinct experts E (1 - (1 - k/E)^B)
+under uniform routing), and the KV bytes are the latent cache's.
 Cases that do not fit in device memory are listed as skipped.
 
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
@@ -40,8 +43,8 @@ from flax_models.loading import parse_dtype  # noqa: E402
 from flax_models.presets import PRESETS, random_model  # noqa: E402
 
 MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b", "llama3.2-1b": "llama-3.2-1b",
-          "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b"}
-SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia"}
+          "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b", "deepseek-v2-lite": "deepseek-v2-lite"}
+SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia", "tiny-deepseek": "tiny-deepseek"}
 
 
 def fused_impl(cfg=None):
@@ -50,9 +53,11 @@ def fused_impl(cfg=None):
     kernel configurations and XLA's ops), on CPU "fused" (the ops' C++ handlers: a check of
     the path, not a timing). Only SwiGLU MLPs (Llama, DeepSeek) have a fused MLP op."""
     swiglu_mlp = cfg is None or getattr(cfg, "architecture", "llama") != "gpt_neox"
+    mla = cfg is not None and hasattr(cfg, "kv_lora_rank")  # DeepSeek-V2: MLA and MoE
     on = "auto" if ops.on_gpu() else "fused"
-    comp = {"attention": on if ops.fused_available("attention_block") else "xla",
-            "mlp": on if swiglu_mlp and ops.fused_available("swiglu") else "xla"}
+    attention_op, mlp_ops = ("mla_decode", ("moe_decode", "swiglu")) if mla else ("attention_block", ("swiglu",))
+    comp = {"attention": on if ops.fused_available(attention_op) else "xla",
+            "mlp": on if swiglu_mlp and all(ops.fused_available(o) for o in mlp_ops) else "xla"}
     return comp if on in comp.values() else None
 
 
@@ -63,7 +68,21 @@ def param_bytes(model) -> int:
 
 
 def kv_bytes_per_step(cfg, batch, ctx, itemsize) -> int:
+    if hasattr(cfg, "kv_lora_rank"):  # MLA: one latent row per token and layer
+        return cfg.num_layers * batch * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
     return 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx * cfg.head_dim * itemsize
+
+
+def weight_bytes_per_step(cfg, wbytes, batch, itemsize) -> int:
+    """The weight bytes one decode step reads: all of them, except for MoE layers' routed
+    experts, of which only the chosen ones (expected distinct experts over the batch)."""
+    if not getattr(cfg, "n_routed_experts", 0):
+        return wbytes
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    active = e * (1 - (1 - k / e) ** batch)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+    return int(wbytes - moe_layers * (e - active) * per_expert)
 
 
 def random_cache(model, batch, max_len, ctx, seed=0):
@@ -162,7 +181,8 @@ def main(argv=None) -> int:
                     rows.append({"case": f"{base} xla", "skipped": f"needs {need / 1e9:.0f} GB > device memory"})
                     print(rows[-1])
                     continue
-                floor_s = (wbytes + kv) / bw
+                read = weight_bytes_per_step(cfg, wbytes, batch, jnp.dtype(dtype).itemsize)
+                floor_s = (read + kv) / bw
                 fused = fused_impl(cfg)
                 variants = [("xla", "xla")] + ([("fused", fused)] if fused else [])
                 xla_s = None
@@ -178,7 +198,7 @@ def main(argv=None) -> int:
                         break
                     xla_s = s if vname == "xla" else xla_s
                     row = {"case": f"{base} {vname}", "ours_us": s * 1e6, "xla_us": xla_s * 1e6,
-                           "speedup_vs_xla": xla_s / s, "roofline_fraction": floor_s / s, "bytes": wbytes + kv,
+                           "speedup_vs_xla": xla_s / s, "roofline_fraction": floor_s / s, "bytes": read + kv,
                            "weight_bytes": wbytes, "kv_bytes": kv, "tokens_per_s": batch / s,
                            "impl": impl if isinstance(impl, str) else ",".join(f"{k}={v}" for k, v in impl.items())}
                     rows.append(row)
@@ -195,7 +215,7 @@ COLUMNS = ["case", "ours_us", "xla_us", "speedup_vs_xla", "roofline_fraction", "
 def _saver(name, steps, trials, bw, fused, part=None):
     def save(rows):
         notes = (f"Per output token (one decode step of the whole batch), {steps} steps inside one jit, median "
-                 f"of {trials}. Roofline floor = (all weight bytes + KV bytes at ctx) / {bw / 1e9:.0f} GB/s "
+                 f"of {trials}. Roofline floor = (weight bytes read + KV bytes at ctx) / {bw / 1e9:.0f} GB/s "
                  f"measured. fused = {fused or 'no fused op available'} (the ops' tuners may pick XLA's own "
                  "ops per shape where they measure faster than the kernels).")
         common.write_results(name, rows, notes=notes, extra={"bandwidth_bytes_per_s": bw},

@@ -21,7 +21,7 @@ PRESETS = {
     "tiny-pythia": GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                                  rotary_dim=4, rope=RopeConfig(theta=10000.0)),
     "tiny-deepseek": DeepseekV2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_layers=2, num_heads=4,
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_layers=2, num_heads=4,
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=256,

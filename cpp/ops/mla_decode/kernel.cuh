@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
 
 // out[b, h, c] = the splits' states of (row b, head h) merged in index order; NaN rows for
 // invalid rows. Grid (columns / 128, H, B): the splits' weights exp2(m_s - max m) / L once
-// per block, then one column per thread, the splits summed in order.
+// per block (warp 0), then one column per thread, the splits summed in index order.
 template <typename T>
 __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodeParams p) {
   __shared__ float weight[kMlaDecodeMaxSplits];
@@ -326,15 +326,19 @@ __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodePa
     return;
   }
   const float* st = p.partial + bh * S * (R + 2);
-  if (threadIdx.x == 0) {
-    float m = -INFINITY, l = 0.f;
-    for (int s = 0; s < S; ++s) m = fmaxf(m, st[s * (R + 2) + R]);
-    for (int s = 0; s < S; ++s) {
+  if (threadIdx.x < 32) {  // warp 0: lane j the splits j, j + 32, ...; fixed shuffle trees
+    const int lane = threadIdx.x;
+    float m = -INFINITY;
+    for (int s = lane; s < S; s += 32) m = fmaxf(m, st[s * (R + 2) + R]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.f;
+    for (int s = lane; s < S; s += 32) {
       const float ms = st[s * (R + 2) + R];
       weight[s] = ms == -INFINITY ? 0.f : exp2f(ms - m);  // a split without tokens weighs 0
       l = fmaf(st[s * (R + 2) + R + 1], weight[s], l);
     }
-    for (int s = 0; s < S; ++s) weight[s] /= l;
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    for (int s = lane; s < S; s += 32) weight[s] /= l;
   }
   __syncthreads();
   if (c >= R) return;

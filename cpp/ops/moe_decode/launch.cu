@@ -121,8 +121,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
   // accumulators leave registers for them.
   constexpr int kUnroll = MR * kMat <= 4 ? 8 : 4;
   extern __shared__ __align__(16) float smem[];  // staged inputs, later the warps' partials
-  __shared__ int list[MR];
-  __shared__ int warp_counts[kWarps];
+  __shared__ int scan_smem[kWarps + MR];  // warp_counts, then list: one array, disjoint ranges
+  int* const warp_counts = scan_smem;
+  int* const list = scan_smem + kWarps;
   ptx::griddep_launch_dependents();  // the next kernel may launch; it waits for our results
 
   const int expert = blockIdx.y;
