@@ -89,9 +89,13 @@ def random_cache(model, batch, max_len, ctx, seed=0):
     cache = model.init_cache(batch, max_len)
     key = jax.random.key(seed)
     fill = jax.jit(lambda k, a: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype), donate_argnums=(1,))
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    if hasattr(cache, "latent"):  # DeepSeek-V2's latent cache
+        latent = tuple(fill(jax.random.fold_in(key, i), a) for i, a in enumerate(cache.latent))
+        return dataclasses.replace(cache, latent=latent, lengths=lengths)
     k = tuple(fill(jax.random.fold_in(key, 2 * i), a) for i, a in enumerate(cache.k))
     v = tuple(fill(jax.random.fold_in(key, 2 * i + 1), a) for i, a in enumerate(cache.v))
-    return dataclasses.replace(cache, k=k, v=v, lengths=jnp.full((batch,), ctx, jnp.int32))
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
 
 def time_decode(model, impl, batch, ctx, steps, trials):

@@ -18,18 +18,19 @@ set -u
 cd "$(dirname "$0")/../.."
 nvcc_flags=(-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo
             -Icpp -Icpp/include)
+wanted() { [[ -z "${ONLY:-}" || "$1" == *"$ONLY"* || "$ONLY" == *"$1"* ]]; }  # a probe ONLY can reach
 ak=${JC_ATTENTION_PROBE:-}
-if [ -z "$ak" ]; then
+if [ -z "$ak" ] && wanted attention_block; then
   ak=/tmp/attention_kernel_sanitize
   nvcc "${nvcc_flags[@]}" -DJC_RING_ARRIVE_PER_LANE benchmarks/probes/attention_kernel.cu -o "$ak" || exit 1
 fi
 da=${JC_DECODE_ATTENTION_PROBE:-}
-if [ -z "$da" ]; then
+if [ -z "$da" ] && wanted decode_attention; then
   da=/tmp/decode_attention_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/decode_attention_kernel.cu -o "$da" || exit 1
 fi
 ml=${JC_MLA_PROBE:-}
-if [ -z "$ml" ]; then
+if [ -z "$ml" ] && wanted mla_decode; then
   ml=/tmp/mla_decode_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_decode_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$ml" || exit 1
 fi
