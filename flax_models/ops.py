@@ -360,9 +360,10 @@ def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_facto
 
 
 # ----------------------------------------------------------------------------- MoE (DeepSeek-V2)
-# The most rows "auto" sends to jax_cluster.moe_decode: its kernels are decode kernels (N = 1-64);
-# more rows (prefill) run the grouped ragged_dot formulation.
-MOE_DECODE_MAX_ROWS = 64
+# The most rows "auto" sends to jax_cluster.moe_decode; more rows run the jnp formulation (gather
+# or grouped ragged_dot). Inside DeepSeek-V2-Lite at batch 16 the op's MLP path measured slower
+# than XLA's while batch 1 gained (docs/moe_decode.md), so "auto" keeps it to small batches.
+MOE_DECODE_MAX_ROWS = 8
 _SHARED_KEYS = ("w_gate", "w_up", "w_down")
 
 
@@ -404,7 +405,7 @@ def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="au
     has_bias = shared is not None and any(shared.get(k) is not None for k in ("b_gate", "b_up", "b_down"))
     unsupported = "shared-expert biases" if has_bias and shared_impl is None else ""
     if not unsupported and too_many:
-        unsupported = f"{n} rows > {MOE_DECODE_MAX_ROWS}: prefill-sized, grouped ragged_dot"
+        unsupported = f"{n} rows > {MOE_DECODE_MAX_ROWS}: the jnp formulation (gather or grouped ragged_dot)"
     chosen = _choose(impl, "moe", "moe_decode", x.dtype, unsupported=unsupported)
     if chosen is None:
         return moe_xla(x, router, w_gate, w_up, w_down, shared=shared, residual=residual,
