@@ -14,7 +14,6 @@ Run: python benchmarks/mla_decode.py [--quick] [--cases b1:4096 ...] [--dtype bf
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp

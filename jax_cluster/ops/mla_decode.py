@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,8 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference
-from jax_cluster._ffi import check_array, check_config, check_impl, ffi_primitive, num_sms, on_gpu, warn_once
+from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis, num_sms,
+                              on_gpu, warn_once)
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
@@ -96,11 +96,8 @@ def _abstract(q, new_latent, cache, block_table, lengths, *, splits, rank, paged
 def _batching(args, dims, **params):
     """vmap: the mapped axis folds into the rows; a mapped page pool folds into one pool whose
     block tables are offset per instance (entries outside a pool stay outside)."""
-    q, new, cache, table, lengths = args
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.broadcast_to(a[None], (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-             for a, d in zip(args, dims)]
-    q, new, cache, table, lengths = moved
+    q, new, cache, table, lengths = (fold_batch_axis(a, d, size) for a, d in zip(args, dims))
     n, b = q.shape[:2]
     flat = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
     if params["paged"]:
