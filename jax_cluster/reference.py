@@ -358,3 +358,45 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     if shared is not None:
         y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y)
     return y
+
+
+def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps,
+                  rotary_dim=None, rope_layout="half", scale=None, parallel_residual=False,
+                  gelu_approximate=False):
+    """One decode step of a whole decoder layer in fp32; returns (y in x.dtype, k_cache, v_cache).
+
+    family "llama":    h = x + Attn(RMSNorm(x));  y = h + SwiGLU(RMSNorm(h))
+    family "gpt_neox": a = Attn(LayerNorm(x));    y = x + a + MLP(LayerNorm'(x))  (parallel_residual)
+                                                  y = h + MLP(LayerNorm'(h)), h = x + a  (sequential)
+    with Attn = attention_block's norm-less part (QKV + bias, RoPE on the first rotary_dim
+    features, cache write at slot lengths[b], attention over 0..lengths[b], out-proj + bias)
+    and MLP = GeLU(h W_in + b_in) W_out + b_out (exact erf, or tanh when gelu_approximate).
+    weights: norm, qkv, o, post_norm, and w_gate, w_up, w_down (llama) or w_in, w_out (gpt_neox);
+    optional norm_bias, post_norm_bias (LayerNorm), qkv_bias, o_bias, b_in, b_out. Every
+    intermediate stays fp32 (the contract of a one-launch layer); only the new cache entries
+    and y are rounded. Rows with lengths outside [0, S_max) give NaN and leave the caches alone.
+    """
+    f32 = jnp.float32
+    w = {k: None if v is None else jnp.asarray(v, f32) for k, v in weights.items()}
+    norm = {"llama": "rms", "gpt_neox": "layer"}.get(family)
+    if norm is None:
+        raise ValueError(f"decoder_layer: family must be 'llama' or 'gpt_neox', got {family!r}")
+    x32 = x.astype(f32)
+    a, k_cache, v_cache = attention_block(
+        x32, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, norm=norm, norm_weight=w["norm"], norm_bias=w.get("norm_bias"), eps=eps,
+        qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), rotary_dim=rotary_dim, rope_layout=rope_layout,
+        scale=scale)
+    h = x32 + a
+    mlp_in = x32 if (family == "gpt_neox" and parallel_residual) else h
+    hn = _norm_f32(mlp_in, norm, w["post_norm"], w.get("post_norm_bias"), eps)
+
+    def dot(u, name, bias=None):
+        y = jnp.dot(u, w[name], precision="highest")
+        return y if w.get(bias) is None else y + w[bias]
+
+    if family == "llama":
+        m = dot(jax.nn.silu(dot(hn, "w_gate")) * dot(hn, "w_up"), "w_down")
+    else:
+        m = dot(jax.nn.gelu(dot(hn, "w_in", "b_in"), approximate=gelu_approximate), "w_out", "b_out")
+    return (h + m).astype(x.dtype), k_cache, v_cache

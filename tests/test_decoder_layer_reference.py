@@ -1,0 +1,152 @@
+"""reference.decoder_layer (one decode step of a whole Llama or GPT-NeoX layer, fp32): against
+the layer flax_models runs block by block (ops.attention_block_xla, then the MLP), on the
+tiny presets' own weights and on random ones (GQA, partial rotary, biases, parallel and
+sequential residual, exact and tanh GeLU), and invalid rows under jit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_models import ops
+from flax_models.layers import layer_norm, rms_norm
+from flax_models.presets import PRESETS, random_model
+from jax_cluster import reference
+from jax_cluster.testing import TOLERANCE, rel_l2
+
+S_MAX = 24
+
+
+def layer_weights(model, family):
+    """The dict reference.decoder_layer takes, from layer 0 of a flax_models model."""
+    layer = model.layers[0]
+    w = dict(norm=layer.input_norm.weight[...], qkv=layer.qkv.kernel[...], qkv_bias=layer.qkv.bias_value(),
+             o=layer.o.kernel[...], o_bias=layer.o.bias_value(), post_norm=layer.post_norm.weight[...])
+    if family == "gpt_neox":
+        w.update(norm_bias=layer.input_norm.bias[...], post_norm_bias=layer.post_norm.bias[...])
+        w.update(layer.mlp.weights())
+    else:
+        w.update({k: v for k, v in layer.mlp.weights().items() if k.startswith("w_")})
+    return w
+
+
+def blockwise(x, w, kc, vc, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps, rotary_dim,
+              parallel_residual=False, gelu_approximate=False, rope_layout="half"):
+    """The layer as flax_models' decode step runs it: attention block, then the MLP block."""
+    norm = "rms" if family == "llama" else "layer"
+    h, kc, vc = ops.attention_block_xla(
+        x, w["qkv"], w["o"], kc, vc, lengths, inv_freq, norm_weight=w["norm"], norm_bias=w.get("norm_bias"),
+        norm=norm, eps=eps, qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), residual=True,
+        rotary_dim=rotary_dim, rope_layout=rope_layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        scale=(kc.shape[-1]) ** -0.5)
+    if family == "llama":
+        y = ops.swiglu_mlp_xla(rms_norm(h, w["post_norm"], eps), w["w_gate"], w["w_up"], w["w_down"], residual=h)
+    else:
+        src = x if parallel_residual else h
+        y = ops.gelu_mlp(layer_norm(src, w["post_norm"], w["post_norm_bias"], eps), w["w_in"], w.get("b_in"),
+                         w["w_out"], w.get("b_out"), residual=h, approximate=gelu_approximate, impl="xla")
+    return y, kc, vc
+
+
+def caches(rng, batch, hkv, dh, dtype=jnp.float32):
+    return tuple(jnp.asarray(rng.standard_normal((batch, hkv, S_MAX, dh)), dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("preset,family", [("tiny-llama", "llama"), ("tiny-pythia", "gpt_neox")])
+def test_preset_layer_matches_blockwise_decode(rng, preset, family):
+    cfg = PRESETS[preset]
+    model = random_model(cfg, jnp.float32, std=0.1)
+    w = layer_weights(model, family)
+    hkv = getattr(cfg, "num_kv_heads", cfg.num_heads)
+    kw = dict(family=family, num_q_heads=cfg.num_heads, num_kv_heads=hkv,
+              eps=getattr(cfg, "rms_norm_eps", getattr(cfg, "layer_norm_eps", 1e-5)),
+              rotary_dim=getattr(cfg, "rotary_dim", cfg.head_dim))
+    if family == "gpt_neox":
+        kw.update(parallel_residual=cfg.use_parallel_residual, gelu_approximate=cfg.hidden_act != "gelu")
+    lengths = jnp.asarray([0, 9, S_MAX - 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+    kc, vc = caches(rng, 3, hkv, cfg.head_dim)
+    y, k2, v2 = jax.jit(functools.partial(reference.decoder_layer, **kw))(x, w, kc, vc, lengths, model.inv_freq())
+    by, bk, bv = jax.jit(functools.partial(blockwise, **kw))(x, w, kc, vc, lengths, model.inv_freq())
+    assert rel_l2(y, by) <= TOLERANCE["float32"], rel_l2(y, by)
+    np.testing.assert_allclose(k2, bk, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v2, bv, rtol=1e-5, atol=1e-5)
+
+
+def random_weights(rng, family, d, hq, hkv, dh, f, bias):
+    def m(*shape, scale=None):
+        return jnp.asarray(rng.standard_normal(shape) * (shape[0] ** -0.5 if scale is None else scale), jnp.float32)
+
+    w = dict(norm=m(d, scale=0.2) + 1, qkv=m(d, (hq + 2 * hkv) * dh), o=m(hq * dh, d), post_norm=m(d, scale=0.2) + 1)
+    if bias:
+        w.update(qkv_bias=m((hq + 2 * hkv) * dh, scale=0.1), o_bias=m(d, scale=0.1))
+    if family == "llama":
+        w.update(w_gate=m(d, f), w_up=m(d, f), w_down=m(f, d))
+    else:
+        w.update(norm_bias=m(d, scale=0.1), post_norm_bias=m(d, scale=0.1), w_in=m(d, f), w_out=m(f, d),
+                 b_in=m(f, scale=0.1) if bias else None, b_out=m(d, scale=0.1) if bias else None)
+    return w
+
+
+@pytest.mark.parametrize("family,hq,hkv,dh,rotary,parallel,approx,layout", [
+    ("llama", 8, 2, 16, 16, False, False, "half"),
+    ("llama", 6, 6, 8, 8, False, False, "interleaved"),
+    ("gpt_neox", 4, 4, 16, 4, True, False, "half"),
+    ("gpt_neox", 4, 4, 16, 16, False, True, "half"),
+    ("gpt_neox", 2, 2, 32, 8, True, True, "interleaved"),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_random_layers_match_blockwise_decode(rng, family, hq, hkv, dh, rotary, parallel, approx, layout, bias):
+    d, f = 48, 80
+    w = random_weights(rng, family, d, hq, hkv, dh, f, bias)
+    kw = dict(family=family, num_q_heads=hq, num_kv_heads=hkv, eps=1e-5, rotary_dim=rotary, rope_layout=layout)
+    if family == "gpt_neox":
+        kw.update(parallel_residual=parallel, gelu_approximate=approx)
+    lengths = jnp.asarray([S_MAX - 1, 0, 5], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    kc, vc = caches(rng, 3, hkv, dh)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, rotary, 2) / rotary), jnp.float32)
+    y, _, _ = reference.decoder_layer(x, w, kc, vc, lengths, inv_freq, **kw)
+    by, _, _ = blockwise(x, w, kc, vc, lengths, inv_freq, **kw)
+    assert rel_l2(y, by) <= TOLERANCE["float32"], rel_l2(y, by)
+
+
+def test_16bit_input_stays_fp32_inside(rng):
+    """16-bit x, weights and caches: the math stays fp32 (only y and the new cache entries are
+    rounded), so y is within the bf16 tolerance of the fp32 run on the same rounded inputs."""
+    w = random_weights(rng, "llama", 64, 4, 2, 16, 96, True)
+    kw = dict(family="llama", num_q_heads=4, num_kv_heads=2, eps=1e-5)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    kc, vc = caches(rng, 2, 2, 16)
+    lengths = jnp.asarray([3, 20], jnp.int32)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, 16, 2) / 16), jnp.float32)
+    w16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
+    y16, _, _ = reference.decoder_layer(x.astype(jnp.bfloat16), w16, kc.astype(jnp.bfloat16),
+                                        vc.astype(jnp.bfloat16), lengths, inv_freq, **kw)
+    y32, _, _ = reference.decoder_layer(x.astype(jnp.bfloat16).astype(jnp.float32),
+                                        jax.tree.map(lambda a: a.astype(jnp.float32), w16),
+                                        kc.astype(jnp.bfloat16).astype(jnp.float32),
+                                        vc.astype(jnp.bfloat16).astype(jnp.float32), lengths, inv_freq, **kw)
+    assert y16.dtype == jnp.bfloat16
+    assert rel_l2(y16, y32) <= TOLERANCE["bfloat16"], rel_l2(y16, y32)
+
+
+def test_invalid_rows_are_nan_and_write_nothing(rng):
+    w = random_weights(rng, "gpt_neox", 32, 2, 2, 16, 64, True)
+    kw = dict(family="gpt_neox", num_q_heads=2, num_kv_heads=2, eps=1e-5, rotary_dim=4, parallel_residual=True)
+    x = jnp.asarray(rng.standard_normal((3, 32)), jnp.float32)
+    kc, vc = caches(rng, 3, 2, 16)
+    lengths = jnp.asarray([-1, 4, S_MAX], jnp.int32)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, 4, 2) / 4), jnp.float32)
+    y, k2, v2 = jax.jit(functools.partial(reference.decoder_layer, **kw))(x, w, kc, vc, lengths, inv_freq)
+    y = np.asarray(y)
+    assert np.all(np.isnan(y[[0, 2]])) and not np.any(np.isnan(y[1]))
+    np.testing.assert_array_equal(np.asarray(k2)[[0, 2]], np.asarray(kc)[[0, 2]])
+
+
+def test_unknown_family():
+    with pytest.raises(ValueError, match="family must be"):
+        reference.decoder_layer(jnp.zeros((1, 8)), {}, None, None, None, None, family="mamba", num_q_heads=1,
+                                num_kv_heads=1, eps=1e-5)
