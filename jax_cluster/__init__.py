@@ -10,6 +10,7 @@ from jax_cluster._extension import cuda_module_built, register_targets
 from jax_cluster.ops.attention_block import AttentionBlockConfig, attention_block
 from jax_cluster.ops.cluster_collectives import ClusterCollectiveConfig, cluster_gather, cluster_reduce
 from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_append
+from jax_cluster.ops.decoder_layer import decoder_layer
 from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
 from jax_cluster.ops.linear import LinearConfig, linear
 from jax_cluster.ops.mla_decode import MlaDecodeConfig, mla_decode
@@ -35,6 +36,7 @@ __all__ = [
     "cuda_module_built",
     "decode_attention",
     "decode_attention_append",
+    "decoder_layer",
     "flash_attention",
     "linear",
     "mla_decode",

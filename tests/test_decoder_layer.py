@@ -1,7 +1,9 @@
-"""reference.decoder_layer (one decode step of a whole Llama or GPT-NeoX layer, fp32): against
-the layer flax_models runs block by block (ops.attention_block_xla, then the MLP), on the
-tiny presets' own weights and on random ones (GQA, partial rotary, biases, parallel and
-sequential residual, exact and tanh GeLU), and invalid rows under jit."""
+"""decoder_layer: reference.decoder_layer (one decode step of a whole Llama or GPT-NeoX layer,
+fp32) against the layer flax_models runs block by block (ops.attention_block_xla, then the
+MLP), on the tiny presets' own weights and on random ones (GQA, partial rotary, biases,
+parallel and sequential residual, exact and tanh GeLU), invalid rows under jit; then
+jax_cluster.decoder_layer's per-op path ("auto", "xla") against the reference and the errors
+it raises before anything runs."""
 
 import functools
 
@@ -13,7 +15,7 @@ import pytest
 from flax_models import ops
 from flax_models.layers import layer_norm, rms_norm
 from flax_models.presets import PRESETS, random_model
-from jax_cluster import reference
+from jax_cluster import decoder_layer, reference
 from jax_cluster.testing import TOLERANCE, rel_l2
 
 S_MAX = 24
@@ -150,3 +152,50 @@ def test_unknown_family():
     with pytest.raises(ValueError, match="family must be"):
         reference.decoder_layer(jnp.zeros((1, 8)), {}, None, None, None, None, family="mamba", num_q_heads=1,
                                 num_kv_heads=1, eps=1e-5)
+
+
+# ----------------------------------------------------------------------------- the op
+def case(rng, family, dtype, *, hq=4, hkv=2, dh=16, d=64, f=128, rotary=16, bias=True):
+    w = jax.tree.map(lambda a: a.astype(dtype), random_weights(rng, family, d, hq, hkv, dh, f, bias))
+    kc, vc = caches(rng, 3, hkv, dh, dtype)
+    args = dict(x=jnp.asarray(rng.standard_normal((3, d)), dtype), weights=w, k_cache=kc, v_cache=vc,
+                lengths=jnp.asarray([0, 11, S_MAX - 1], jnp.int32),
+                inv_freq=jnp.asarray(10000.0 ** (-np.arange(0, rotary, 2) / rotary), jnp.float32))
+    kw = dict(family=family, num_q_heads=hq, num_kv_heads=hkv, eps=1e-5, rotary_dim=rotary)
+    return args, kw
+
+
+@pytest.mark.filterwarnings("ignore:swiglu: no kernel")
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt_neox", dict(parallel_residual=True)),
+                                          ("gpt_neox", dict(parallel_residual=False, gelu_approximate=True))])
+def test_per_op_path_matches_reference(rng, impl, dtype, family, extra):
+    args, kw = case(rng, family, jnp.dtype(dtype), hkv=4 if family == "gpt_neox" else 2,
+                    rotary=4 if family == "gpt_neox" else 16)
+    y, kc, vc = jax.jit(functools.partial(decoder_layer, impl=impl, **kw, **extra))(**args)
+    ry, rk, rv = jax.jit(functools.partial(decoder_layer, impl="reference", **kw, **extra))(**args)
+    assert y.dtype == jnp.dtype(dtype)
+    assert rel_l2(y, ry) <= TOLERANCE[dtype], rel_l2(y, ry)
+    assert rel_l2(kc, rk) <= TOLERANCE[dtype] and rel_l2(vc, rv) <= TOLERANCE[dtype]
+
+
+def test_errors_before_anything_runs(rng):
+    args, kw = case(rng, "llama", jnp.float32)
+    with pytest.raises(ValueError, match="family must be"):
+        decoder_layer(**args, **dict(kw, family="mamba"))
+    with pytest.raises(ValueError, match="missing \\['w_up'\\]"):
+        decoder_layer(**dict(args, weights={k: v for k, v in args["weights"].items() if k != "w_up"}), **kw)
+    with pytest.raises(ValueError, match="unknown \\['w_in'\\]"):
+        decoder_layer(**dict(args, weights=dict(args["weights"], w_in=args["weights"]["w_gate"])), **kw)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        decoder_layer(**dict(args, lengths=jnp.asarray([0, 1, S_MAX], jnp.int32)), **kw)
+    with pytest.raises(ValueError, match="w_down'\\] has shape"):
+        decoder_layer(**dict(args, weights=dict(args["weights"], w_down=args["weights"]["w_gate"])), **kw)
+    with pytest.raises(ValueError, match="one-launch layer kernel is not built"):
+        decoder_layer(**args, **kw, impl="cuda")
+    with pytest.raises(ValueError, match="impl must be"):
+        decoder_layer(**args, **kw, impl="fast")
+    neox, nkw = case(rng, "gpt_neox", jnp.float32, hkv=4, rotary=4)
+    with pytest.raises(ValueError, match="missing \\['norm_bias'\\]"):
+        decoder_layer(**dict(neox, weights={k: v for k, v in neox["weights"].items() if k != "norm_bias"}), **nkw)

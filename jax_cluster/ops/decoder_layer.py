@@ -1,0 +1,120 @@
+"""decoder_layer: one decode step of a whole Llama or GPT-NeoX decoder layer in one call.
+
+    family "llama":    h = x + Attn(RMSNorm(x));  y = h + SwiGLU(RMSNorm(h))
+    family "gpt_neox": a = Attn(LayerNorm(x));    y = x + a + MLP(LayerNorm'(x))  (parallel)
+                                                  y = h + MLP(LayerNorm'(h)), h = x + a
+
+Attn is attention_block's norm -> QKV (+ bias) -> RoPE (first rotary_dim features, "half" or
+"interleaved") -> cache write at lengths[b] -> attention over 0..lengths[b] -> out-proj
+(+ bias); MLP is SwiGLU (llama) or GeLU(h W_in + b_in) W_out + b_out (gpt_neox, exact erf or
+tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
+
+`impl` has the meaning of every op (docs/architecture.md), with one difference while the
+one-launch layer kernel (ClusterFusion++'s whole-layer dataflow) is not built: "auto" runs
+the layer on the per-op kernels (attention_block, then swiglu; GeLU MLPs on XLA's dots),
+each with its own tuner; "xla" the same blocks in plain jnp; "reference" the fp32
+reference; "cuda" is an error naming what is missing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cluster import reference
+from jax_cluster._ffi import check_array, check_impl
+from jax_cluster.ops.attention_block import attention_block
+from jax_cluster.ops.swiglu import swiglu
+
+__all__ = ["decoder_layer"]
+
+FAMILIES = ("llama", "gpt_neox")
+_MLP_KEYS = {"llama": ("w_gate", "w_up", "w_down"), "gpt_neox": ("w_in", "b_in", "w_out", "b_out")}
+_ATTN_KEYS = ("norm", "norm_bias", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "post_norm_bias")
+
+
+def _norm(x, kind, weight, bias, eps):
+    """RMSNorm / LayerNorm as flax_models computes them: fp32 statistics, result in x.dtype."""
+    xf = x.astype(jnp.float32)
+    if kind == "rms":
+        return weight.astype(x.dtype) * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
+    mean = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _dense(x, w, b=None):
+    y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _check(op, family, x, w, k_cache, lengths, num_q_heads, num_kv_heads):
+    if family not in FAMILIES:
+        raise ValueError(f"{op}: family must be one of {FAMILIES}, got {family!r}")
+    if x.ndim != 2:
+        raise ValueError(f"{op}: x must be [B, D], got {tuple(x.shape)}")
+    allowed = set(_ATTN_KEYS) | set(_MLP_KEYS[family])
+    required = {"norm", "qkv", "o", "post_norm", *(k for k in _MLP_KEYS[family] if k.startswith("w_"))}
+    if family == "gpt_neox":
+        required |= {"norm_bias", "post_norm_bias"}
+    unknown = set(w) - allowed
+    missing = sorted(k for k in required if w.get(k) is None)
+    if unknown or missing:
+        raise ValueError(f"{op}: weights for family {family!r}: unknown {sorted(unknown)}, missing {missing}")
+    b, d = x.shape
+    if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[1] != num_kv_heads:
+        raise ValueError(f"{op}: caches must be [B={b}, Hkv={num_kv_heads}, S_max, Dh], got {tuple(k_cache.shape)}")
+    for name in ("norm", "norm_bias", "post_norm", "post_norm_bias", "o_bias"):
+        check_array(op, f"weights[{name!r}]", w.get(name), (d,))
+    check_array(op, "lengths", lengths, (b,), jnp.int32)
+    ff = w["w_gate"].shape[-1] if family == "llama" else w["w_in"].shape[-1]
+    shapes = {"w_gate": (d, ff), "w_up": (d, ff), "w_down": (ff, d), "w_in": (d, ff), "b_in": (ff,),
+              "w_out": (ff, d), "b_out": (d,)}
+    for name in _MLP_KEYS[family]:
+        check_array(op, f"weights[{name!r}]", w.get(name), shapes[name])
+    if not isinstance(lengths, jax.core.Tracer):  # the rest of the shapes: attention_block's checks
+        lens = np.asarray(lengths)
+        if lens.size and (lens.min() < 0 or lens.max() >= k_cache.shape[2]):
+            raise ValueError(f"{op}: lengths must be in [0, S_max={k_cache.shape[2]}); got min {lens.min()}, "
+                             f"max {lens.max()}")
+
+
+def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
+                  num_kv_heads: int, eps: float, rotary_dim: int | None = None, rope_layout: str = "half",
+                  scale: float | None = None, parallel_residual: bool = False, gelu_approximate: bool = False,
+                  impl: str = "auto"):
+    """(y [B, D], k_cache, v_cache): one decode step of a whole layer (see the module docstring).
+
+    weights: norm, qkv [D, (Hq + 2 Hkv) Dh] (columns [Q heads | K heads | V heads]), o
+    [Hq Dh, D], post_norm, and w_gate, w_up [D, F], w_down [F, D] (llama) or w_in [D, F],
+    w_out [F, D] (gpt_neox); optional qkv_bias, o_bias, b_in, b_out; norm_bias and
+    post_norm_bias for gpt_neox's LayerNorms. Caches [B, Hkv, S_max, Dh] (donate them);
+    lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim / 2].
+    """
+    op = "decoder_layer"
+    check_impl(op, impl)
+    w = dict(weights)
+    _check(op, family, x, w, k_cache, lengths, num_q_heads, num_kv_heads)
+    kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,
+              rope_layout=rope_layout, scale=scale, parallel_residual=parallel_residual,
+              gelu_approximate=gelu_approximate)
+    if impl == "reference":
+        return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
+    if impl == "cuda":
+        raise ValueError(f"{op}: the one-launch layer kernel is not built yet; impl='auto' runs the layer on the "
+                         "per-op kernels (attention_block, swiglu)")
+    norm = "rms" if family == "llama" else "layer"
+    h, k_cache, v_cache = attention_block(
+        x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, norm=norm, norm_weight=w["norm"], norm_bias=w.get("norm_bias"), eps=eps,
+        qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), residual=True, rotary_dim=rotary_dim,
+        rope_layout=rope_layout, scale=scale, impl=impl)
+    src = x if (family == "gpt_neox" and parallel_residual) else h
+    hn = _norm(src, norm, w["post_norm"], w.get("post_norm_bias"), eps)
+    if family == "llama":
+        return swiglu(hn, w["w_gate"], w["w_up"], w["w_down"], residual=h, impl=impl), k_cache, v_cache
+    a = jax.nn.gelu(_dense(hn, w["w_in"], w.get("b_in")).astype(jnp.float32), approximate=gelu_approximate)
+    m = _dense(a.astype(x.dtype), w["w_out"], w.get("b_out"))
+    return (h.astype(jnp.float32) + m.astype(jnp.float32)).astype(x.dtype), k_cache, v_cache
