@@ -41,7 +41,8 @@ from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primiti
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
-MIN_SPLIT_TOKENS = 128
+MIN_SPLIT_TOKENS = 64
+MAX_DEFAULT_SPLITS = 128
 _REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
 _OPTIONAL = ("q", "q_a", "q_a_norm", "q_b", "q_a_bias", "kv_a_bias", "o_bias")
 
@@ -70,13 +71,14 @@ class MlaDecodeConfig:
 
 
 def default_splits(batch: int, num_heads: int, capacity: int, num_sms: int = 132) -> int:
-    """About two blocks per SM in all (the split kernel keeps two resident), and no split
-    shorter than MIN_SPLIT_TOKENS of the capacity: a split's partial state (16 heads x r
-    floats) costs about what one 32-token tile of the cache does."""
+    """About two blocks per SM in all (the split kernel keeps two resident), no split shorter
+    than MIN_SPLIT_TOKENS of the capacity (two pipeline stages), and at most MAX_DEFAULT_SPLITS:
+    the merge reads every split's (16 heads x r) state, so past that more splits cost more
+    than they spread (docs/mla_decode.md)."""
     tiles = -(-num_heads // _constants()["head_tile"])
     by_sms = max(1, round(2 * num_sms / (batch * tiles)))
     by_len = max(1, -(-capacity // MIN_SPLIT_TOKENS))
-    return int(min(by_sms, by_len, _constants()["max_splits"]))
+    return int(min(by_sms, by_len, MAX_DEFAULT_SPLITS, _constants()["max_splits"]))
 
 
 # ----------------------------------------------------------------------------- the custom call

@@ -18,6 +18,10 @@ from .schedules import LAYOUT_ORDER, SCHEDULES, build_schedule, check_layout, de
 from .topology import Topology, find_topology
 
 
+# "nvshmem": one-sided puts where NVSHMEM runs (one process per GPU), else "xla" with a warning.
+BACKENDS = ("xla", "nvshmem")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule bound to devices: degrees, mesh layout and the jax Mesh."""
@@ -55,12 +59,18 @@ class Plan:
     def build(self, shape: AttnShape) -> Schedule:
         return _cached_schedule(self.schedule, self.layout, shape)
 
-    def __call__(self, q, k, v, *, kernel=None, scale=None):
-        from .xla_backend import execute
-
+    def __call__(self, q, k, v, *, kernel=None, scale=None, backend: str = "xla"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         self.check(q.shape, k.shape, v.shape)
         b, l, h, d = q.shape
         sched = self.build(AttnShape(b, l, h, d, np.dtype(q.dtype).itemsize))
+        if backend == "nvshmem":
+            from . import nvshmem
+
+            return nvshmem.execute(sched, self, q, k, v, kernel=kernel, scale=scale)
+        from .xla_backend import execute
+
         return execute(sched, self.mesh, q, k, v, kernel=kernel, scale=scale)
 
     def __repr__(self) -> str:
@@ -124,9 +134,11 @@ def plan(
     return Plan(schedule, topo, layout, mesh)
 
 
-def sp_attention(q, k, v, plan: Plan, *, kernel=None, scale=None):
+def sp_attention(q, k, v, plan: Plan, *, kernel=None, scale=None, backend: str = "xla"):
     """Sequence-parallel attention of global ``[B, L, H, Dh]`` arrays under ``plan``.
 
     ``kernel``: the local attention kernel (a name, a callable with the hook signature, or
-    None = ``jax_cluster.flash_attention``); see :mod:`.local_attention`."""
-    return plan(q, k, v, kernel=kernel, scale=scale)
+    None = ``jax_cluster.flash_attention``); see :mod:`.local_attention`. ``backend``:
+    ``"xla"`` (collectives) or ``"nvshmem"`` (one-sided puts, :mod:`.nvshmem`; the XLA
+    backend with one warning where NVSHMEM cannot run)."""
+    return plan(q, k, v, kernel=kernel, scale=scale, backend=backend)
