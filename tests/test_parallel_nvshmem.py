@@ -1,0 +1,213 @@
+"""The NVSHMEM backend's CPU-testable parts: the local launcher, the bootstrap through
+jax.distributed's key-value store (plans that agree or differ, peers that never arrive), the
+arena sizing, the executor's structure, and the fallback to the XLA backend with one warning.
+The GPU run (2 processes, one GPU each) is in docs/nvshmem.md."""
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cluster import _ffi
+from jax_cluster import parallel as sp
+from jax_cluster.parallel import launch as ln
+from jax_cluster.parallel import nvshmem, nvshmem_backend
+from jax_cluster.parallel.description import Shift
+
+# Children: CPU only, one device per process, the installed package.
+CHILD_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(code, n=2, timeout=60, **kw):
+    return ln.launch([sys.executable, "-c", textwrap.dedent(code)], n, timeout=timeout, gpus=False,
+                     env=CHILD_ENV, stream=None, **kw)
+
+
+# ------------------------------------------------------------------------ launcher
+def test_launch_ranks_and_prefixed_output(capsys):
+    res = ln.launch([sys.executable, "-c", "import os; print('hello', os.environ['JAX_CLUSTER_RANK'], "
+                                           "os.environ['JAX_CLUSTER_WORLD'], os.environ['JAX_CLUSTER_COORDINATOR'])"],
+                    2, timeout=30, gpus=False, stream=sys.stdout)
+    assert res.returncode == 0 and res.returncodes == [0, 0]
+    coords = set()
+    for r in range(2):
+        word, rank, world, coord = res.text(r).split()
+        assert (word, rank, world) == ("hello", str(r), "2")
+        coords.add(coord)
+    assert len(coords) == 1 and coords.pop().startswith("127.0.0.1:")
+    out = capsys.readouterr().out
+    assert "[rank 0] hello 0 2" in out and "[rank 1] hello 1 2" in out
+
+
+def test_launch_first_failure_stops_the_others():
+    t = time.monotonic()
+    res = _run("""
+        import os, sys, time
+        if os.environ['JAX_CLUSTER_RANK'] == '1':
+            sys.exit(3)
+        time.sleep(60)
+    """, timeout=60)
+    assert res.returncode == 3 and res.failed_rank == 1 and not res.timed_out
+    assert time.monotonic() - t < 20
+
+
+def test_launch_timeout_kills_everything():
+    t = time.monotonic()
+    res = _run("import time; time.sleep(60)", timeout=1.0)
+    assert res.timed_out and res.returncode == ln.TIMEOUT_EXIT_CODE
+    assert time.monotonic() - t < 15
+
+
+def test_launch_cli_propagates_exit_code():
+    code = "import os, sys; print('r', os.environ['JAX_CLUSTER_RANK']); sys.exit(int(os.environ['JAX_CLUSTER_RANK']) * 5)"
+    p = subprocess.run([sys.executable, "-m", "jax_cluster.parallel.launch", "-n", "2", "--gpus", "no",
+                        "--timeout", "30", "--", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 5, p.stdout + p.stderr
+    assert "[rank 1] r 1" in p.stdout
+
+
+def test_launch_refuses_more_ranks_than_gpus(monkeypatch):
+    monkeypatch.setattr(ln, "count_gpus", lambda: 1)
+    with pytest.raises(ValueError, match="2 processes need 2 GPUs"):
+        ln.launch(["true"], 2, gpus=True, stream=None)
+
+
+def test_child_env_one_gpu_each_and_no_multicast(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    e = ln.child_env(1, 2, "127.0.0.1:1", gpus=True)
+    assert e["CUDA_VISIBLE_DEVICES"] == "1" and e["NVSHMEM_DISABLE_NVLS"] == "1" and e["NCCL_NVLS_ENABLE"] == "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert ln.child_env(1, 2, "127.0.0.1:1", gpus=True)["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+# ----------------------------------------------------------------- bootstrap (2 processes)
+_BOOT = """
+    import sys
+    from jax_cluster.parallel.launch import init_distributed
+    rank, world = init_distributed(timeout_s=30)
+    import jax, numpy as np
+    from jax_cluster import parallel as sp
+    from jax_cluster.parallel import nvshmem
+    assert jax.process_count() == world == 2, jax.process_count()
+    plan = sp.plan("ring", devices=jax.devices())
+    L = 64 if (sys.argv[1] == "agree" or rank == 0) else 128
+    dtype = np.float16 if (sys.argv[1] == "agree" or rank == 0) else np.float32
+    try:
+        st = nvshmem.init(plan, sp.AttnShape(1, L, 4, 16, np.dtype(dtype).itemsize), dtype, timeout_s=20)
+        print("STATUS", st)
+    except nvshmem.PlanMismatchError as e:
+        print("MISMATCH", e)
+    if sys.argv[1] == "agree":
+        print("GATHER", nvshmem.allgather_str("t", f"v{rank}", timeout_s=20))
+        # a peer that never arrives: rank 0 waits for rank 1 in an exchange rank 1 skips,
+        # rank 1 waits for rank 0's unique id, which rank 0 never publishes
+        try:
+            if rank == 0:
+                nvshmem.allgather_str("lonely", "x", timeout_s=1)
+            else:
+                nvshmem.broadcast_bytes("uid", None, timeout_s=1)
+        except nvshmem.PeerTimeoutError as e:
+            print("TIMEOUT", e)
+"""
+
+
+def test_bootstrap_plans_agree_and_missing_peers_time_out():
+    res = ln.launch([sys.executable, "-c", textwrap.dedent(_BOOT), "agree"], 2, timeout=90, gpus=False,
+                    env=CHILD_ENV, stream=None)
+    out = [res.text(r) for r in range(2)]
+    assert res.returncode == 0, out
+    for r in range(2):
+        assert "STATUS not available: " in out[r], out[r]
+        assert "GATHER ['v0', 'v1']" in out[r], out[r]
+    assert "TIMEOUT rank 1 (of 2, waiting on rank 0" in out[0], out[0]
+    assert "TIMEOUT rank 0 (the root of uid" in out[1], out[1]
+
+
+def test_bootstrap_plans_that_differ_are_named():
+    res = ln.launch([sys.executable, "-c", textwrap.dedent(_BOOT), "differ"], 2, timeout=90, gpus=False,
+                    env=CHILD_ENV, stream=None)
+    out = [res.text(r) for r in range(2)]
+    assert res.returncode == 0, out
+    for r in range(2):
+        line = next(x for x in out[r].splitlines() if x.startswith("MISMATCH"))
+        assert "shape: rank 0=B=1 L=64 H=4 Dh=16, rank 1=B=1 L=128" in line, line
+        assert "dtype: rank 0=float16, rank 1=float32" in line, line
+        assert "arena_bytes" in line and "schedule:" not in line, line
+
+
+def test_single_process_helpers_need_no_store():
+    assert ln.init_distributed() == (0, 1)
+    assert nvshmem.allgather_str("solo", "a") == ["a"]
+    assert nvshmem.broadcast_bytes("solo", b"\x01") == b"\x01"
+
+
+# ------------------------------------------------------------------------------ arena
+@pytest.mark.parametrize("name,machines,dims", [("ring", 1, {}), ("ring", 2, {}), ("torus", 2, {"heads": 8}),
+                                                ("usp", 2, {"heads": 8})])
+def test_arena_holds_every_shifted_slot_once(name, machines, dims):
+    shape = sp.AttnShape(2, 64, 8, 16, 2)
+    sched = sp.schedule_for(name, machines, 4 // machines, shape)
+    lay = nvshmem.arena_layout(sched)
+    dsts = [d for _, _, op in sched.ops() if isinstance(op, Shift) and op.shift % sched.layout.size(op.axis)
+            for d in op.dst]
+    assert sorted(lay.regions) == sorted(dsts) and len(set(dsts)) == len(dsts)
+    spans = sorted(lay.regions.values())
+    for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+        assert o1 + n1 <= o2 and o1 % nvshmem.ALIGN == 0
+    assert all(n == sched.slot_bytes(d) for d, (_, n) in lay.regions.items())
+    assert lay.signal_offset >= sum(n for _, n in lay.regions.values())
+    assert lay.total_bytes >= lay.signal_offset + 8 * (len(dsts) + 1)
+    if name == "ring":  # P - 1 passes of k and v
+        assert len(dsts) == 2 * (sched.layout.num_devices - 1)
+
+
+# --------------------------------------------------------------- executor (structure)
+@pytest.mark.parametrize("name", ["ring", "torus"])
+def test_executor_puts_waits_and_one_barrier(name):
+    p = sp.plan(name, heads=8, num_machines=2, devices=jax.devices()[:4])
+    q = jnp.zeros((1, 64, 8, 16), jnp.bfloat16)
+    sched = p.build(sp.AttnShape(1, 64, 8, 16, 2))
+    arena = nvshmem.arena_layout(sched)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: nvshmem_backend.execute(sched, p.mesh, q, k, v, arena=arena,
+                                                                       kernel="xla"))(q, q, q))
+    assert jaxpr.count(nvshmem_backend.PUT) == jaxpr.count(nvshmem_backend.WAIT) == len(arena.regions) > 0
+    assert jaxpr.count(nvshmem_backend.BARRIER) == 1
+    assert "ppermute" not in jaxpr
+
+
+# -------------------------------------------------------------------------- fallback
+@pytest.mark.parametrize("name", ["ring", "torus"])
+def test_fallback_equals_xla_backend_with_one_warning(rng, name):
+    p = sp.plan(name, heads=8, num_machines=2, devices=jax.devices()[:4])
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((1, 32, 8, 16)), jnp.float32), p.sharding())
+               for _ in range(3))
+    st = nvshmem.availability()
+    assert not st.available and st.reason
+    def run(backend):  # two traces under jit
+        return [np.asarray(jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, kernel="xla", backend=backend))(q, k, v))
+                for _ in range(2)]
+
+    want = run("xla")
+    _ffi._warned.discard(nvshmem._FALLBACK_KEY)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = run("nvshmem")
+    msgs = [str(x.message) for x in w if "nvshmem" in str(x.message).lower()]
+    assert len(msgs) == 1, msgs
+    assert "not available" in msgs[0] and "XLA backend" in msgs[0]
+    for g, wt in zip(got, want):
+        np.testing.assert_array_equal(g, wt)
+
+
+def test_unknown_backend_is_an_error():
+    p = sp.plan("ring", num_machines=2)
+    q = jnp.zeros((1, 64, 8, 16), jnp.float32)
+    with pytest.raises(ValueError, match="unknown backend"):
+        sp.sp_attention(q, q, q, p, backend="mpi")
