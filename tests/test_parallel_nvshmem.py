@@ -19,18 +19,18 @@ from jax_cluster.parallel import launch as ln
 from jax_cluster.parallel import nvshmem, nvshmem_backend
 from jax_cluster.parallel.description import Shift
 
-# Children: CPU only, one device per process, the installed package.
+# Children: CPU only, one device per process, the installed package (-P: not the source tree).
 CHILD_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _run(code, n=2, timeout=60, **kw):
-    return ln.launch([sys.executable, "-c", textwrap.dedent(code)], n, timeout=timeout, gpus=False,
+    return ln.launch([sys.executable, "-P", "-c", textwrap.dedent(code)], n, timeout=timeout, gpus=False,
                      env=CHILD_ENV, stream=None, **kw)
 
 
 # ------------------------------------------------------------------------ launcher
 def test_launch_ranks_and_prefixed_output(capsys):
-    res = ln.launch([sys.executable, "-c", "import os; print('hello', os.environ['JAX_CLUSTER_RANK'], "
+    res = ln.launch([sys.executable, "-P", "-c", "import os; print('hello', os.environ['JAX_CLUSTER_RANK'], "
                                            "os.environ['JAX_CLUSTER_WORLD'], os.environ['JAX_CLUSTER_COORDINATOR'])"],
                     2, timeout=30, gpus=False, stream=sys.stdout)
     assert res.returncode == 0 and res.returncodes == [0, 0]
@@ -65,7 +65,7 @@ def test_launch_timeout_kills_everything():
 
 def test_launch_cli_propagates_exit_code():
     code = "import os, sys; print('r', os.environ['JAX_CLUSTER_RANK']); sys.exit(int(os.environ['JAX_CLUSTER_RANK']) * 5)"
-    p = subprocess.run([sys.executable, "-m", "jax_cluster.parallel.launch", "-n", "2", "--gpus", "no",
+    p = subprocess.run([sys.executable, "-P", "-m", "jax_cluster.parallel.launch", "-n", "2", "--gpus", "no",
                         "--timeout", "30", "--", sys.executable, "-c", code],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 5, p.stdout + p.stderr
@@ -119,7 +119,7 @@ _BOOT = """
 
 
 def test_bootstrap_plans_agree_and_missing_peers_time_out():
-    res = ln.launch([sys.executable, "-c", textwrap.dedent(_BOOT), "agree"], 2, timeout=90, gpus=False,
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_BOOT), "agree"], 2, timeout=90, gpus=False,
                     env=CHILD_ENV, stream=None)
     out = [res.text(r) for r in range(2)]
     assert res.returncode == 0, out
@@ -131,7 +131,7 @@ def test_bootstrap_plans_agree_and_missing_peers_time_out():
 
 
 def test_bootstrap_plans_that_differ_are_named():
-    res = ln.launch([sys.executable, "-c", textwrap.dedent(_BOOT), "differ"], 2, timeout=90, gpus=False,
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_BOOT), "differ"], 2, timeout=90, gpus=False,
                     env=CHILD_ENV, stream=None)
     out = [res.text(r) for r in range(2)]
     assert res.returncode == 0, out
@@ -211,3 +211,66 @@ def test_unknown_backend_is_an_error():
     q = jnp.zeros((1, 64, 8, 16), jnp.float32)
     with pytest.raises(ValueError, match="unknown backend"):
         sp.sp_attention(q, q, q, p, backend="mpi")
+
+
+# ------------------------------------------------------------- 2 GPUs, one process each
+_GPU_CHILD = """
+    import sys, warnings
+    from jax_cluster.parallel.launch import init_distributed
+    rank, world = init_distributed(timeout_s=60)
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import multihost_utils
+    from jax_cluster import parallel as sp
+    from jax_cluster.parallel import nvshmem
+    name, mode = sys.argv[1], sys.argv[2]
+    p = sp.plan(name, heads=8, devices=jax.devices())
+    shape = (1, 1024, 8, 128)
+    x = np.random.default_rng(0).standard_normal((3,) + shape).astype(np.float32)
+    q, k, v = (jax.make_array_from_callback(shape, p.sharding(), lambda i, a=a: jnp.asarray(a[i], jnp.bfloat16))
+               for a in x)
+    if mode == "fault" and rank == 1:  # joins NVSHMEM, then dies before the transfers:
+        import os                       # rank 0's device wait must fail in the timeout, not hang
+        nvshmem.init(p, sp.AttnShape(*shape, 2), jnp.bfloat16)
+        os._exit(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warning here is a failure
+        f = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem"))
+        try:
+            o = multihost_utils.process_allgather(f(q, k, v), tiled=True)
+        except Exception as e:
+            print("FAULT", nvshmem.last_fault(), "|", type(e).__name__, str(e)[:300], flush=True)
+            import os
+            os._exit(7)  # the CUDA context is gone and a peer is dead: no collective shutdown
+    o_xla = multihost_utils.process_allgather(jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p))(q, k, v), tiled=True)
+    ref = np.asarray(sp.reference_attention(*(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32) for a in x)))
+    err = float(np.abs(np.asarray(o, np.float32) - ref).max() / np.abs(ref).max())
+    same = bool(np.array_equal(np.asarray(o), np.asarray(o_xla)))
+    print("RESULT", name, err, same)
+    assert err < 2e-2, err
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ring", "torus"])
+def test_two_gpus_nvshmem_equals_single_device_attention(name):
+    if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
+        pytest.skip("needs 2 GPUs and the NVSHMEM module")
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), name, "ok"], 2, timeout=300, gpus=True,
+                    env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "30"})
+    out = [res.text(r) for r in range(2)]
+    assert res.returncode == 0, out
+    assert all(f"RESULT {name}" in o for o in out), out
+
+
+@pytest.mark.gpu
+def test_two_gpus_missing_peer_fails_within_the_timeout():
+    if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
+        pytest.skip("needs 2 GPUs and the NVSHMEM module")
+    t = time.monotonic()
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", "fault"], 2, timeout=240, gpus=True,
+                    env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "5"})
+    assert not res.timed_out, [res.text(r) for r in range(2)]
+    assert res.returncode == 7 and time.monotonic() - t < 200, [res.text(r) for r in range(2)]
+    # expected: the fault record of the device wait ("PE 0: the put into slot signal ... never
+    # arrived"); a CUDA error from the put into the dead peer's memory is also bounded
+    assert "FAULT" in res.text(0), res.text(0)

@@ -192,18 +192,20 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
 
 
-def init_distributed(timeout_s: int = 120) -> tuple[int, int]:
+def init_distributed(timeout_s: int = 120, shutdown_timeout_s: int = 60) -> tuple[int, int]:
     """``jax.distributed.initialize`` from the launcher's variables; returns (rank, world).
 
     A process not started by the launcher (single process) is left alone: (0, 1). Calling it
-    twice is harmless. ``timeout_s`` bounds the wait for the other ranks to connect."""
+    twice is harmless. ``timeout_s`` bounds the wait for the other ranks to connect,
+    ``shutdown_timeout_s`` the wait for them at exit."""
     import jax
 
     rank, world = rank_and_world()
     if world == 1 or jax.distributed.is_initialized():
         return rank, world
     jax.distributed.initialize(os.environ[ENV_COORDINATOR], num_processes=world, process_id=rank,
-                               initialization_timeout=int(timeout_s))
+                               initialization_timeout=int(timeout_s),
+                               shutdown_timeout_seconds=int(shutdown_timeout_s))
     return rank, world
 
 

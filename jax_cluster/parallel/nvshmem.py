@@ -267,7 +267,8 @@ def _finalize() -> None:
     ctx = _ctx[0]
     if ctx is not None:
         _ctx[0] = None
-        ctx.module.finalize()
+        if ctx.module.last_fault() is None:  # after a fault a peer may be gone: finalize would wait
+            ctx.module.finalize()
 
 
 def init(plan, shape: AttnShape, dtype, *, timeout_s: float | None = None,

@@ -39,19 +39,21 @@ def _put(x, *, region, arena, peers):
     offset, nbytes = arena.regions[region]
     return jax.ffi.ffi_call(PUT, _TOKEN, has_side_effect=True)(
         x, offset=np.int64(offset), nbytes=np.int64(nbytes), signal=np.int64(arena.signals[region]),
-        peers=np.asarray(peers, np.int64))
+        signal_offset=np.int64(arena.signal_offset), peers=np.asarray(peers, np.int64))
 
 
 def _wait(token, src, *, region, arena):
     offset, nbytes = arena.regions[region]
     out = jax.ShapeDtypeStruct(src.shape, src.dtype)
     return jax.ffi.ffi_call(WAIT, out, has_side_effect=True)(
-        token, src, offset=np.int64(offset), nbytes=np.int64(nbytes), signal=np.int64(arena.signals[region]))
+        token, src, offset=np.int64(offset), nbytes=np.int64(nbytes), signal=np.int64(arena.signals[region]),
+        signal_offset=np.int64(arena.signal_offset))
 
 
 def _barrier(x, *, arena):
     return jax.ffi.ffi_call(BARRIER, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True,
-                            input_output_aliases={0: 0})(x, signal=np.int64(arena.barrier_signal))
+                            input_output_aliases={0: 0})(x, signal=np.int64(arena.barrier_signal),
+                                                         signal_offset=np.int64(arena.signal_offset))
 
 
 def run_local(schedule: Schedule, arena, q, k, v, *, kernel=None, scale=None):
