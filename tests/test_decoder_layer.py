@@ -165,7 +165,7 @@ def case(rng, family, dtype, *, hq=4, hkv=2, dh=16, d=64, f=128, rotary=16, bias
     return args, kw
 
 
-@pytest.mark.filterwarnings("ignore:swiglu: no kernel")
+@pytest.mark.filterwarnings("ignore:.*no kernel for dtype float32")
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt_neox", dict(parallel_residual=True)),
@@ -192,10 +192,48 @@ def test_errors_before_anything_runs(rng):
         decoder_layer(**dict(args, lengths=jnp.asarray([0, 1, S_MAX], jnp.int32)), **kw)
     with pytest.raises(ValueError, match="w_down'\\] has shape"):
         decoder_layer(**dict(args, weights=dict(args["weights"], w_down=args["weights"]["w_gate"])), **kw)
-    with pytest.raises(ValueError, match="one-launch layer kernel is not built"):
-        decoder_layer(**args, **kw, impl="cuda")
+    with pytest.raises(ValueError, match="weights\\['qkv'\\] has shape"):
+        decoder_layer(**dict(args, weights=dict(args["weights"], qkv=args["weights"]["o"])), **kw)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        decoder_layer(**args, **dict(kw, rotary_dim=7))
     with pytest.raises(ValueError, match="impl must be"):
         decoder_layer(**args, **kw, impl="fast")
     neox, nkw = case(rng, "gpt_neox", jnp.float32, hkv=4, rotary=4)
     with pytest.raises(ValueError, match="missing \\['norm_bias'\\]"):
         decoder_layer(**dict(neox, weights={k: v for k, v in neox["weights"].items() if k != "norm_bias"}), **nkw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt_neox", dict(parallel_residual=True)),
+                                          ("gpt_neox", dict(gelu_approximate=True, rope_layout="interleaved"))])
+def test_cpu_handler_matches_reference(rng, dtype, family, extra):
+    """impl="cuda" on CPU: the custom call's C++ handler (the one-launch kernel's contract)."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the CPU handler")
+    args, kw = case(rng, family, jnp.dtype(dtype), hkv=4 if family == "gpt_neox" else 2,
+                    rotary=8 if family == "gpt_neox" else 16, bias=family == "gpt_neox")
+    y, kc, vc = jax.jit(functools.partial(decoder_layer, impl="cuda", **kw, **extra))(**args)
+    ry, rk, rv = jax.jit(functools.partial(decoder_layer, impl="reference", **kw, **extra))(**args)
+    assert rel_l2(y, ry) <= TOLERANCE[dtype], rel_l2(y, ry)
+    np.testing.assert_array_equal(np.asarray(kc, np.float32) != np.asarray(args["k_cache"], np.float32),
+                                  np.asarray(rk, np.float32) != np.asarray(args["k_cache"], np.float32))
+    assert rel_l2(vc, rv) <= TOLERANCE[dtype]
+
+
+def test_cpu_handler_invalid_rows_and_vmap(rng):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the CPU handler")
+    args, kw = case(rng, "llama", jnp.float32)
+    bad = dict(args, lengths=jnp.asarray([-1, 3, S_MAX], jnp.int32))
+    y, kc, _ = jax.jit(functools.partial(decoder_layer, impl="cuda", **kw))(**bad)
+    assert np.all(np.isnan(np.asarray(y)[[0, 2]])) and not np.any(np.isnan(np.asarray(y)[1]))
+    np.testing.assert_array_equal(np.asarray(kc)[[0, 2]], np.asarray(args["k_cache"])[[0, 2]])
+    two = [case(rng, "llama", jnp.float32)[0] for _ in range(2)]
+    w = two[0]["weights"]
+    stack = lambda k: jnp.stack([t[k] for t in two])  # noqa: E731
+    fn = functools.partial(decoder_layer, impl="cuda", **kw)
+    ys, _, _ = jax.vmap(lambda x, k, v, n: fn(x, w, k, v, n, two[0]["inv_freq"]))(
+        stack("x"), stack("k_cache"), stack("v_cache"), stack("lengths"))
+    for i, t in enumerate(two):
+        ry, _, _ = decoder_layer(**dict(t, weights=w), impl="reference", **kw)
+        assert rel_l2(ys[i], ry) <= TOLERANCE["float32"]

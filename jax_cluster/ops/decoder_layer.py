@@ -13,7 +13,8 @@ tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
 one-launch layer kernel (ClusterFusion++'s whole-layer dataflow) is not built: "auto" runs
 the layer on the per-op kernels (attention_block, then swiglu; GeLU MLPs on XLA's dots),
 each with its own tuner; "xla" the same blocks in plain jnp; "reference" the fp32
-reference; "cuda" is an error naming what is missing.
+reference; "cuda" the custom call jax_cluster_decoder_layer: its C++ handler on CPU (the
+reference's math and rounding points), on a GPU an error naming what is missing.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.core import ShapedArray
+
 from jax_cluster import reference
-from jax_cluster._ffi import check_array, check_impl
+from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu
 from jax_cluster.ops.attention_block import attention_block
 from jax_cluster.ops.swiglu import swiglu
 
@@ -32,6 +35,50 @@ __all__ = ["decoder_layer"]
 FAMILIES = ("llama", "gpt_neox")
 _MLP_KEYS = {"llama": ("w_gate", "w_up", "w_down"), "gpt_neox": ("w_in", "b_in", "w_out", "b_out")}
 _ATTN_KEYS = ("norm", "norm_bias", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "post_norm_bias")
+
+
+# The custom call's operands after x, in cpp/ops/decoder_layer/ffi.h's order (absent: empty).
+_OPERANDS = ("norm", "norm_bias", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "post_norm_bias")
+_MLP_OPERANDS = {"llama": ("w_gate", "w_up", "w_down", None, None), "gpt_neox": ("w_in", None, "w_out", "b_in", "b_out")}
+_MLP_KIND = {("llama", False): 0, ("gpt_neox", False): 1, ("gpt_neox", True): 2}
+
+
+def _abstract(x, *rest, **_):
+    k_cache, v_cache = rest[13], rest[14]
+    return (ShapedArray(x.shape, x.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
+            ShapedArray(v_cache.shape, v_cache.dtype))
+
+
+def _batching(args, dims, **params):
+    """vmap: the mapped axis folds into the rows (weights and inv_freq are shared)."""
+    if any(d is not None for i, d in enumerate(dims) if i not in (0, 14, 15, 16)):
+        raise NotImplementedError("decoder_layer: vmap over the weights or inv_freq is not supported")
+    size = next(args[i].shape[d] for i, d in enumerate(dims) if d is not None)
+    x, kc, vc, lengths = (fold_batch_axis(args[i], dims[i], size) for i in (0, 14, 15, 16))
+    n, b = x.shape[:2]
+    flat = lambda a: a.reshape((n * b,) + a.shape[2:])  # noqa: E731
+    ops = list(args)
+    ops[0], ops[14], ops[15], ops[16] = flat(x), flat(kc), flat(vc), flat(lengths)
+    y, k2, v2 = _PRIM.bind(*ops, **params)
+    return (y.reshape(x.shape), k2.reshape(kc.shape), v2.reshape(vc.shape)), (0, 0, 0)
+
+
+_PRIM = ffi_primitive("decoder_layer", abstract_eval=_abstract, batching_rule=_batching,
+                      operand_output_aliases={14: 1, 15: 2})
+
+
+def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps,
+                 rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate):
+    empty = jnp.zeros((0,), x.dtype)
+    weights = [w.get(k) for k in _OPERANDS] + [None if k is None else w.get(k) for k in _MLP_OPERANDS[family]]
+    operands = [empty if a is None else a for a in weights]
+    dh = k_cache.shape[-1]
+    return _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
+                      num_kv_heads=int(num_kv_heads), rotary_dim=int(dh if rotary_dim is None else rotary_dim),
+                      rope_layout={"half": 0, "interleaved": 1}[rope_layout], norm=1 if family == "llama" else 2,
+                      mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
+                      parallel_residual=bool(parallel_residual and family == "gpt_neox"), eps=np.float32(eps),
+                      scale=np.float32(dh ** -0.5 if scale is None else scale))
 
 
 def _norm(x, kind, weight, bias, eps):
@@ -50,7 +97,7 @@ def _dense(x, w, b=None):
     return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
 
 
-def _check(op, family, x, w, k_cache, lengths, num_q_heads, num_kv_heads):
+def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim):
     if family not in FAMILIES:
         raise ValueError(f"{op}: family must be one of {FAMILIES}, got {family!r}")
     if x.ndim != 2:
@@ -66,6 +113,21 @@ def _check(op, family, x, w, k_cache, lengths, num_q_heads, num_kv_heads):
     b, d = x.shape
     if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[1] != num_kv_heads:
         raise ValueError(f"{op}: caches must be [B={b}, Hkv={num_kv_heads}, S_max, Dh], got {tuple(k_cache.shape)}")
+    if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{op}: num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{op}: v_cache {v_cache.dtype} {tuple(v_cache.shape)} must match k_cache "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)}")
+    dh = k_cache.shape[3]
+    rot = dh if rotary_dim is None else rotary_dim
+    if rot % 2 or not 0 <= rot <= dh:
+        raise ValueError(f"{op}: rotary_dim ({rot}) must be even and at most head_dim ({dh})")
+    check_array(op, "inv_freq", inv_freq, (rot // 2,), jnp.float32)
+    cols = (num_q_heads + 2 * num_kv_heads) * dh
+    check_array(op, "weights['qkv']", w["qkv"], (d, cols))
+    check_array(op, "weights['qkv_bias']", w.get("qkv_bias"), (cols,))
+    check_array(op, "weights['o']", w["o"], (num_q_heads * dh, d))
     for name in ("norm", "norm_bias", "post_norm", "post_norm_bias", "o_bias"):
         check_array(op, f"weights[{name!r}]", w.get(name), (d,))
     check_array(op, "lengths", lengths, (b,), jnp.int32)
@@ -96,15 +158,19 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     op = "decoder_layer"
     check_impl(op, impl)
     w = dict(weights)
-    _check(op, family, x, w, k_cache, lengths, num_q_heads, num_kv_heads)
+    _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
     kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,
               rope_layout=rope_layout, scale=scale, parallel_residual=parallel_residual,
               gelu_approximate=gelu_approximate)
     if impl == "reference":
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     if impl == "cuda":
-        raise ValueError(f"{op}: the one-launch layer kernel is not built yet; impl='auto' runs the layer on the "
-                         "per-op kernels (attention_block, swiglu)")
+        if on_gpu():
+            raise ValueError(f"{op}: the one-launch layer kernel is not built yet; impl='auto' runs the layer on "
+                             "the per-op kernels (attention_block, swiglu)")
+        if rope_layout not in ("half", "interleaved"):
+            raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
+        return _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     norm = "rms" if family == "llama" else "layer"
     h, k_cache, v_cache = attention_block(
         x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,

@@ -1,0 +1,112 @@
+// The FFI binding of decoder_layer (operands by position, one attribute struct), shared by the
+// CPU and CUDA handlers. The Python wrapper (jax_cluster/ops/decoder_layer.py) checks the same
+// things first; absent optional weights are passed as empty arrays.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "ffi/common.h"
+#include "ops/attention_block/ffi.h"  // FfiBuffers
+#include "ops/decoder_layer/params.h"
+
+namespace jax_cluster {
+
+struct DecoderLayerAttrs {
+  int64_t num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, mlp;
+  bool parallel_residual;
+  float eps, scale;
+};
+
+// Operands and results in the order Python binds them.
+enum DecoderLayerOperand : size_t {
+  kDlX, kDlNormW, kDlNormB, kDlWqkv, kDlQkvBias, kDlWo, kDlOBias, kDlPostNormW, kDlPostNormB,
+  kDlW1, kDlW2, kDlW3, kDlB1, kDlB3, kDlKCache, kDlVCache, kDlLengths, kDlInvFreq, kDlOperands
+};
+
+inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& call, const DecoderLayerAttrs& a) {
+  auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("decoder_layer: " + m)); };
+  if (auto e = call.arity(kDlOperands, 3); !e.empty()) return fail(e);
+  const ffi::AnyBuffer x = call.in(kDlX), kc = call.in(kDlKCache);
+  auto xd = x.dimensions(), kd = kc.dimensions();
+  if (xd.size() != 2 || kd.size() != 4) return fail("x must be [B, D] and the caches [B, Hkv, S_max, Dh]");
+  auto dtype = ffi_util::to_dtype(x.element_type(), "x");
+  if (!dtype) return ffi::Unexpected(dtype.error());
+  DecoderLayerParams p{};
+  p.dtype = *dtype;
+  p.batch = xd[0];
+  p.hidden = xd[1];
+  p.num_q_heads = a.num_q_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.head_dim = kd[3];
+  p.max_seq = kd[2];
+  p.rotary_dim = a.rotary_dim;
+  p.rope_layout = static_cast<RopeLayout>(a.rope_layout);
+  p.norm = static_cast<NormKind>(a.norm);
+  p.mlp = static_cast<MlpKind>(a.mlp);
+  p.parallel_residual = a.parallel_residual;
+  p.eps = a.eps;
+  p.scale = a.scale;
+  p.inter = call.in(kDlW1).dimensions().size() == 2 ? call.in(kDlW1).dimensions()[1] : 0;
+  if (auto e = decoder_layer_check(p); !e.empty()) return fail(e);
+  if (a.rope_layout != 0 && a.rope_layout != 1) return fail("rope_layout must be 0 (half) or 1 (interleaved)");
+  if (a.mlp < 0 || a.mlp > 2) return fail("mlp must be 0 (SwiGLU), 1 (GeLU) or 2 (tanh GeLU)");
+  if (kd[0] != p.batch || kd[1] != p.num_kv_heads || call.in(kDlVCache).element_count() != kc.element_count()) {
+    return fail("the caches must be [B, Hkv, S_max, Dh] with the x's B and num_kv_heads");
+  }
+  const int64_t d = p.hidden, f = p.inter, dh = p.head_dim, cols = (p.num_q_heads + 2 * p.num_kv_heads) * dh;
+  // (operand, elements it must hold; 0: may be empty, -1: must be empty)
+  const bool swiglu = p.mlp == MlpKind::kSwiglu, layer = p.norm == NormKind::kLayer;
+  const std::pair<size_t, int64_t> sizes[] = {
+      {kDlNormW, d}, {kDlNormB, layer ? d : -1}, {kDlWqkv, d * cols}, {kDlQkvBias, 0}, {kDlWo, p.num_q_heads * dh * d},
+      {kDlOBias, 0}, {kDlPostNormW, d}, {kDlPostNormB, layer ? d : -1}, {kDlW1, d * f}, {kDlW2, swiglu ? d * f : -1},
+      {kDlW3, f * d}, {kDlB1, swiglu ? -1 : 0}, {kDlB3, swiglu ? -1 : 0}};
+  const int64_t optional_size[] = {0, 0, 0, cols, 0, d, 0, 0, 0, 0, 0, f, d};
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    const ffi::AnyBuffer buf = call.in(sizes[i].first);
+    const int64_t n = static_cast<int64_t>(buf.element_count()), want = sizes[i].second;
+    const bool ok = want > 0 ? n == want : want < 0 ? n == 0 : (n == 0 || n == optional_size[i]);
+    if (!ok || (n > 0 && buf.element_type() != x.element_type())) {
+      return fail("operand " + std::to_string(sizes[i].first) + " has " + std::to_string(n) +
+                  " elements or another dtype than x");
+    }
+  }
+  const ffi::AnyBuffer lengths = call.in(kDlLengths), inv_freq = call.in(kDlInvFreq);
+  if (lengths.element_type() != ffi::DataType::S32 || static_cast<int64_t>(lengths.element_count()) != p.batch) {
+    return fail("lengths must be int32 [B]");
+  }
+  if (inv_freq.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(inv_freq.element_count()) != p.rotary_dim / 2) {
+    return fail("inv_freq must be float32 [rotary_dim / 2]");
+  }
+  auto y = call.out(0);
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return fail("y must have x's shape and dtype");
+  }
+  if (call.out(1)->untyped_data() != kc.untyped_data() ||
+      call.out(2)->untyped_data() != call.in(kDlVCache).untyped_data()) {
+    return fail("the caches must be aliased to their results");
+  }
+  auto ptr = [&](size_t i) -> const void* {
+    const ffi::AnyBuffer buf = call.in(i);
+    return buf.element_count() ? buf.untyped_data() : nullptr;
+  };
+  p.x = x.untyped_data();
+  p.norm_w = ptr(kDlNormW), p.norm_b = ptr(kDlNormB), p.w_qkv = ptr(kDlWqkv), p.qkv_bias = ptr(kDlQkvBias);
+  p.w_o = ptr(kDlWo), p.o_bias = ptr(kDlOBias), p.post_norm_w = ptr(kDlPostNormW), p.post_norm_b = ptr(kDlPostNormB);
+  p.w1 = ptr(kDlW1), p.w2 = ptr(kDlW2), p.w3 = ptr(kDlW3), p.b1 = ptr(kDlB1), p.b3 = ptr(kDlB3);
+  p.inv_freq = static_cast<const float*>(inv_freq.untyped_data());
+  p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  p.k_cache = kc.untyped_data();
+  p.v_cache = call.in(kDlVCache).untyped_data();
+  p.y = y->untyped_data();
+  return p;
+}
+
+}  // namespace jax_cluster
+
+JAX_CLUSTER_FFI_ATTRS(jax_cluster::DecoderLayerAttrs, xla::ffi::StructMember<int64_t>("num_q_heads"),
+                      xla::ffi::StructMember<int64_t>("num_kv_heads"), xla::ffi::StructMember<int64_t>("rotary_dim"),
+                      xla::ffi::StructMember<int64_t>("rope_layout"), xla::ffi::StructMember<int64_t>("norm"),
+                      xla::ffi::StructMember<int64_t>("mlp"), xla::ffi::StructMember<bool>("parallel_residual"),
+                      xla::ffi::StructMember<float>("eps"), xla::ffi::StructMember<float>("scale"));
