@@ -47,6 +47,14 @@ class GPTNeoX(CausalLM):
         return KVCache.create(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_heads,
                               max_len=max_len, head_dim=c.head_dim, dtype=dtype or self.dtype)
 
+    @staticmethod
+    def _layer_weights(layer) -> dict:
+        """The dict jax_cluster.decoder_layer takes."""
+        return dict(norm=layer.input_norm.weight[...], norm_bias=layer.input_norm.bias[...],
+                    qkv=layer.qkv.kernel[...], qkv_bias=layer.qkv.bias_value(), o=layer.o.kernel[...],
+                    o_bias=layer.o.bias_value(), post_norm=layer.post_norm.weight[...],
+                    post_norm_bias=layer.post_norm.bias[...], **layer.mlp.weights())
+
     def _mlp(self, layer, x, residual, impl):
         h = layer_norm(x, layer.post_norm.weight[...], layer.post_norm.bias[...], self.config.layer_norm_eps)
         return ops.gelu_mlp(h, residual=residual, approximate=layer.mlp.approximate, impl=impl, **layer.mlp.weights())
@@ -70,7 +78,18 @@ class GPTNeoX(CausalLM):
         inv_freq = self.inv_freq()
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
         ks, vs = [], []
+        whole = a_impl == m_impl == "fused"  # the GELU MLP's only fused form is the whole-layer op
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+            if whole:
+                x, kc, vc = ops.decoder_layer(
+                    x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, family="gpt_neox",
+                    num_q_heads=c.num_heads, num_kv_heads=c.num_heads, eps=c.layer_norm_eps,
+                    rotary_dim=c.rotary_dim, rope_layout="half", scale=c.head_dim ** -0.5,
+                    parallel_residual=c.use_parallel_residual, gelu_approximate=layer.mlp.approximate,
+                    rope_factor=self.rope_factor())
+                ks.append(kc)
+                vs.append(vc)
+                continue
             h, kc, vc = ops.attention_block(
                 x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                 norm_weight=layer.input_norm.weight[...], norm_bias=layer.input_norm.bias[...], norm="layer",

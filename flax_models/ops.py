@@ -7,7 +7,9 @@ whole block at once:
 :func:`attention_block`  norm -> QKV -> RoPE -> cache write -> attention -> out-proj (+ residual):
                          ``jax_cluster.attention_block``
 :func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
-:func:`gelu_mlp`         GPT-NeoX's MLP: no fused op (always XLA)
+:func:`gelu_mlp`         GPT-NeoX's MLP: no fused op of its own (XLA); with every component
+                         "fused" GPT-NeoX runs whole layers on :func:`decoder_layer`
+                         (``jax_cluster.decoder_layer``)
 :func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode``
 :func:`moe`              DeepSeek-V2's MoE layer: router -> routed SwiGLU experts (+ residual) ->
                          shared experts: ``jax_cluster.moe_decode`` (its shared experts through
@@ -294,6 +296,19 @@ def gelu_mlp(x, w_in, b_in, w_out, b_out, residual=None, *, approximate=False, i
     _choose(impl, "gelu_mlp", None, x.dtype,
             unsupported="no fused GELU MLP op")
     return _add_residual(dense(gelu(dense(x, w_in, b_in), approximate), w_out, b_out), residual)
+
+
+def decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, *, impl="fused", rope_factor=1.0, **kw):
+    """A whole decode layer on ``jax_cluster.decoder_layer`` (impl "fused": its C++ handler on CPU;
+    on a GPU an error until its one-launch kernel exists). The models call it where every
+    component is "fused" and the per-op path has no fused form (GPT-NeoX's GELU MLP)."""
+    chosen = _choose(impl, "decoder_layer", "decoder_layer", x.dtype,
+                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    if chosen is None:
+        raise ValueError(f"decoder_layer block: impl {impl!r} has no per-op form here; use the model's blocks")
+    op, op_impl = chosen
+    return _run("decoder_layer", "decoder_layer", op, op_impl, x, w, k_cache, v_cache, lengths,
+                jnp.asarray(inv_freq, jnp.float32), **kw)
 
 
 def note_unfused(block: str, why: str) -> None:

@@ -85,7 +85,8 @@ def _usage_error(capsys, monkeypatch, argv):
     (["--prompt", "x" * 4097], "prompt 0 is 4097 tokens, longer than the model's context of 4096 tokens"),
     (["--prompt", "hi", "--prompt", "x" * 4000, "--max-new-tokens", "100"],
      "prompt 1 (4000 tokens) + --max-new-tokens 100 exceeds the model's context of 4096 tokens"),
-    (["--model", "tiny-pythia", "--impl", "fused"], "impl='fused' for "),
+    (["--model", "tiny-pythia", "--impl", "attention=fused,mlp=fused", "--dtype", "fp16", "--max-new-tokens",
+      "5000"], "exceeds the model's context"),
 ])
 def test_cli_bad_inputs_are_one_line_errors_before_anything_runs(capsys, monkeypatch, argv, message):
     assert message in _usage_error(capsys, monkeypatch, argv)
@@ -131,6 +132,14 @@ def test_cli_fused_on_cpu_runs_the_cpu_handlers(capsys):
     out = capsys.readouterr().out
     assert "attention_block: jax_cluster (C++ CPU handler, no GPU)" in out
     assert "swiglu: jax_cluster (C++ CPU handler, no GPU)" in out
+
+
+def test_cli_fused_pythia_runs_whole_layers_on_cpu(capsys):
+    """GPT-NeoX under --impl fused: its layers on jax_cluster.decoder_layer's C++ CPU handler."""
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    assert main(["--model", "tiny-pythia", "--impl", "fused", "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert "decoder_layer: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
 
 
 FUSABLE_DEEPSEEK = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=64,

@@ -31,3 +31,18 @@ def test_gpt_neox_matches_transformers(name, tmp_path):
     assert err["decode"] <= TOL, err
     ours, theirs = compare_greedy(hf, model)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gpt_neox_fused_layers_on_cpu_match_transformers(name, tmp_path):
+    """Decode through jax_cluster.decoder_layer's C++ CPU handler (impl fused: whole layers)."""
+    from flax_models import ops  # noqa: PLC0415
+
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    cfg = transformers.GPTNeoXConfig(**BASE, **CONFIGS[name])
+    hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    assert "decoder_layer: jax_cluster (C++ CPU handler, no GPU)" in [str(r) for r in routes]
