@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 
 import jax
 
@@ -29,11 +30,22 @@ _cpu_module, _cpu_error = _import("_jax_cluster_cpu")
 _cuda_module, _cuda_error = _import("_jax_cluster_cuda")
 
 
+# jax's CUDA backends come as PJRT plugins (jax-cuda12-plugin / jax-cuda13-plugin).
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
 def _has_cuda_backend() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+    """Whether jax can have a CUDA backend here, asked WITHOUT initialising any backend: the
+    targets register at import, and a multi-process program must be able to import
+    jax_cluster before jax.distributed.initialize (which refuses once a backend is up).
+    Targets registered for a platform that is not up yet are queued by XLA until it is."""
+    for name in _CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):  # a parent package that is missing or odd
+            continue
+    return False
 
 
 @functools.cache
