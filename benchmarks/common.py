@@ -62,6 +62,19 @@ def time_fn(fn: Callable, *args, warmup: int = 2, trials: int = 7) -> float:
     return time_call(fn, *args, warmup=warmup, trials=trials)
 
 
+def time_donated(run: Callable, state, *consts) -> float:
+    """Seconds per call of jit(run)(state, *consts) with the state donated, each call continuing
+    from the last one's state (caches updated in place, as a decode loop runs)."""
+    fn = jax.jit(run, donate_argnums=0)
+    holder = [state]
+
+    def call():
+        holder[0] = fn(holder[0], *consts)
+        return holder[0]
+
+    return time_fn(call)
+
+
 def loop(step: Callable, iters: int) -> Callable:
     """jit(x -> step applied `iters` times): per-iteration time without dispatch."""
 

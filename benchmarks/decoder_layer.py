@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cluster as jc
-from common import dtype_tag, measure_bandwidth, time_fn, write_results
+from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 # family, hidden, q heads, kv heads, head dim, MLP width, rotary dim
 MODELS = {
@@ -75,14 +75,7 @@ def timed(impl, model, state, ws, lengths, inv_freq):
             caches = tuple(new)
         return x, caches
 
-    fn = jax.jit(run, donate_argnums=0)
-    holder = [state]
-
-    def call():
-        holder[0] = fn(holder[0], ws)
-        return holder[0]
-
-    return time_fn(call) / (STEPS * len(ws)) * 1e6
+    return time_donated(run, state, ws) / (STEPS * len(ws)) * 1e6
 
 
 def bench_case(model, batch, ctx, dtype, bandwidth, rng):

@@ -21,7 +21,7 @@ import numpy as np
 
 import jax_cluster as jc
 from flax_models.ops import mla_decode_xla
-from common import dtype_tag, measure_bandwidth, time_fn, write_results
+from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 V2_LITE = dict(hidden=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 CASES = ("b1:4096", "b1:32768", "b16:4096", "b64:4096")
@@ -86,14 +86,7 @@ def timed(step, state, ws, lengths, inv_freq):
             caches = tuple(new)
         return x, caches
 
-    fn = jax.jit(run, donate_argnums=0)
-    holder = [state]
-
-    def call():
-        holder[0] = fn(holder[0], ws)
-        return holder[0]
-
-    return time_fn(call) / (STEPS * LAYERS) * 1e6
+    return time_donated(run, state, ws) / (STEPS * LAYERS) * 1e6
 
 
 def bench_case(batch, ctx, dtype, bandwidth, rng):

@@ -31,7 +31,7 @@ import numpy as np
 import jax_cluster as jc
 from flax_models.moe import experts_gather, experts_grouped, route
 from flax_models.ops import _add_residual, swiglu_mlp_xla
-from common import dtype_tag, measure_bandwidth, time_fn, write_results
+from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 # hidden, routed-expert width, experts, top-k, shared experts (one SwiGLU of width shared * inter),
 # routing, layers per call (DeepSeek-V2's layer is 7.5 GB of bf16 expert weights: one fits)
@@ -102,14 +102,7 @@ def timed(step, x, ws):
                 x = step(x, w)
         return x
 
-    fn = jax.jit(run, donate_argnums=0)
-    holder = [jnp.array(x)]
-
-    def call():
-        holder[0] = fn(holder[0], ws)
-        return holder[0]
-
-    return time_fn(call) / (STEPS * len(ws)) * 1e6
+    return time_donated(run, jnp.array(x), ws) / (STEPS * len(ws)) * 1e6
 
 
 def bench_case(name, batch, dtype, bandwidth, rng):
