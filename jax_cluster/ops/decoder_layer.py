@@ -22,7 +22,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.core import ShapedArray
 
 from jax_cluster import reference
@@ -71,7 +70,9 @@ def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_hea
                  rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate):
     empty = jnp.zeros((0,), x.dtype)
     weights = [w.get(k) for k in _OPERANDS] + [None if k is None else w.get(k) for k in _MLP_OPERANDS[family]]
-    operands = [empty if a is None else a for a in weights]
+    operands = [empty if a is None else a.astype(x.dtype) for a in weights]  # the kernel's one dtype
+    if k_cache.dtype != x.dtype:
+        raise ValueError(f"decoder_layer: impl='cuda' needs caches of x's dtype {x.dtype}, got {k_cache.dtype}")
     dh = k_cache.shape[-1]
     return _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
                       num_kv_heads=int(num_kv_heads), rotary_dim=int(dh if rotary_dim is None else rotary_dim),
