@@ -1,5 +1,5 @@
 """The NVSHMEM backend's CPU-testable parts: the local launcher, the bootstrap through
-jax.distributed's key-value store (plans that agree or differ, peers that never arrive), the
+the launcher's rendezvous store (plans that agree or differ, peers that never arrive), the
 arena sizing, the executor's structure, and the fallback to the XLA backend with one warning.
 The GPU run (2 processes, one GPU each) is in docs/nvshmem.md."""
 import subprocess

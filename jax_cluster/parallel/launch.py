@@ -9,7 +9,9 @@ and in the script (or a test's child)::
     rank, world = init_distributed()          # before the first computation
 
 Each child gets ``JAX_CLUSTER_RANK``, ``JAX_CLUSTER_WORLD`` and ``JAX_CLUSTER_COORDINATOR``
-(``127.0.0.1:<free port>``); where GPUs are present (``gpus="auto"``) also
+(``127.0.0.1:<free port>``) and ``JAX_CLUSTER_RENDEZVOUS`` (a directory the launcher owns for
+the run: the small values the ranks exchange before any device program, e.g. NVSHMEM's
+unique id; removed at the end); where GPUs are present (``gpus="auto"``) also
 ``CUDA_VISIBLE_DEVICES=<rank>`` so each process sees one GPU, and ``NVSHMEM_DISABLE_NVLS=1``,
 ``NCCL_NVLS_ENABLE=0`` unless already set (NVLink multicast stays off). Output lines are
 prefixed with ``[rank r]``. The first child to exit non-zero decides the exit code and the
@@ -22,8 +24,10 @@ import argparse
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from typing import Mapping, Sequence, TextIO
 ENV_RANK = "JAX_CLUSTER_RANK"
 ENV_WORLD = "JAX_CLUSTER_WORLD"
 ENV_COORDINATOR = "JAX_CLUSTER_COORDINATOR"
+ENV_RENDEZVOUS = "JAX_CLUSTER_RENDEZVOUS"
 TIMEOUT_EXIT_CODE = 124
 _GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 
@@ -61,9 +66,11 @@ def _visible_gpu(rank: int) -> str:
     return str(rank)
 
 
-def child_env(rank: int, world: int, coordinator: str, *, gpus: bool,
+def child_env(rank: int, world: int, coordinator: str, *, gpus: bool, rendezvous: str = "",
               base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict:
     env = dict(os.environ if base is None else base)
+    if rendezvous:
+        env[ENV_RENDEZVOUS] = rendezvous
     env[ENV_RANK] = str(rank)
     env[ENV_WORLD] = str(world)
     env[ENV_COORDINATOR] = coordinator
@@ -132,10 +139,11 @@ def launch(cmd: Sequence[str], nprocs: int = 2, *, timeout: float = 600.0, gpus:
     coordinator = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     procs, pumps, outputs = [], [], []
+    rendezvous = tempfile.mkdtemp(prefix="jax_cluster_rendezvous_")
     start = time.monotonic()
     try:
         for rank in range(nprocs):
-            e = child_env(rank, nprocs, coordinator, gpus=use_gpus, extra=env)
+            e = child_env(rank, nprocs, coordinator, gpus=use_gpus, rendezvous=rendezvous, extra=env)
             p = subprocess.Popen(list(cmd), env=e, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
             procs.append(p)
@@ -180,6 +188,7 @@ def launch(cmd: Sequence[str], nprocs: int = 2, *, timeout: float = 600.0, gpus:
             p.wait()
         for t in pumps:
             t.join(1.0)
+        shutil.rmtree(rendezvous, ignore_errors=True)
     returncode = TIMEOUT_EXIT_CODE if timed_out else first_bad
     return LaunchResult(returncode, codes, outputs, failed_rank, timed_out)
 

@@ -15,7 +15,7 @@ Bootstrap (:func:`init`, collective: every process calls it at the same point; t
 ``backend="nvshmem"`` call does it for you):
 
 1. the plan's fingerprint (schedule, layout, shape, dtype, arena size, steps) goes through
-   jax.distributed's key-value store; processes that disagree raise :class:`PlanMismatchError`
+   the launcher's rendezvous store; processes that disagree raise :class:`PlanMismatchError`
    naming the differing fields and ranks;
 2. rank 0's NVSHMEM unique id goes through the same store (the others wait at most
    ``timeout_s``: :class:`PeerTimeoutError` names the rank that did not arrive);
@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -61,41 +62,53 @@ class ArenaTooSmallError(RuntimeError):
     """A schedule needs more symmetric memory than the arena allocated at :func:`init`."""
 
 
-# ------------------------------------------------------------------ key-value store
-def _kv_client():
-    """jax.distributed's key-value store client, or None when not initialised.
+# ------------------------------------------------------------------ rendezvous store
+class _Store:
+    """The launcher's rendezvous directory as a write-once key-value store (one host).
 
-    The ONE use of a private JAX module in jax_cluster: JAX exposes its coordination
-    service's key-value store (with timeouts) only as ``jax._src.distributed.global_state``.
-    The public alternatives (``multihost_utils.broadcast_one_to_all`` / ``process_allgather``)
-    are device collectives: they cannot carry a value before NVSHMEM exists without a device
-    program, and they wait without a bound when a peer is missing."""
-    from jax._src import distributed  # private: see above
+    jax.distributed's own key-value store is not public API; the values exchanged here (plan
+    fingerprints, NVSHMEM's unique id) are tiny and the processes share a host, so a file per
+    key, written atomically (a temporary file renamed into place), is enough. Reads poll with
+    a bound: a key that never appears is a :class:`PeerTimeoutError`, never a hang."""
 
-    return distributed.global_state.client
+    def __init__(self, root: str):
+        self.root = root
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key.replace("/", "%"))
+
+    def set(self, key: str, value: str) -> None:
+        tmp = f"{self._path(key)}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(value)
+        os.replace(tmp, self._path(key))
+
+    def get(self, key: str, timeout_s: float, who: str) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(self._path(key)) as f:
+                    return f.read()
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(f"{who} did not arrive within {timeout_s:g} s (key {key!r}); "
+                                           f"raise ${TIMEOUT_ENV} if it is only slow") from None
+                time.sleep(0.01)
 
 
-def _require_client():
-    client = _kv_client()
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialised: start the processes with "
-                           "`python -m jax_cluster.parallel.launch -n N -- ...` and call "
+def _require_store() -> _Store:
+    from .launch import ENV_RENDEZVOUS  # noqa: PLC0415
+
+    root = os.environ.get(ENV_RENDEZVOUS)
+    if not root or not os.path.isdir(root):
+        raise RuntimeError("no rendezvous directory: start the processes with "
+                           "`python -m jax_cluster.parallel.launch -n N -- ...` (one host) and call "
                            "jax_cluster.parallel.launch.init_distributed() first")
-    return client
-
-
-def _get(client, key: str, timeout_s: float, who: str) -> str:
-    try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as exc:  # jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED
-        if "DEADLINE_EXCEEDED" in str(exc) or "timed out" in str(exc):
-            raise PeerTimeoutError(f"{who} did not arrive within {timeout_s:g} s (key {key!r}); "
-                                   f"raise ${TIMEOUT_ENV} if it is only slow") from None
-        raise
+    return _Store(root)
 
 
 def allgather_str(tag: str, value: str, *, timeout_s: float | None = None) -> list[str]:
-    """Every process's ``value`` for ``tag``, in rank order, through the key-value store.
+    """Every process's ``value`` for ``tag``, in rank order, through the launcher's rendezvous store.
 
     Collective. ``tag`` must be new for each exchange (the store keeps keys).
     Raises :class:`PeerTimeoutError` naming the first rank that did not publish in time."""
@@ -105,10 +118,10 @@ def allgather_str(tag: str, value: str, *, timeout_s: float | None = None) -> li
     rank, world = jax.process_index(), jax.process_count()
     if world == 1:
         return [value]
-    client = _require_client()
-    client.key_value_set(f"{_KEY_PREFIX}/{tag}/{rank}", value)
-    return [value if r == rank else _get(client, f"{_KEY_PREFIX}/{tag}/{r}", timeout_s,
-                                         f"rank {r} (of {world}, waiting on rank {rank}, {tag})")
+    store = _require_store()
+    store.set(f"{_KEY_PREFIX}/{tag}/{rank}", value)
+    return [value if r == rank else store.get(f"{_KEY_PREFIX}/{tag}/{r}", timeout_s,
+                                              f"rank {r} (of {world}, waiting on rank {rank}, {tag})")
             for r in range(world)]
 
 
@@ -120,12 +133,12 @@ def broadcast_bytes(tag: str, value: bytes | None, *, root: int = 0, timeout_s: 
     rank = jax.process_index()
     if jax.process_count() == 1:
         return value
-    client = _require_client()
+    store = _require_store()
     key = f"{_KEY_PREFIX}/{tag}/root"
     if rank == root:
-        client.key_value_set(key, value.hex())
+        store.set(key, value.hex())
         return value
-    return bytes.fromhex(_get(client, key, timeout_s, f"rank {root} (the root of {tag}, waited for by rank {rank})"))
+    return bytes.fromhex(store.get(key, timeout_s, f"rank {root} (the root of {tag}, waited for by rank {rank})"))
 
 
 _generation = [0]
