@@ -96,6 +96,8 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize memcheck swiglu_tma linear
   sanitize memcheck moe_ moe_decode
   sanitize racecheck moe_ moe_decode --quick
+  sanitize memcheck decoder_layer decoder_layer
+  sanitize racecheck decoder_layer decoder_layer --quick
   # (decode_attention's kernels: compute-sanitizer itself segfaults at their first launch in a
   # JAX process, with and without programmatic launches, on H200; they are checked outside
   # JAX by the probes below.)

@@ -10,6 +10,7 @@ operations), the other ops against the jnp reference.
         [--variants=gemv,tma] [--flash-kernel=mma|wgmma]
 """
 
+import functools
 import sys
 
 import jax
@@ -215,6 +216,38 @@ def moe_decode(dtypes):
     print("moe_decode ok")
 
 
+def decoder_layer(dtypes):
+    """The one-launch layer kernel: Llama (GQA 4, SwiGLU in paired tiles) and GPT-NeoX (MHA,
+    parallel and sequential residual, biases, partial rotary), batch 1 and 3, one and several
+    token splits (48 and 600 cache slots), widths off the 64-column tiles; vs the fp32 reference."""
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        f = lambda *s, sc=None: jnp.asarray(rng.standard_normal(s) * (s[0] ** -0.5 if sc is None else sc), dtype)  # noqa: E731
+        for family, extra in (("llama", {}), ("gpt_neox", dict(parallel_residual=True)),
+                              ("gpt_neox", dict(parallel_residual=False))):
+            hq, hkv, dh, d, ff = (8, 2, 64, 200, 328) if family == "llama" else (4, 4, 80, 240, 456)
+            cols = (hq + 2 * hkv) * dh
+            w = dict(norm=f(d, sc=0.1) + 1, qkv=f(d, cols), o=f(hq * dh, d), post_norm=f(d, sc=0.1) + 1)
+            if family == "llama":
+                w.update(w_gate=f(d, ff), w_up=f(d, ff), w_down=f(ff, d))
+            else:
+                w.update(norm_bias=f(d, sc=0.1), post_norm_bias=f(d, sc=0.1), qkv_bias=f(cols, sc=0.1),
+                         o_bias=f(d, sc=0.1), w_in=f(d, ff), b_in=f(ff, sc=0.1), w_out=f(ff, d), b_out=f(d, sc=0.1))
+            rot = dh if family == "llama" else 20
+            inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, rot, 2) / rot), jnp.float32)
+            for batch, s_max in ((1, 48), (3, 600)):
+                x = f(batch, d, sc=1.0)
+                kc, vc = f(batch, hkv, s_max, dh, sc=1.0), f(batch, hkv, s_max, dh, sc=1.0)
+                lengths = jnp.asarray(rng.integers(0, s_max, batch), jnp.int32)
+                kw = dict(family=family, num_q_heads=hq, num_kv_heads=hkv, eps=1e-5, rotary_dim=rot, **extra)
+                print("decoder_layer", jnp.dtype(dtype).name, family, extra, batch, s_max, flush=True)
+                y = jax.jit(functools.partial(jc.decoder_layer, impl="cuda", **kw))(x, w, kc, vc, lengths, inv_freq)[0]
+                ref = jc.decoder_layer(x, w, kc, vc, lengths, inv_freq, impl="reference", **kw)[0]
+                err = _rel_err(y, ref)
+                assert err < 1e-2, (family, batch, s_max, err)
+    print("decoder_layer ok")
+
+
 def _option(name, default=None):
     """--name=a,b -> ["a", "b"] (default when absent)."""
     value = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
@@ -242,6 +275,8 @@ if __name__ == "__main__":
         linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("moe_decode"):
         moe_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("decoder_layer"):
+        decoder_layer((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("flash_attention"):  # --flash-kernel=mma|wgmma: one of its CUDA kernels
         kernel = _option("flash-kernel", [None])[0]
         flash_attention((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16), kernel)

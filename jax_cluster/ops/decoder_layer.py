@@ -9,12 +9,15 @@ Attn is attention_block's norm -> QKV (+ bias) -> RoPE (first rotary_dim feature
 (+ bias); MLP is SwiGLU (llama) or GeLU(h W_in + b_in) W_out + b_out (gpt_neox, exact erf or
 tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
 
-`impl` has the meaning of every op (docs/architecture.md), with one difference while the
-one-launch layer kernel (ClusterFusion++'s whole-layer dataflow) is not built: "auto" runs
-the layer on the per-op kernels (attention_block, then swiglu; GeLU MLPs on XLA's dots),
-each with its own tuner; "xla" the same blocks in plain jnp; "reference" the fp32
-reference; "cuda" the custom call jax_cluster_decoder_layer: its C++ handler on CPU (the
-reference's math and rounding points), on a GPU an error naming what is missing.
+`impl` has the meaning of every op (docs/architecture.md): "cuda" is the custom call
+jax_cluster_decoder_layer, on a GPU the one-launch layer kernel (cpp/ops/decoder_layer:
+ClusterFusion++'s whole-layer dataflow in one persistent grid, docs/decoder_layer.md), on CPU
+its C++ handler (the reference's math and rounding points); "auto" on a GPU is that kernel
+wherever it covers the shapes (16-bit dtypes, at most 8 rows, head_dim 64/80/96/128, at
+most 8 query heads per KV head, widths multiples of 8) and the per-op kernels otherwise
+(attention_block, then swiglu; GeLU MLPs on XLA's dots; a warning says why, once); on CPU
+"auto" runs the per-op path. "xla" runs the same blocks in plain jnp, "reference" the fp32
+reference.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster import reference
-from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu
+from jax_cluster import _extension, reference
+from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
 from jax_cluster.ops.attention_block import attention_block
 from jax_cluster.ops.swiglu import swiglu
 
@@ -42,10 +45,18 @@ _MLP_OPERANDS = {"llama": ("w_gate", "w_up", "w_down", None, None), "gpt_neox": 
 _MLP_KIND = {("llama", False): 0, ("gpt_neox", False): 1, ("gpt_neox", True): 2}
 
 
-def _abstract(x, *rest, **_):
-    k_cache, v_cache = rest[13], rest[14]
+def _plan(x, k_cache, w1, *, num_q_heads, num_kv_heads, mlp, parallel_residual) -> dict:
+    b, d = x.shape
+    return dict(_extension.plans().decoder_layer(b, d, num_q_heads, num_kv_heads, k_cache.shape[3], k_cache.shape[2],
+                                                 w1.shape[-1], mlp, parallel_residual, jnp.dtype(x.dtype).name))
+
+
+def _abstract(x, *rest, num_q_heads, num_kv_heads, mlp, parallel_residual, **_):
+    k_cache, v_cache, w1 = rest[13], rest[14], rest[8]
+    ws = _plan(x, k_cache, w1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, mlp=mlp,
+               parallel_residual=parallel_residual)["workspace_floats"]
     return (ShapedArray(x.shape, x.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
-            ShapedArray(v_cache.shape, v_cache.dtype))
+            ShapedArray(v_cache.shape, v_cache.dtype), ShapedArray((max(int(ws), 1),), np.float32))
 
 
 def _batching(args, dims, **params):
@@ -58,8 +69,9 @@ def _batching(args, dims, **params):
     flat = lambda a: a.reshape((n * b,) + a.shape[2:])  # noqa: E731
     ops = list(args)
     ops[0], ops[14], ops[15], ops[16] = flat(x), flat(kc), flat(vc), flat(lengths)
-    y, k2, v2 = _PRIM.bind(*ops, **params)
-    return (y.reshape(x.shape), k2.reshape(kc.shape), v2.reshape(vc.shape)), (0, 0, 0)
+    y, k2, v2, ws = _PRIM.bind(*ops, **params)
+    ws = jnp.broadcast_to(ws, (n,) + ws.shape)  # scratch: one per instance in name only
+    return (y.reshape(x.shape), k2.reshape(kc.shape), v2.reshape(vc.shape), ws), (0, 0, 0, 0)
 
 
 _PRIM = ffi_primitive("decoder_layer", abstract_eval=_abstract, batching_rule=_batching,
@@ -74,12 +86,24 @@ def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_hea
     if k_cache.dtype != x.dtype:
         raise ValueError(f"decoder_layer: impl='cuda' needs caches of x's dtype {x.dtype}, got {k_cache.dtype}")
     dh = k_cache.shape[-1]
-    return _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
+    y, k_cache, v_cache, _ = _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
                       num_kv_heads=int(num_kv_heads), rotary_dim=int(dh if rotary_dim is None else rotary_dim),
                       rope_layout={"half": 0, "interleaved": 1}[rope_layout], norm=1 if family == "llama" else 2,
                       mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
                       parallel_residual=bool(parallel_residual and family == "gpt_neox"), eps=np.float32(eps),
                       scale=np.float32(dh ** -0.5 if scale is None else scale))
+    return y, k_cache, v_cache
+
+
+def _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual, gelu_approximate):
+    """Why the one-launch kernel cannot run this call ('' if it can)."""
+    if k_cache.dtype != x.dtype:
+        return f"caches of dtype {k_cache.dtype}, not x's {x.dtype}"
+    w1 = w["w_gate"] if family == "llama" else w["w_in"]
+    plan = _plan(x, k_cache, w1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
+                 parallel_residual=bool(parallel_residual and family == "gpt_neox"))
+    return plan["error"] or plan["cuda_error"]
 
 
 def _norm(x, kind, weight, bias, eps):
@@ -147,7 +171,7 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
                   num_kv_heads: int, eps: float, rotary_dim: int | None = None, rope_layout: str = "half",
                   scale: float | None = None, parallel_residual: bool = False, gelu_approximate: bool = False,
-                  impl: str = "auto"):
+                  impl: str = "auto", one_launch: bool | None = None):
     """(y [B, D], k_cache, v_cache): one decode step of a whole layer (see the module docstring).
 
     weights: norm, qkv [D, (Hq + 2 Hkv) Dh] (columns [Q heads | K heads | V heads]), o
@@ -155,6 +179,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     w_out [F, D] (gpt_neox); optional qkv_bias, o_bias, b_in, b_out; norm_bias and
     post_norm_bias for gpt_neox's LayerNorms. Caches [B, Hkv, S_max, Dh] (donate them);
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim / 2].
+    one_launch: under impl="auto" on a GPU, False runs the per-op kernels even where the
+    one-launch kernel covers the shapes (None: the kernel wherever it does).
     """
     op = "decoder_layer"
     check_impl(op, impl)
@@ -165,13 +191,18 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
               gelu_approximate=gelu_approximate)
     if impl == "reference":
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
-    if impl == "cuda":
-        if on_gpu():
-            raise ValueError(f"{op}: the one-launch layer kernel is not built yet; impl='auto' runs the layer on "
-                             "the per-op kernels (attention_block, swiglu)")
+    gpu = on_gpu()
+    if impl == "cuda" or (impl == "auto" and gpu and one_launch is not False):
         if rope_layout not in ("half", "interleaved"):
             raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
-        return _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
+        why = _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
+                                gelu_approximate) if gpu else ""
+        if not why:
+            return _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
+        if impl == "cuda":
+            raise ValueError(f"{op}: the one-launch layer kernel cannot run this call: {why}")
+        warn_once((op, why), f"{op}: the one-launch layer kernel cannot run this call ({why}); impl='auto' runs "
+                  "the per-op kernels", stacklevel=3)
     norm = "rms" if family == "llama" else "layer"
     h, k_cache, v_cache = attention_block(
         x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,

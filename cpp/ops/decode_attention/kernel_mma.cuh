@@ -76,14 +76,13 @@ __device__ __forceinline__ int mma_out_dim(int mt, int r) {
   return 32 * MmaSplitTile<DH>::J32 + 4 * (rr >> 1) + 2 * half + (rr & 1);  // the 16-dim tail
 }
 
+// One split block on tensor cores (shared memory as decode_attention_split_block's).
 template <typename T, int DH>
-__global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
-    decode_attention_mma_split_kernel(const DecodeAttentionParams dp) {
+__device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp, SplitItem item, float* q,
+                                                 float* warp_states) {
   using L = MmaSplitTile<DH>;
   constexpr int KS = L::KS, J32 = L::J32;
-  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
-  __shared__ __align__(16) float warp_states[L::kWarps * kMaxH * (DH + 2)];
-  const SplitBlock sb = begin_split<T, DH, L::kThreads>(dp, q);
+  const SplitBlock sb = begin_split<T, DH, L::kThreads>(dp, q, item);
   const int G = static_cast<int>(dp.group);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gq = lane >> 2, cq = lane & 3;
@@ -248,6 +247,14 @@ __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
   }
   __syncthreads();
   finish_split<T, DH, L::kThreads, L::kWarps>(dp, sb, q, warp_states);
+}
+
+template <typename T, int DH>
+__global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
+    decode_attention_mma_split_kernel(const DecodeAttentionParams dp) {
+  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
+  __shared__ __align__(16) float warp_states[MmaSplitTile<DH>::kWarps * kMaxH * (DH + 2)];
+  decode_attention_mma_split_block<T, DH>(dp, split_item_of_block(), q, warp_states);
 }
 
 }  // namespace jax_cluster

@@ -37,11 +37,21 @@ constexpr int kSplitTokenSteps = 8;
 // read from the caches).
 struct SplitBlock {
   AttentionBlockParams p;
+  int s;  // the split
   Ctx c;
   int length, t0, t1;
   bool valid, append;
   int64_t bg;  // row * Hkv + KV head
 };
+
+// One split block's work: split s of KV head g of row b. The split kernels take it from
+// blockIdx; decoder_layer's persistent kernel walks the items with its own blocks.
+struct SplitItem {
+  int s, g, b;
+};
+__device__ __forceinline__ SplitItem split_item_of_block() {
+  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+}
 
 // The prologue both split kernels share (kThreads of them): waits for the previous kernel
 // (q, lengths and the caches may come from it), then fills q (fp32) with the group's
@@ -53,9 +63,10 @@ struct SplitBlock {
 // (written here, into the caches the split kernels read, the token loop ran slower:
 // docs/decode_attention.md). Ends with a block barrier.
 template <typename T, int DH, int kThreads>
-__device__ SplitBlock begin_split(const DecodeAttentionParams& dp, float* q) {
+__device__ SplitBlock begin_split(const DecodeAttentionParams& dp, float* q, SplitItem item) {
   SplitBlock sb;
-  const int s = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int s = item.s, g = item.g, b = item.b;
+  sb.s = s;
   const int G = static_cast<int>(dp.group), splits = static_cast<int>(dp.splits);
   sb.append = dp.qkv != nullptr;
   sb.bg = static_cast<int64_t>(b) * dp.num_kv_heads + g;
@@ -92,7 +103,7 @@ __device__ SplitBlock begin_split(const DecodeAttentionParams& dp, float* q) {
   for (int i = 0; i < kPer; ++i) {
     const int e = threadIdx.x + i * kThreads;
     vals[i] = 0.f;
-    if (e < n && sb.append) vals[i] = dp.qkv[b * cols + qkv_column(p, c, G, e)];
+    if (e < n && sb.append) vals[i] = __ldcg(dp.qkv + b * cols + qkv_column(p, c, G, e));  // L2: may be this grid's
     if (e < G * DH && !sb.append) vals[i] = to_float(qg[e]);
   }
 #pragma unroll
@@ -149,7 +160,7 @@ __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& 
   const int G = static_cast<int>(dp.group);
   const bool has_new = sb.append && sb.t0 <= sb.length && sb.length < sb.t1;
   if (dp.splits > 1) {
-    float* out = dp.partial + (sb.bg * dp.splits + blockIdx.x) * G * (DH + 2);
+    float* out = dp.partial + (sb.bg * dp.splits + sb.s) * G * (DH + 2);
     merge_warp_states_each<DH, kThreads, kWarps, kMaxH>(
         G, has_new, sb.p.scale * kLog2e, q, warp_states,
         [&](int head, int i, float acc, float mm) {
@@ -165,10 +176,14 @@ __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& 
       [&](int head, int i, float acc, float) { merged[head * (DH + 1) + i] = acc; },
       [] { __syncthreads(); });
   __syncthreads();
-  T* out = static_cast<T*>(dp.out) + sb.bg * G * DH;
   for (int e = threadIdx.x; e < G * DH; e += kThreads) {
     const float* st = merged + (e / DH) * (DH + 1);
-    out[e] = from_float<T>(sb.valid ? st[e % DH] / st[DH] : NAN);
+    const float o = sb.valid ? st[e % DH] / st[DH] : NAN;
+    if (dp.out_f32 != nullptr) {
+      dp.out_f32[sb.bg * G * DH + e] = o;
+    } else {
+      static_cast<T*>(dp.out)[sb.bg * G * DH + e] = from_float<T>(o);
+    }
   }
   if (sb.append && sb.valid) {
     const int64_t slot = (sb.bg * dp.max_seq + sb.length) * DH;
@@ -179,21 +194,56 @@ __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& 
   }
 }
 
-// MHA (G = 1): the CUDA-core split kernel. GQA runs decode_attention_mma_split_kernel.
+// MHA (G = 1): one split block on CUDA cores (q: (kDecodeAttentionMaxGroup + 2) DH floats,
+// warp_states: kBlockWarps kMaxH (DH + 2) floats of shared memory, 16-byte aligned).
 template <typename T, int DH>
-__global__ void __launch_bounds__(kBlockThreads, 1)
-    decode_attention_split_kernel(const DecodeAttentionParams dp) {
-  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
-  __shared__ __align__(16) float warp_states[kBlockWarps * kMaxH * (DH + 2)];
-  const SplitBlock sb = begin_split<T, DH, kBlockThreads>(dp, q);
+__device__ void decode_attention_split_block(const DecodeAttentionParams& dp, SplitItem item, float* q,
+                                             float* warp_states) {
+  const SplitBlock sb = begin_split<T, DH, kBlockThreads>(dp, q, item);
   attend_cached<T, DH, 1, kSplitTokenSteps>(sb.p, sb.c, 1, q, sb.t0, min(sb.t1, sb.c.len),
                                             warp_states);
   ptx::griddep_launch_dependents();
   finish_split<T, DH, kBlockThreads, kBlockWarps>(dp, sb, q, warp_states);
 }
 
-// out[b, g, head, d] = the splits' states merged in split order, o / l; NaN for rows whose
-// length is outside [0, S_max). One block per (row, KV head), one thread per (head, d).
+// The CUDA-core split kernel (MHA). GQA runs decode_attention_mma_split_kernel.
+template <typename T, int DH>
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    decode_attention_split_kernel(const DecodeAttentionParams dp) {
+  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
+  __shared__ __align__(16) float warp_states[kBlockWarps * kMaxH * (DH + 2)];
+  decode_attention_split_block<T, DH>(dp, split_item_of_block(), q, warp_states);
+}
+
+// The new token's k, v of (row, KV head) bg into the caches at slot lengths[b] (append mode,
+// several splits: split 0 left them in the workspace), by threads tid of n.
+template <typename T, int DH>
+__device__ void write_new_kv(const DecodeAttentionParams& dp, int64_t bg, int tid, int n) {
+  const int length = dp.lengths[bg / dp.num_kv_heads];
+  if (dp.qkv == nullptr || length < 0 || length >= dp.max_seq) return;
+  const float* kv = dp.partial + decode_attention_partial_floats(dp) + bg * 2 * DH;
+  const int64_t slot = (bg * dp.max_seq + length) * DH;
+  for (int e = tid; e < 2 * DH; e += n) {
+    T* cache = static_cast<T*>(const_cast<void*>(e < DH ? dp.k_cache : dp.v_cache));
+    cache[slot + e % DH] = from_float<T>(__ldcg(kv + e));
+  }
+}
+
+// Element d of query head `head` of (row, KV head) bg: the splits' states merged in split
+// order, o / l; NaN for rows whose length is outside [0, S_max).
+template <int DH>
+__device__ float merge_splits(const DecodeAttentionParams& dp, int64_t bg, int head, int d) {
+  const int length = dp.lengths[bg / dp.num_kv_heads];
+  const int64_t stride = dp.group * (DH + 2);
+  const float* st = dp.partial + bg * dp.splits * stride + head * (DH + 2);
+  const float o_l = merge_partial_states(
+      dp.splits, [&](int64_t s) { return __ldcg(st + s * stride + DH + 1); },
+      [&](int64_t s) { return __ldcg(st + s * stride + DH); }, [&](int64_t s) { return __ldcg(st + s * stride + d); });
+  return length >= 0 && length < dp.max_seq ? o_l : NAN;
+}
+
+// out[b, g, head, d] = merge_splits; in append mode the new k, v go into the caches first.
+// One block per (row, KV head), one thread per (head, d).
 template <typename T, int DH>
 __global__ void __launch_bounds__(kDecodeAttentionMaxGroup * DH)
     decode_attention_merge_kernel(const DecodeAttentionParams dp) {
@@ -202,22 +252,8 @@ __global__ void __launch_bounds__(kDecodeAttentionMaxGroup * DH)
   const int64_t bg = blockIdx.x;
   const int head = threadIdx.x / DH, d = threadIdx.x % DH;
   if (head >= dp.group) return;
-  const int length = dp.lengths[bg / dp.num_kv_heads];
-  const bool valid = length >= 0 && length < dp.max_seq;
-  if (dp.qkv != nullptr && valid) {  // append mode: the new k, v into the caches at length
-    const float* kv = dp.partial + decode_attention_partial_floats(dp) + bg * 2 * DH;
-    const int64_t slot = (bg * dp.max_seq + length) * DH;
-    for (int e = threadIdx.x; e < 2 * DH; e += blockDim.x) {
-      T* cache = static_cast<T*>(const_cast<void*>(e < DH ? dp.k_cache : dp.v_cache));
-      cache[slot + e % DH] = from_float<T>(kv[e]);
-    }
-  }
-  const int64_t stride = dp.group * (DH + 2);
-  const float* st = dp.partial + bg * dp.splits * stride + head * (DH + 2);
-  const float o_l = merge_partial_states(
-      dp.splits, [&](int64_t s) { return st[s * stride + DH + 1]; },
-      [&](int64_t s) { return st[s * stride + DH]; }, [&](int64_t s) { return st[s * stride + d]; });
-  static_cast<T*>(dp.out)[(bg * dp.group + head) * DH + d] = from_float<T>(valid ? o_l : NAN);
+  write_new_kv<T, DH>(dp, bg, threadIdx.x, blockDim.x);
+  static_cast<T*>(dp.out)[(bg * dp.group + head) * DH + d] = from_float<T>(merge_splits<DH>(dp, bg, head, d));
 }
 
 }  // namespace jax_cluster

@@ -27,6 +27,7 @@ struct DecodeAttentionParams {
   // attention covers slots 0..lengths[b]. Outside [0, S_max): the row's output is NaN.
   const int32_t* lengths;
   void* out;                    // [B, Hkv, G, Dh]
+  float* out_f32 = nullptr;     // set: out in fp32 here instead (decoder_layer's one launch)
   float* partial;               // workspace: decode_attention_workspace_floats(p)
 
   // Append mode (qkv set; decode_attention_append): the step's new token. q comes from the

@@ -9,6 +9,7 @@
 #include "ffi/common.h"
 #include "ops/attention_block/ffi.h"  // FfiBuffers
 #include "ops/decoder_layer/params.h"
+#include "ops/decoder_layer/plan.h"
 
 namespace jax_cluster {
 
@@ -18,7 +19,8 @@ struct DecoderLayerAttrs {
   float eps, scale;
 };
 
-// Operands and results in the order Python binds them.
+// Operands and results in the order Python binds them; results: y, k_cache, v_cache and
+// the one-launch kernel's fp32 workspace (decoder_layer_workspace_floats; unused on CPU).
 enum DecoderLayerOperand : size_t {
   kDlX, kDlNormW, kDlNormB, kDlWqkv, kDlQkvBias, kDlWo, kDlOBias, kDlPostNormW, kDlPostNormB,
   kDlW1, kDlW2, kDlW3, kDlB1, kDlB3, kDlKCache, kDlVCache, kDlLengths, kDlInvFreq, kDlOperands
@@ -26,7 +28,7 @@ enum DecoderLayerOperand : size_t {
 
 inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& call, const DecoderLayerAttrs& a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("decoder_layer: " + m)); };
-  if (auto e = call.arity(kDlOperands, 3); !e.empty()) return fail(e);
+  if (auto e = call.arity(kDlOperands, 4); !e.empty()) return fail(e);
   const ffi::AnyBuffer x = call.in(kDlX), kc = call.in(kDlKCache);
   auto xd = x.dimensions(), kd = kc.dimensions();
   if (xd.size() != 2 || kd.size() != 4) return fail("x must be [B, D] and the caches [B, Hkv, S_max, Dh]");
@@ -87,6 +89,12 @@ inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& c
       call.out(2)->untyped_data() != call.in(kDlVCache).untyped_data()) {
     return fail("the caches must be aliased to their results");
   }
+  auto ws = call.out(3);
+  if (ws->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(ws->element_count()) < decoder_layer_workspace_floats(p)) {
+    return fail("the workspace must be float32 of decoder_layer_workspace_floats elements");
+  }
+  p.workspace = static_cast<float*>(ws->untyped_data());
   auto ptr = [&](size_t i) -> const void* {
     const ffi::AnyBuffer buf = call.in(i);
     return buf.element_count() ? buf.untyped_data() : nullptr;

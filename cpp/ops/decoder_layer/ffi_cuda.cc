@@ -1,16 +1,18 @@
-// decoder_layer's CUDA target: the binding is decoded and validated like the CPU handler's,
-// then the call is refused with decoder_layer_cuda_check's reason until the one-launch kernel
-// exists (jax_cluster/ops/decoder_layer.py never binds it on a GPU before then).
+// decoder_layer's CUDA target: the one-launch layer kernel (launch.cu). Shapes it does not
+// cover are refused with decoder_layer_cuda_check's reason (Python's auto never binds them).
 #include "ffi/cuda_util.h"
 #include "ops/decoder_layer/ffi.h"
+#include "ops/decoder_layer/launch.h"
 
 namespace jax_cluster {
 namespace {
 
-ffi::Error decoder_layer_cuda(cudaStream_t, ffi::RemainingArgs args, ffi::RemainingRets rets, DecoderLayerAttrs attrs) {
+ffi::Error decoder_layer_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                              DecoderLayerAttrs attrs) {
   auto p = decode_decoder_layer({args, rets}, attrs);
   if (!p) return p.error();
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "decoder_layer: " + decoder_layer_cuda_check(*p));
+  if (auto e = decoder_layer_cuda_check(*p); !e.empty()) return ffi_util::invalid("decoder_layer: " + e);
+  return ffi_util::from_cuda(launch_decoder_layer(*p, p->workspace, stream), "decoder_layer");
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 // MLP: SwiGLU (w1 = w_gate, w2 = w_up, w3 = w_down) or GeLU (w1 = w_in + b1, w3 = w_out + b3).
 // Every intermediate stays fp32; the new k, v are rounded to the cache dtype (attention reads
 // the rounded values) and y once. The contract is jax_cluster.reference.decoder_layer; the
-// one-launch CUDA kernel is not built yet (decoder_layer_cuda_check says so). No XLA includes.
+// one-launch CUDA kernel (kernel.cuh) runs what decoder_layer_cuda_check allows. No XLA includes.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +39,7 @@ struct DecoderLayerParams {
   const int32_t* lengths;                  // [B]
   void* k_cache; void* v_cache;            // [B, Hkv, S_max, Dh], updated in place
   void* y;                                 // [B, D]
+  float* workspace;                        // the CUDA kernel's (plan.h); unused on CPU
 };
 
 // Why p's sizes are out of the op's range (every platform), or "".
@@ -56,9 +57,26 @@ inline std::string decoder_layer_check(const DecoderLayerParams& p) {
   return "";
 }
 
-// Why the CUDA kernels cannot run p, or "".
-inline std::string decoder_layer_cuda_check(const DecoderLayerParams&) {
-  return "the one-launch decoder-layer kernel is not built yet";
+inline constexpr int64_t kDecoderLayerMaxBatch = 8;  // plan.h's kLayerMaxBatch
+inline constexpr int64_t kDecoderLayerMaxGroup = 8;  // decode_attention's query heads per KV head
+
+// Why the one-launch CUDA kernel cannot run p, or "" (the per-op path can: auto falls back).
+inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return "the kernel runs float16 or bfloat16 only";
+  if (p.batch > kDecoderLayerMaxBatch) {
+    return "batch " + std::to_string(p.batch) + " > " + std::to_string(kDecoderLayerMaxBatch) + " rows";
+  }
+  if (p.head_dim != 64 && p.head_dim != 80 && p.head_dim != 96 && p.head_dim != 128) {
+    return "head_dim " + std::to_string(p.head_dim) + " (supported: 64, 80, 96, 128)";
+  }
+  if (p.num_q_heads / p.num_kv_heads > kDecoderLayerMaxGroup) {
+    return "more than " + std::to_string(kDecoderLayerMaxGroup) + " query heads per KV head";
+  }
+  if (p.hidden % 8 || p.inter % 8) {
+    return "hidden (" + std::to_string(p.hidden) + ") and the MLP width (" + std::to_string(p.inter) +
+           ") must be multiples of 8 (16-byte weight rows)";
+  }
+  return "";
 }
 
 }  // namespace jax_cluster

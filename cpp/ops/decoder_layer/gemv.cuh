@@ -1,0 +1,173 @@
+// The one-launch layer's GEMV unit: B (<= 8) input rows times a 64-column tile of a
+// row-major [K, N] weight over one K chunk, by 256 threads.
+//
+//   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
+//            functor (a norm of x or h, the attention output, the MLP activation)
+//   stream   lane = (row group, 8 columns): each thread streams 16-byte weight vectors of
+//            rows rg, rg + 32, ... (8 loads in flight) into B x 8 fp32 accumulators
+//   reduce   shuffles over the 4 row groups of a warp, then the 8 warps in order
+//   finish   one chunk: the tile's [B, 64] sums go to the phase's epilogue; several: fp32
+//            partials, and the unit that raises the tile's counter to `chunks` sums them
+//            in chunk order and runs the epilogue (threadfence-reduction)
+// Every sum has a fixed order whoever arrives last: bitwise reproducible.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/vec.cuh"
+#include "ops/decoder_layer/plan.h"
+
+namespace jax_cluster {
+
+// Where a lane's 8 columns of weight row k are. Paired (SwiGLU's gate and up): virtual
+// columns 0-31 of a tile are w_gate's, 32-63 w_up's, both at tile * 32 + (v % 32). Else two
+// row segments may be stacked: rows k < split of `a`, the rest of `b` (the parallel
+// residual's [W_o ; W_out]).
+template <typename T>
+struct LayerWeights {
+  const T* a;
+  const T* b;
+  int64_t ld, split;  // row stride (elements); first row of b
+};
+
+// Shared memory of one unit, in floats: staged input, per-warp sums, the tile's values.
+template <int NB>
+__host__ __device__ constexpr int layer_gemv_smem_floats() {
+  return kLayerStageFloats + 8 * NB * kLayerTileCols + NB * kLayerTileCols + 32;
+}
+
+// One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
+// the epilogue of the tile's sums vals[b * 64 + v] (shared memory, all threads call it).
+template <typename T, int NB, typename In, typename Finish>
+__device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
+                                int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
+                                Finish finish) {
+  float* stage = smem;
+  float* red = stage + kLayerStageFloats;
+  float* vals = red + 8 * NB * kLayerTileCols;
+  int* last = reinterpret_cast<int*>(vals + NB * kLayerTileCols);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int cg = lane & 7, rg = warp * 4 + (lane >> 3);
+  const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
+  const int64_t cr = g.chunk_rows;
+
+  for (int64_t e = tid; e < NB * rows; e += kLayerThreads) {
+    const int b = static_cast<int>(e / rows);
+    const int64_t r = e % rows;
+    stage[b * cr + r] = b < batch ? in(b, k0 + r) : 0.f;
+  }
+
+  // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
+  const int v = cg * 8;
+  int64_t col;
+  const T* base_a;
+  const T* base_b;
+  if (g.paired) {
+    col = tile * (kLayerTileCols / 2) + (v & 31);
+    base_a = base_b = (v < 32 ? w.a : w.b) + col;
+  } else {
+    col = tile * kLayerTileCols + v;
+    base_a = w.a + col;
+    base_b = w.b != nullptr ? w.b + col - w.split * w.ld : nullptr;
+  }
+  const bool live = col < g.n;
+  float acc[NB][8];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
+  }
+  __syncthreads();
+  if (live) {
+    constexpr int U = 8;
+    for (int64_t r = rg; r < rows; r += 32 * U) {
+      uint4 wv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t rr = r + 32 * u, k = k0 + rr;
+        const T* row = k < w.split ? base_a : base_b;
+        wv[u] = rr < rows ? ptx::ldg_stream(row + k * w.ld) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t rr = r + 32 * u;
+        if (rr >= rows) break;
+        float wf[8];
+        unpack<T>(wv[u], wf);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const float xin = stage[b * cr + rr];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float s = acc[b][j];
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      s += __shfl_xor_sync(0xffffffffu, s, 16);
+      if (lane < 8) red[(warp * NB + b) * kLayerTileCols + v + j] = s;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < NB * kLayerTileCols; e += kLayerThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < 8; ++wp) s += red[wp * NB * kLayerTileCols + e];
+    vals[e] = s;
+  }
+  if (g.chunks > 1) {
+    // Partials [chunk][b][tile][64]; the last unit of the tile sums them in chunk order.
+    const int64_t stride = static_cast<int64_t>(batch) * g.tiles * kLayerTileCols;
+    for (int e = tid; e < batch * kLayerTileCols; e += kLayerThreads) {
+      const int b = e / kLayerTileCols, c = e % kLayerTileCols;
+      __stcg(partials + chunk * stride + (b * g.tiles + tile) * kLayerTileCols + c, vals[e]);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();  // the partials are visible before the count says so
+      *last = atomicAdd(tile_counters + tile, 1u) == static_cast<unsigned>(g.chunks - 1);
+      __threadfence();
+    }
+    __syncthreads();
+    if (!*last) return;
+    for (int e = tid; e < batch * kLayerTileCols; e += kLayerThreads) {
+      const int b = e / kLayerTileCols, c = e % kLayerTileCols;
+      const float* p = partials + (b * g.tiles + tile) * kLayerTileCols + c;
+      float s = 0.f;
+      for (int64_t k = 0; k < g.chunks; ++k) s += __ldcg(p + k * stride);
+      vals[e] = s;
+    }
+  }
+  __syncthreads();
+  finish(tile, vals, batch);
+  __syncthreads();
+}
+
+// Pulls the first `budget` bytes of a unit's weight rows into L2 (one prefetch per row
+// segment): issued before a grid barrier, so the next phase's first loads hit.
+template <typename T>
+__device__ void prefetch_layer_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
+                                    int64_t budget) {
+  const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
+  const int segments = g.paired ? 2 : 1;
+  const int seg_bytes = kLayerTileCols * static_cast<int>(sizeof(T)) / segments;
+  const int64_t n = min(rows * segments, budget / seg_bytes);
+  for (int64_t e = threadIdx.x; e < n; e += kLayerThreads) {
+    const int64_t k = k0 + e / segments;
+    const int s = static_cast<int>(e % segments);
+    int64_t col = g.paired ? tile * (kLayerTileCols / 2) : tile * kLayerTileCols;
+    if (col >= g.n) return;
+    const T* m = g.paired ? (s ? w.b : w.a) : (k < w.split ? w.a : w.b - w.split * w.ld);
+    const int64_t cols = min(static_cast<int64_t>(seg_bytes / sizeof(T)), static_cast<int64_t>(g.n - col));
+    ptx::prefetch_l2(m + k * w.ld + col, static_cast<uint32_t>((cols * sizeof(T) + 15) / 16 * 16));
+  }
+}
+
+}  // namespace jax_cluster

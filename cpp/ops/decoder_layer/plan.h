@@ -1,0 +1,126 @@
+// The one-launch decoder layer's schedule: which phases run, how each GEMV of the layer is
+// cut into units (column tile x K chunk), how many token splits the attention takes, and
+// where everything lives in the workspace. Plain data computed on the host from the shapes
+// and the grid (blocks resident at once); the kernel (kernel.cuh) only walks it.
+//
+// Phases, each ended by a grid barrier (the next needs all of its results):
+//   sequential:  up_front (QKV)          -> attention [-> merge] -> o-proj (h = x + a)
+//                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
+//   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
+//                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
+// A GEMV unit multiplies a K chunk of its B input rows by a 64-column tile of the weights;
+// with several chunks per tile the units write fp32 partials and the last one to arrive
+// (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "jax_cluster/types.h"
+#include "ops/decoder_layer/params.h"
+
+namespace jax_cluster {
+
+inline constexpr int kLayerThreads = 256;
+inline constexpr int kLayerMaxBatch = 8;             // rows: B x 8 fp32 accumulators per thread
+inline constexpr int kLayerTileCols = 64;            // GEMV tile: 8 lanes x 8 columns (16 bytes)
+inline constexpr int kLayerMaxChunks = 16;           // K chunks per tile
+inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
+inline constexpr int kLayerMaxSplits = 64;           // attention token splits per (row, KV head)
+inline constexpr int kLayerMinSplitTokens = 256;     // cache slots per split at least
+
+// One GEMV of the layer: out[b, n] = sum_k in[b, k] W[k, n], split into tiles x chunks units.
+// Paired (SwiGLU's gate and up): a tile is 32 columns of w_gate and the same 32 of w_up.
+struct LayerGemv {
+  int64_t k, n;        // input width, output columns (paired: F, read as 2F virtual columns)
+  int64_t tiles, chunks, chunk_rows;  // chunk_rows: a multiple of 32
+  bool paired;
+  JAX_CLUSTER_HOST_DEVICE int64_t units() const { return tiles * chunks; }
+};
+
+enum LayerGemvId : int { kGemvQkv = 0, kGemvUp = 1, kGemvO = 2, kGemvDown = 3, kLayerGemvs = 4 };
+
+struct DecoderLayerPlan {
+  int64_t grid;                    // blocks, all resident
+  LayerGemv gemv[kLayerGemvs];     // parallel residual: kGemvO is [attn | act] x [W_o ; W_out]
+  int64_t splits;                  // attention token splits
+  // Workspace offsets in floats (counters first: zeroed before every launch).
+  int64_t counters, partials, qkv, attn_partial, attn, h, h_stats, act, floats;
+  int64_t counter_words;
+};
+
+// K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
+// units over the grid best (a unit's time ~ its rows), within the staging limit.
+inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_units) {
+  const int64_t min_chunks = std::max<int64_t>(1, (batch * g.k + kLayerStageFloats - 1) / kLayerStageFloats);
+  double best = 1e30;
+  for (int64_t c = min_chunks; c <= std::max<int64_t>(min_chunks, kLayerMaxChunks); ++c) {
+    const int64_t rows = ((g.k + c - 1) / c + 31) / 32 * 32;
+    if (batch * rows > kLayerStageFloats) continue;
+    const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
+    const double cost = static_cast<double>(waves) * (rows + 64) + (c > 1 ? 32.0 * c : 0.0);
+    if (cost < best) {
+      best = cost;
+      g.chunks = c;
+      g.chunk_rows = rows;
+    }
+  }
+  g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
+}
+
+inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid) {
+  DecoderLayerPlan pl{};
+  pl.grid = grid;
+  const int64_t b = p.batch, d = p.hidden, f = p.inter, dh = p.head_dim;
+  const int64_t hq = p.num_q_heads, hkv = p.num_kv_heads, cols = (hq + 2 * hkv) * dh;
+  const bool swiglu = p.mlp == MlpKind::kSwiglu;
+  auto tiles = [](int64_t n) { return (n + kLayerTileCols - 1) / kLayerTileCols; };
+  pl.gemv[kGemvQkv] = {d, cols, tiles(cols), 1, 0, false};
+  pl.gemv[kGemvUp] = {d, f, swiglu ? tiles(2 * f) : tiles(f), 1, 0, swiglu};
+  pl.gemv[kGemvO] = {hq * dh + (p.parallel_residual ? f : 0), d, tiles(d), 1, 0, false};
+  pl.gemv[kGemvDown] = {f, d, tiles(d), 1, 0, false};
+  if (p.parallel_residual) {  // QKV and MLP up share the first phase
+    plan_gemv(pl.gemv[kGemvQkv], b, grid, 0);
+    plan_gemv(pl.gemv[kGemvUp], b, grid, pl.gemv[kGemvQkv].units());
+    pl.gemv[kGemvDown] = {};
+  } else {
+    plan_gemv(pl.gemv[kGemvQkv], b, grid, 0);
+    plan_gemv(pl.gemv[kGemvUp], b, grid, 0);
+    plan_gemv(pl.gemv[kGemvDown], b, grid, 0);
+  }
+  plan_gemv(pl.gemv[kGemvO], b, grid, 0);
+  const int64_t items = b * hkv;
+  const int64_t by_grid = std::max<int64_t>(1, grid / items);
+  const int64_t by_len = std::max<int64_t>(1, (p.max_seq + kLayerMinSplitTokens - 1) / kLayerMinSplitTokens);
+  pl.splits = std::min({by_grid, by_len, static_cast<int64_t>(kLayerMaxSplits)});
+
+  int64_t at = 0;
+  auto take = [&](int64_t floats) {
+    const int64_t off = at;
+    at += (floats + 31) / 32 * 32;  // 128-byte aligned regions
+    return off;
+  };
+  pl.counter_words = 8;  // grid barriers
+  for (const LayerGemv& g : pl.gemv) pl.counter_words += g.tiles;
+  pl.counters = take(pl.counter_words);
+  // Regions sized by the bounds on chunks and splits, not this grid's values: the op declares
+  // its workspace from the shapes alone (decoder_layer_workspace_floats).
+  int64_t max_tiles = 0;
+  for (const LayerGemv& g : pl.gemv) max_tiles = std::max(max_tiles, g.tiles);
+  pl.partials = take(kLayerMaxChunks * b * max_tiles * kLayerTileCols);
+  pl.qkv = take(b * cols);
+  pl.attn_partial = take(b * hkv * kLayerMaxSplits * (hq / hkv) * (dh + 2) + b * hkv * 2 * dh);
+  pl.attn = take(b * hq * dh);
+  pl.h = take(b * d);
+  pl.h_stats = take(tiles(d) * b * 2);
+  pl.act = take(b * f);
+  pl.floats = at;
+  return pl;
+}
+
+// The workspace the op declares (the same for every grid).
+inline int64_t decoder_layer_workspace_floats(const DecoderLayerParams& p) {
+  return plan_decoder_layer(p, 1).floats;
+}
+
+}  // namespace jax_cluster
