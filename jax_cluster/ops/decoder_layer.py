@@ -79,20 +79,20 @@ _PRIM = ffi_primitive("decoder_layer", abstract_eval=_abstract, batching_rule=_b
 
 
 def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps,
-                 rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate):
+                 rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate, return_workspace=False):
     empty = jnp.zeros((0,), x.dtype)
     weights = [w.get(k) for k in _OPERANDS] + [None if k is None else w.get(k) for k in _MLP_OPERANDS[family]]
     operands = [empty if a is None else a.astype(x.dtype) for a in weights]  # the kernel's one dtype
     if k_cache.dtype != x.dtype:
         raise ValueError(f"decoder_layer: impl='cuda' needs caches of x's dtype {x.dtype}, got {k_cache.dtype}")
     dh = k_cache.shape[-1]
-    y, k_cache, v_cache, _ = _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
+    y, k_cache, v_cache, ws = _PRIM.bind(x, *operands, k_cache, v_cache, lengths, inv_freq, num_q_heads=int(num_q_heads),
                       num_kv_heads=int(num_kv_heads), rotary_dim=int(dh if rotary_dim is None else rotary_dim),
                       rope_layout={"half": 0, "interleaved": 1}[rope_layout], norm=1 if family == "llama" else 2,
                       mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
                       parallel_residual=bool(parallel_residual and family == "gpt_neox"), eps=np.float32(eps),
                       scale=np.float32(dh ** -0.5 if scale is None else scale))
-    return y, k_cache, v_cache
+    return (y, k_cache, v_cache, ws) if return_workspace else (y, k_cache, v_cache)
 
 
 def _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual, gelu_approximate):

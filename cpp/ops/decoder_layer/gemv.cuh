@@ -3,8 +3,11 @@
 //
 //   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
 //            functor (a norm of x or h, the attention output, the MLP activation)
-//   stream   lane = (row group, 8 columns): each thread streams 16-byte weight vectors of
-//            rows rg, rg + 32, ... (8 loads in flight) into B x 8 fp32 accumulators
+//   stream   lane = (row group, 8 columns): each thread streams the 16-byte weight vectors
+//            of its rows rg, rg + 32, ... through its own ring of shared memory (cp.async,
+//            kLayerRingSteps steps of kLayerStepRows rows, all but one in flight), so the
+//            bytes in flight do not cost registers; a thread only reads what it copied
+//            (no block barrier in the loop) into B x 8 fp32 accumulators
 //   reduce   shuffles over the 4 row groups of a warp, then the 8 warps in order
 //   finish   one chunk: the tile's [B, 64] sums go to the phase's epilogue; several: fp32
 //            partials, and the unit that raises the tile's counter to `chunks` sums them
@@ -15,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "jax_cluster/mma.cuh"  // cp.async
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
 #include "ops/decoder_layer/plan.h"
@@ -32,10 +36,15 @@ struct LayerWeights {
   int64_t ld, split;  // row stride (elements); first row of b
 };
 
-// Shared memory of one unit, in floats: staged input, per-warp sums, the tile's values.
+inline constexpr int kLayerRingSteps = 6;  // steps per thread's ring; kLayerRingSteps - 1 in flight
+inline constexpr int kLayerStepRows = 4;   // rows (16 bytes each) a thread copies per step
+
+// Shared memory of one unit, in floats: the weight ring, staged input, per-warp sums, the
+// tile's values.
 template <int NB>
 __host__ __device__ constexpr int layer_gemv_smem_floats() {
-  return kLayerStageFloats + 8 * NB * kLayerTileCols + NB * kLayerTileCols + 32;
+  return kLayerRingSteps * kLayerStepRows * kLayerThreads * 4 + kLayerStageFloats + 8 * NB * kLayerTileCols +
+         NB * kLayerTileCols + 32;
 }
 
 // One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
@@ -44,7 +53,8 @@ template <typename T, int NB, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
                                 int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
                                 Finish finish) {
-  float* stage = smem;
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [step][row of step][thread]
+  float* stage = smem + kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
   float* red = stage + kLayerStageFloats;
   float* vals = red + 8 * NB * kLayerTileCols;
   int* last = reinterpret_cast<int*>(vals + NB * kLayerTileCols);
@@ -52,12 +62,6 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   const int cg = lane & 7, rg = warp * 4 + (lane >> 3);
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int64_t cr = g.chunk_rows;
-
-  for (int64_t e = tid; e < NB * rows; e += kLayerThreads) {
-    const int b = static_cast<int>(e / rows);
-    const int64_t r = e % rows;
-    stage[b * cr + r] = b < batch ? in(b, k0 + r) : 0.f;
-  }
 
   // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
   const int v = cg * 8;
@@ -73,6 +77,32 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     base_b = w.b != nullptr ? w.b + col - w.split * w.ld : nullptr;
   }
   const bool live = col < g.n;
+  // Thread rows rg + 32 i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
+  const int64_t mine = live && rg < rows ? (rows - rg + 31) / 32 : 0;
+  const int64_t steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
+  auto issue = [&](int64_t step) {
+    if (step < steps) {
+      uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
+#pragma unroll
+      for (int u = 0; u < kLayerStepRows; ++u) {
+        const int64_t i = step * kLayerStepRows + u;
+        if (i < mine) {
+          const int64_t k = k0 + rg + 32 * i;
+          const T* row = k < w.split ? base_a : base_b;
+          cp_async_16(ptx::smem_addr(slot + u * kLayerThreads), row + k * w.ld, 16);
+        }
+      }
+    }
+    cp_async_commit();  // empty groups keep the count uniform
+  };
+#pragma unroll
+  for (int s0 = 0; s0 < kLayerRingSteps - 1; ++s0) issue(s0);
+
+  for (int64_t e = tid; e < NB * rows; e += kLayerThreads) {
+    const int b = static_cast<int>(e / rows);
+    const int64_t r = e % rows;
+    stage[b * cr + r] = b < batch ? in(b, k0 + r) : 0.f;
+  }
   float acc[NB][8];
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
@@ -80,31 +110,26 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
   }
   __syncthreads();
-  if (live) {
-    constexpr int U = 8;
-    for (int64_t r = rg; r < rows; r += 32 * U) {
-      uint4 wv[U];
+  for (int64_t step = 0; step < steps; ++step) {
+    issue(step + kLayerRingSteps - 1);
+    cp_async_wait<kLayerRingSteps - 1>();  // this thread's copies of `step` landed
+    const uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t rr = r + 32 * u, k = k0 + rr;
-        const T* row = k < w.split ? base_a : base_b;
-        wv[u] = rr < rows ? ptx::ldg_stream(row + k * w.ld) : make_uint4(0, 0, 0, 0);
-      }
+    for (int u = 0; u < kLayerStepRows; ++u) {
+      const int64_t i = step * kLayerStepRows + u;
+      if (i >= mine) break;
+      const int64_t r = rg + 32 * i;
+      float wf[8];
+      unpack<T>(slot[u * kLayerThreads], wf);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t rr = r + 32 * u;
-        if (rr >= rows) break;
-        float wf[8];
-        unpack<T>(wv[u], wf);
+      for (int b = 0; b < NB; ++b) {
+        const float xin = stage[b * cr + r];
 #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const float xin = stage[b * cr + rr];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
-        }
+        for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
       }
     }
   }
+  cp_async_wait<0>();
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
 #pragma unroll

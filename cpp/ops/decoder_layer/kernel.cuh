@@ -138,15 +138,21 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   unsigned int* barriers = reinterpret_cast<unsigned int*>(ws + pl.counters);
   unsigned int* tile_counters[kLayerGemvs];
   float* partials[kLayerGemvs];
-  {
-    int64_t at = 8, pat = pl.partials;
-    for (int i = 0; i < kLayerGemvs; ++i) {
-      tile_counters[i] = barriers + at;
-      partials[i] = ws + pat;
-      at += pl.gemv[i].tiles;
-      pat += static_cast<int64_t>(kLayerMaxChunks) * p.batch * pl.gemv[i].tiles * kLayerTileCols;
-    }
+  for (int i = 0; i < kLayerGemvs; ++i) {
+    tile_counters[i] = barriers + pl.tile_counter_off[i];
+    partials[i] = ws + pl.partials + pl.partial_off[i];
   }
+  // The per-phase timeline (plan.h): mark(i) stamps this block's i-th phase boundary.
+  unsigned long long* timeline = reinterpret_cast<unsigned long long*>(ws + pl.timeline);
+  auto mark = [&](int i) {
+    if (threadIdx.x == 0 && blockIdx.x < kLayerTimelineMaxBlocks) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      timeline[1 + blockIdx.x * kLayerTimelineMarks + i] = t;
+      if (blockIdx.x == 0 && i == 0) timeline[0] = gridDim.x;
+    }
+  };
+  mark(0);
   const int batch = static_cast<int>(p.batch);
   const int64_t d = p.hidden, f = p.inter, hqd = p.num_q_heads * DH;
   const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
@@ -220,8 +226,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                              tile_counters[kGemvUp], norm_of_x(p.post_norm_w, p.post_norm_b), finish_up);
     });
   }
+  mark(1);
   prefetch(kGemvO, w_o);
   layer_grid_barrier(barriers + 0);
+  mark(2);
 
   // ---- attention
   {
@@ -240,6 +248,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
       }
       __syncthreads();
     }
+    mark(3);
     if (pl.splits > 1) {
       layer_grid_barrier(barriers + 1);
       for (int64_t bg = blockIdx.x; bg < p.batch * p.num_kv_heads; bg += gridDim.x) {
@@ -250,7 +259,9 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
       }
     }
   }
+  mark(4);
   layer_grid_barrier(barriers + 2);
+  mark(5);
 
   // ---- parallel residual: y = x + attn W_o + b_o + act W_out + b_out, done
   auto store_y = [&](int b, int64_t c, float v) { static_cast<T*>(p.y)[b * d + c] = from_float<T>(v); };
@@ -270,6 +281,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                                }
                              });
     });
+    mark(6);
     return;
   }
 
@@ -301,8 +313,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                              }
                            });
   });
+  mark(6);
   prefetch(kGemvUp, w_up);
   layer_grid_barrier(barriers + 3);
+  mark(7);
 
   // ---- MLP up on Norm'(h)
   layer_h_stats<NB>(p, pl, ws, h_mean, h_rstd);
@@ -314,8 +328,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, partials[kGemvUp],
                            tile_counters[kGemvUp], norm_of_h, finish_up);
   });
+  mark(8);
   prefetch(kGemvDown, w_down);
   layer_grid_barrier(barriers + 4);
+  mark(9);
 
   // ---- MLP down: y = h + act W_down (+ b_out)
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
@@ -329,6 +345,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                              }
                            });
   });
+  mark(10);
 }
 
 }  // namespace jax_cluster

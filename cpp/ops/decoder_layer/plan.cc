@@ -35,6 +35,8 @@ nb::dict plan(int64_t batch, int64_t hidden, int64_t num_q_heads, int64_t num_kv
   out["error"] = error;
   out["cuda_error"] = known_dtype ? decoder_layer_cuda_check(p) : std::string("dtype must be float16 or bfloat16");
   out["workspace_floats"] = error.empty() ? decoder_layer_workspace_floats(p) : int64_t{0};
+  out["timeline_offset"] = error.empty() ? plan_decoder_layer(p, 1).timeline : int64_t{0};
+  out["timeline_marks"] = kLayerTimelineMarks;
   return out;
 }
 

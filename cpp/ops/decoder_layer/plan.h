@@ -44,10 +44,18 @@ struct DecoderLayerPlan {
   int64_t grid;                    // blocks, all resident
   LayerGemv gemv[kLayerGemvs];     // parallel residual: kGemvO is [attn | act] x [W_o ; W_out]
   int64_t splits;                  // attention token splits
-  // Workspace offsets in floats (counters first: zeroed before every launch).
-  int64_t counters, partials, qkv, attn_partial, attn, h, h_stats, act, floats;
+  // Workspace offsets in floats (counters first: zeroed before every launch). GEMVs of
+  // different phases share the partials region; the parallel residual's MLP up, which runs
+  // beside QKV, has its own part of it.
+  int64_t counters, partials, qkv, attn_partial, attn, h, h_stats, act, timeline, floats;
   int64_t counter_words;
+  int64_t partial_off[kLayerGemvs], tile_counter_off[kLayerGemvs];
 };
+
+// The per-phase timeline every launch leaves in the workspace (docs/decoder_layer.md):
+// u64 [0] = blocks, then per block kLayerTimelineMarks globaltimer stamps (ns).
+inline constexpr int kLayerTimelineMarks = 12;
+inline constexpr int64_t kLayerTimelineMaxBlocks = 1024;
 
 // K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
 // units over the grid best (a unit's time ~ its rows), within the staging limit.
@@ -58,7 +66,9 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     const int64_t rows = ((g.k + c - 1) / c + 31) / 32 * 32;
     if (batch * rows > kLayerStageFloats) continue;
     const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
-    const double cost = static_cast<double>(waves) * (rows + 64) + (c > 1 ? 32.0 * c : 0.0);
+    // A unit's time ~ its rows plus a fixed cost (pipeline fill, staging, reduction) worth
+    // ~256 rows; splitting K adds the partials' round trip.
+    const double cost = static_cast<double>(waves) * (rows + 256) + (c > 1 ? 128.0 : 0.0);
     if (cost < best) {
       best = cost;
       g.chunks = c;
@@ -101,19 +111,27 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     return off;
   };
   pl.counter_words = 8;  // grid barriers
-  for (const LayerGemv& g : pl.gemv) pl.counter_words += g.tiles;
+  for (int i = 0; i < kLayerGemvs; ++i) {
+    pl.tile_counter_off[i] = pl.counter_words;
+    pl.counter_words += pl.gemv[i].tiles;
+  }
   pl.counters = take(pl.counter_words);
   // Regions sized by the bounds on chunks and splits, not this grid's values: the op declares
   // its workspace from the shapes alone (decoder_layer_workspace_floats).
-  int64_t max_tiles = 0;
-  for (const LayerGemv& g : pl.gemv) max_tiles = std::max(max_tiles, g.tiles);
-  pl.partials = take(kLayerMaxChunks * b * max_tiles * kLayerTileCols);
+  auto partial_floats = [&](int i) { return kLayerMaxChunks * b * pl.gemv[i].tiles * kLayerTileCols; };
+  int64_t partial = 0;
+  for (int i = 0; i < kLayerGemvs; ++i) {
+    pl.partial_off[i] = i == kGemvUp && p.parallel_residual ? partial_floats(kGemvQkv) : 0;
+    partial = std::max(partial, pl.partial_off[i] + partial_floats(i));
+  }
+  pl.partials = take(partial);
   pl.qkv = take(b * cols);
   pl.attn_partial = take(b * hkv * kLayerMaxSplits * (hq / hkv) * (dh + 2) + b * hkv * 2 * dh);
   pl.attn = take(b * hq * dh);
   pl.h = take(b * d);
   pl.h_stats = take(tiles(d) * b * 2);
   pl.act = take(b * f);
+  pl.timeline = take(2 * (1 + kLayerTimelineMaxBlocks * kLayerTimelineMarks));
   pl.floats = at;
   return pl;
 }
