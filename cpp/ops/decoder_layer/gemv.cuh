@@ -1,15 +1,17 @@
-// The one-launch layer's GEMV unit: B (<= 8) input rows times a 64-column tile of a
-// row-major [K, N] weight over one K chunk, by 256 threads.
+// The one-launch layer's GEMV unit: B (<= 8) input rows times a 256-column tile of a
+// row-major [K, N] weight over one K chunk, by 256 threads: a warp reads 512 contiguous
+// bytes of a row (64-column tiles, 128 bytes per row, streamed at half the bandwidth: rows
+// of a tile are a weight-row apart in DRAM).
 //
 //   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
 //            functor (a norm of x or h, the attention output, the MLP activation)
-//   stream   lane = (row group, 8 columns): each thread streams the 16-byte weight vectors
-//            of its rows rg, rg + 32, ... through its own ring of shared memory (cp.async,
+//   stream   lane = 8 columns, warp = row group: each thread streams the 16-byte weight
+//            vectors of its rows warp, warp + 8, ... through its own ring of shared memory (cp.async,
 //            kLayerRingSteps steps of kLayerStepRows rows, all but one in flight), so the
 //            bytes in flight do not cost registers; a thread only reads what it copied
 //            (no block barrier in the loop) into B x 8 fp32 accumulators
-//   reduce   shuffles over the 4 row groups of a warp, then the 8 warps in order
-//   finish   one chunk: the tile's [B, 64] sums go to the phase's epilogue; several: fp32
+//   reduce   the 8 warps' sums in warp order (the ring's memory, idle by then)
+//   finish   one chunk: the tile's [B, 256] sums go to the phase's epilogue; several: fp32
 //            partials, and the unit that raises the tile's counter to `chunks` sums them
 //            in chunk order and runs the epilogue (threadfence-reduction)
 // Every sum has a fixed order whoever arrives last: bitwise reproducible.
@@ -26,7 +28,7 @@
 namespace jax_cluster {
 
 // Where a lane's 8 columns of weight row k are. Paired (SwiGLU's gate and up): virtual
-// columns 0-31 of a tile are w_gate's, 32-63 w_up's, both at tile * 32 + (v % 32). Else two
+// columns 0-127 of a tile are w_gate's, 128-255 w_up's, both at tile * 128 + (v % 128). Else two
 // row segments may be stacked: rows k < split of `a`, the rest of `b` (the parallel
 // residual's [W_o ; W_out]).
 template <typename T>
@@ -39,46 +41,49 @@ struct LayerWeights {
 inline constexpr int kLayerRingSteps = 6;  // steps per thread's ring; kLayerRingSteps - 1 in flight
 inline constexpr int kLayerStepRows = 4;   // rows (16 bytes each) a thread copies per step
 
-// Shared memory of one unit, in floats: the weight ring, staged input, per-warp sums, the
-// tile's values.
+inline constexpr int kLayerHalfTile = kLayerTileCols / 2;  // a paired tile's gate (or up) columns
+inline constexpr int kLayerRingFloats = kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
+
+// Shared memory of one unit, in floats: the weight ring (then the per-warp sums), staged
+// input, the tile's values.
 template <int NB>
 __host__ __device__ constexpr int layer_gemv_smem_floats() {
-  return kLayerRingSteps * kLayerStepRows * kLayerThreads * 4 + kLayerStageFloats + 8 * NB * kLayerTileCols +
-         NB * kLayerTileCols + 32;
+  static_assert(8 * NB * kLayerTileCols <= kLayerRingFloats, "the warps' sums reuse the ring");
+  return kLayerRingFloats + kLayerStageFloats + NB * kLayerTileCols + 32;
 }
 
 // One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
-// the epilogue of the tile's sums vals[b * 64 + v] (shared memory, all threads call it).
+// the epilogue of the tile's sums vals[b * kLayerTileCols + v] (shared memory, all threads call it).
 template <typename T, int NB, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
                                 int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
                                 Finish finish) {
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [step][row of step][thread]
-  float* stage = smem + kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
-  float* red = stage + kLayerStageFloats;
-  float* vals = red + 8 * NB * kLayerTileCols;
+  float* red = smem;                              // [warp][b][column], after the loop
+  float* stage = smem + kLayerRingFloats;
+  float* vals = stage + kLayerStageFloats;
   int* last = reinterpret_cast<int*>(vals + NB * kLayerTileCols);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int cg = lane & 7, rg = warp * 4 + (lane >> 3);
+  constexpr int kGroups = kLayerThreads / 32;  // row groups: one per warp
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int64_t cr = g.chunk_rows;
 
   // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
-  const int v = cg * 8;
+  const int v = lane * 8;
   int64_t col;
   const T* base_a;
   const T* base_b;
   if (g.paired) {
-    col = tile * (kLayerTileCols / 2) + (v & 31);
-    base_a = base_b = (v < 32 ? w.a : w.b) + col;
+    col = tile * kLayerHalfTile + v % kLayerHalfTile;
+    base_a = base_b = (v < kLayerHalfTile ? w.a : w.b) + col;
   } else {
     col = tile * kLayerTileCols + v;
     base_a = w.a + col;
     base_b = w.b != nullptr ? w.b + col - w.split * w.ld : nullptr;
   }
   const bool live = col < g.n;
-  // Thread rows rg + 32 i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
-  const int64_t mine = live && rg < rows ? (rows - rg + 31) / 32 : 0;
+  // Thread rows warp + 8 i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
+  const int64_t mine = live && warp < rows ? (rows - warp + kGroups - 1) / kGroups : 0;
   const int64_t steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
   auto issue = [&](int64_t step) {
     if (step < steps) {
@@ -87,7 +92,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
       for (int u = 0; u < kLayerStepRows; ++u) {
         const int64_t i = step * kLayerStepRows + u;
         if (i < mine) {
-          const int64_t k = k0 + rg + 32 * i;
+          const int64_t k = k0 + warp + kGroups * i;
           const T* row = k < w.split ? base_a : base_b;
           cp_async_16(ptx::smem_addr(slot + u * kLayerThreads), row + k * w.ld, 16);
         }
@@ -118,7 +123,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int u = 0; u < kLayerStepRows; ++u) {
       const int64_t i = step * kLayerStepRows + u;
       if (i >= mine) break;
-      const int64_t r = rg + 32 * i;
+      const int64_t r = warp + kGroups * i;
       float wf[8];
       unpack<T>(slot[u * kLayerThreads], wf);
 #pragma unroll
@@ -130,25 +135,21 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     }
   }
   cp_async_wait<0>();
+  __syncthreads();  // every thread is done with the ring: it holds the warps' sums now
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float s = acc[b][j];
-      s += __shfl_xor_sync(0xffffffffu, s, 8);
-      s += __shfl_xor_sync(0xffffffffu, s, 16);
-      if (lane < 8) red[(warp * NB + b) * kLayerTileCols + v + j] = s;
-    }
+    for (int j = 0; j < 8; ++j) red[(warp * NB + b) * kLayerTileCols + v + j] = acc[b][j];
   }
   __syncthreads();
   for (int e = tid; e < NB * kLayerTileCols; e += kLayerThreads) {
     float s = 0.f;
 #pragma unroll
-    for (int wp = 0; wp < 8; ++wp) s += red[wp * NB * kLayerTileCols + e];
+    for (int wp = 0; wp < kGroups; ++wp) s += red[wp * NB * kLayerTileCols + e];
     vals[e] = s;
   }
   if (g.chunks > 1) {
-    // Partials [chunk][b][tile][64]; the last unit of the tile sums them in chunk order.
+    // Partials [chunk][b][tile][256]; the last unit of the tile sums them in chunk order.
     const int64_t stride = static_cast<int64_t>(batch) * g.tiles * kLayerTileCols;
     for (int e = tid; e < batch * kLayerTileCols; e += kLayerThreads) {
       const int b = e / kLayerTileCols, c = e % kLayerTileCols;
@@ -187,7 +188,7 @@ __device__ void prefetch_layer_unit(const LayerGemv& g, const LayerWeights<T>& w
   for (int64_t e = threadIdx.x; e < n; e += kLayerThreads) {
     const int64_t k = k0 + e / segments;
     const int s = static_cast<int>(e % segments);
-    int64_t col = g.paired ? tile * (kLayerTileCols / 2) : tile * kLayerTileCols;
+    int64_t col = g.paired ? tile * kLayerHalfTile : tile * kLayerTileCols;
     if (col >= g.n) return;
     const T* m = g.paired ? (s ? w.b : w.a) : (k < w.split ? w.a : w.b - w.split * w.ld);
     const int64_t cols = min(static_cast<int64_t>(seg_bytes / sizeof(T)), static_cast<int64_t>(g.n - col));

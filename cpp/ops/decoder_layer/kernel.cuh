@@ -40,9 +40,6 @@ struct DecoderLayerArgs {
   float* ws;
 };
 
-// Bytes of weights each block pulls into L2 ahead of its next GEMV phase.
-inline constexpr int64_t kLayerPrefetchBytes = 64 << 10;
-
 // Dynamic shared memory of the kernel (floats): a GEMV unit's or an attention item's.
 template <int NB, int DH>
 __host__ __device__ constexpr int decoder_layer_smem_floats() {
@@ -175,7 +172,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     for (int64_t u = first; u < g.units(); u += gridDim.x) fn(u % g.tiles, u / g.tiles);
   };
   auto prefetch = [&](int gi, const LayerWeights<T>& w) {
-    int64_t budget = kLayerPrefetchBytes;
+    int64_t budget = pl.prefetch_bytes;
     each_unit(gi, 0, [&](int64_t tile, int64_t chunk) {
       if (budget <= 0) return;
       prefetch_layer_unit<T>(pl.gemv[gi], w, tile, chunk, budget);
@@ -200,10 +197,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   };
   auto finish_up = [&](int64_t tile, const float* vals, int nb) {
     if (pl.gemv[kGemvUp].paired) {  // act = silu(gate) * up
-      for (int e = threadIdx.x; e < nb * 32; e += kLayerThreads) {
-        const int b = e / 32, c = e % 32;
-        const int64_t col = tile * 32 + c;
-        const float g = vals[b * kLayerTileCols + c], u = vals[b * kLayerTileCols + 32 + c];
+      for (int e = threadIdx.x; e < nb * kLayerHalfTile; e += kLayerThreads) {
+        const int b = e / kLayerHalfTile, c = e % kLayerHalfTile;
+        const int64_t col = tile * kLayerHalfTile + c;
+        const float g = vals[b * kLayerTileCols + c], u = vals[b * kLayerTileCols + kLayerHalfTile + c];
         if (col < f) __stcg(act + b * f + col, g / (1.f + __expf(-g)) * u);
       }
     } else {

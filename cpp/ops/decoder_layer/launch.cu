@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
 #include "ops/decoder_layer/kernel.cuh"
@@ -34,6 +36,16 @@ DecodeAttentionParams attention_params(const DecoderLayerParams& p, const Decode
   return dp;
 }
 
+// Bytes of its next GEMV units' weights a block pulls into L2 before each grid barrier:
+// JAX_CLUSTER_LAYER_PREFETCH (read once; 0: none), for measuring what the prefetch buys.
+int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("JAX_CLUSTER_LAYER_PREFETCH");
+    return env == nullptr ? int64_t{64 << 10} : static_cast<int64_t>(std::atoll(env));
+  }();
+  return bytes;
+}
+
 template <typename T, int NB, int DH>
 cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) {
   auto* kernel = decoder_layer_kernel<T, NB, DH>;
@@ -44,6 +56,7 @@ cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) 
   DecoderLayerArgs args{};
   args.p = p;
   args.pl = plan_decoder_layer(p, grid);
+  args.pl.prefetch_bytes = prefetch_bytes();
   args.dp = attention_params(p, args.pl, ws);
   args.ws = ws;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(

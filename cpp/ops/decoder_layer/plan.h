@@ -8,7 +8,7 @@
 //                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
 //   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
 //                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
-// A GEMV unit multiplies a K chunk of its B input rows by a 64-column tile of the weights;
+// A GEMV unit multiplies a K chunk of its B input rows by a 256-column tile of the weights;
 // with several chunks per tile the units write fp32 partials and the last one to arrive
 // (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
 #pragma once
@@ -23,14 +23,14 @@ namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
 inline constexpr int kLayerMaxBatch = 8;             // rows: B x 8 fp32 accumulators per thread
-inline constexpr int kLayerTileCols = 64;            // GEMV tile: 8 lanes x 8 columns (16 bytes)
+inline constexpr int kLayerTileCols = 256;           // GEMV tile: a warp's 32 lanes x 8 columns (512 bytes)
 inline constexpr int kLayerMaxChunks = 16;           // K chunks per tile
 inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
 inline constexpr int kLayerMaxSplits = 64;           // attention token splits per (row, KV head)
 inline constexpr int kLayerMinSplitTokens = 256;     // cache slots per split at least
 
 // One GEMV of the layer: out[b, n] = sum_k in[b, k] W[k, n], split into tiles x chunks units.
-// Paired (SwiGLU's gate and up): a tile is 32 columns of w_gate and the same 32 of w_up.
+// Paired (SwiGLU's gate and up): a tile is 128 columns of w_gate and the same 128 of w_up.
 struct LayerGemv {
   int64_t k, n;        // input width, output columns (paired: F, read as 2F virtual columns)
   int64_t tiles, chunks, chunk_rows;  // chunk_rows: a multiple of 32
@@ -44,6 +44,8 @@ struct DecoderLayerPlan {
   int64_t grid;                    // blocks, all resident
   LayerGemv gemv[kLayerGemvs];     // parallel residual: kGemvO is [attn | act] x [W_o ; W_out]
   int64_t splits;                  // attention token splits
+  int64_t prefetch_bytes;          // of its next GEMV units' weights a block pulls into L2
+                                   // before a barrier (launch.cu: JAX_CLUSTER_LAYER_PREFETCH)
   // Workspace offsets in floats (counters first: zeroed before every launch). GEMVs of
   // different phases share the partials region; the parallel residual's MLP up, which runs
   // beside QKV, has its own part of it.
@@ -67,8 +69,8 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     if (batch * rows > kLayerStageFloats) continue;
     const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
     // A unit's time ~ its rows plus a fixed cost (pipeline fill, staging, reduction) worth
-    // ~256 rows; splitting K adds the partials' round trip.
-    const double cost = static_cast<double>(waves) * (rows + 256) + (c > 1 ? 128.0 : 0.0);
+    // ~128 rows of 512 bytes; splitting K adds the partials' round trip.
+    const double cost = static_cast<double>(waves) * (rows + 128) + (c > 1 ? 64.0 : 0.0);
     if (cost < best) {
       best = cost;
       g.chunks = c;
