@@ -1,17 +1,17 @@
-// The one-launch layer's GEMV unit: B (<= 8) input rows times a 256-column tile of a
-// row-major [K, N] weight over one K chunk, by 256 threads: a warp reads 512 contiguous
-// bytes of a row (64-column tiles, 128 bytes per row, streamed at half the bandwidth: rows
-// of a tile are a weight-row apart in DRAM).
+// The one-launch layer's GEMV unit: B (<= 8) input rows times a tile of tile_cols (256 to
+// 2048) columns of a row-major [K, N] weight over one K chunk, by 256 threads: tile_cols / 8
+// lanes read a row's tile_cols contiguous weights at once (narrow tiles, whose rows are a
+// weight row apart in DRAM, streamed at half the bandwidth).
 //
 //   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
 //            functor (a norm of x or h, the attention output, the MLP activation)
-//   stream   lane = 8 columns, warp = row group: each thread streams the 16-byte weight
-//            vectors of its rows warp, warp + 8, ... through its own ring of shared memory (cp.async,
+//   stream   thread = (row group, 8 columns): each thread streams the 16-byte weight
+//            vectors of its rows rg, rg + groups, ... through its own ring of shared memory (cp.async,
 //            kLayerRingSteps steps of kLayerStepRows rows, all but one in flight), so the
 //            bytes in flight do not cost registers; a thread only reads what it copied
 //            (no block barrier in the loop) into B x 8 fp32 accumulators
-//   reduce   the 8 warps' sums in warp order (the ring's memory, idle by then)
-//   finish   one chunk: the tile's [B, 256] sums go to the phase's epilogue; several: fp32
+//   reduce   the row groups' sums in group order (in the ring's memory, idle by then)
+//   finish   one chunk: the tile's [B, tile_cols] sums go to the phase's epilogue; several: fp32
 //            partials, and the unit that raises the tile's counter to `chunks` sums them
 //            in chunk order and runs the epilogue (threadfence-reduction)
 // Every sum has a fixed order whoever arrives last: bitwise reproducible.
@@ -28,7 +28,8 @@
 namespace jax_cluster {
 
 // Where a lane's 8 columns of weight row k are. Paired (SwiGLU's gate and up): virtual
-// columns 0-127 of a tile are w_gate's, 128-255 w_up's, both at tile * 128 + (v % 128). Else two
+// columns [0, half) of a tile are w_gate's, [half, 2 half) w_up's, both at tile * half +
+// (v % half), half = tile_cols / 2. Else two
 // row segments may be stacked: rows k < split of `a`, the rest of `b` (the parallel
 // residual's [W_o ; W_out]).
 template <typename T>
@@ -41,49 +42,50 @@ struct LayerWeights {
 inline constexpr int kLayerRingSteps = 6;  // steps per thread's ring; kLayerRingSteps - 1 in flight
 inline constexpr int kLayerStepRows = 4;   // rows (16 bytes each) a thread copies per step
 
-inline constexpr int kLayerHalfTile = kLayerTileCols / 2;  // a paired tile's gate (or up) columns
 inline constexpr int kLayerRingFloats = kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
 
 // Shared memory of one unit, in floats: the weight ring (then the per-warp sums), staged
 // input, the tile's values.
 template <int NB>
 __host__ __device__ constexpr int layer_gemv_smem_floats() {
-  static_assert(8 * NB * kLayerTileCols <= kLayerRingFloats, "the warps' sums reuse the ring");
-  return kLayerRingFloats + kLayerStageFloats + NB * kLayerTileCols + 32;
+  // the row groups' sums: groups x NB x tile_cols = NB x 8 x 256 floats for every width
+  static_assert(NB * 8 * kLayerThreads <= kLayerRingFloats, "the row groups' sums reuse the ring");
+  return kLayerRingFloats + kLayerStageFloats + NB * kLayerMaxTileCols + 32;
 }
 
 // One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
-// the epilogue of the tile's sums vals[b * kLayerTileCols + v] (shared memory, all threads call it).
+// the epilogue of the tile's sums vals[b * tile_cols + v] (shared memory, all threads call it).
 template <typename T, int NB, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
                                 int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
                                 Finish finish) {
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [step][row of step][thread]
-  float* red = smem;                              // [warp][b][column], after the loop
+  float* red = smem;                              // [row group][b][column], after the loop
   float* stage = smem + kLayerRingFloats;
   float* vals = stage + kLayerStageFloats;
-  int* last = reinterpret_cast<int*>(vals + NB * kLayerTileCols);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int kGroups = kLayerThreads / 32;  // row groups: one per warp
+  int* last = reinterpret_cast<int*>(vals + NB * kLayerMaxTileCols);
+  const int tid = threadIdx.x;
+  const int tc = static_cast<int>(g.tile_cols), lanes = tc / 8, groups = kLayerThreads / lanes;
+  const int rg = tid / lanes, half = tc / 2;
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int64_t cr = g.chunk_rows;
 
   // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
-  const int v = lane * 8;
+  const int v = (tid % lanes) * 8;
   int64_t col;
   const T* base_a;
   const T* base_b;
   if (g.paired) {
-    col = tile * kLayerHalfTile + v % kLayerHalfTile;
-    base_a = base_b = (v < kLayerHalfTile ? w.a : w.b) + col;
+    col = tile * half + v % half;
+    base_a = base_b = (v < half ? w.a : w.b) + col;
   } else {
-    col = tile * kLayerTileCols + v;
+    col = tile * tc + v;
     base_a = w.a + col;
     base_b = w.b != nullptr ? w.b + col - w.split * w.ld : nullptr;
   }
   const bool live = col < g.n;
-  // Thread rows warp + 8 i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
-  const int64_t mine = live && warp < rows ? (rows - warp + kGroups - 1) / kGroups : 0;
+  // Thread rows rg + groups i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
+  const int64_t mine = live && rg < rows ? (rows - rg + groups - 1) / groups : 0;
   const int64_t steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
   auto issue = [&](int64_t step) {
     if (step < steps) {
@@ -92,7 +94,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
       for (int u = 0; u < kLayerStepRows; ++u) {
         const int64_t i = step * kLayerStepRows + u;
         if (i < mine) {
-          const int64_t k = k0 + warp + kGroups * i;
+          const int64_t k = k0 + rg + groups * static_cast<int64_t>(i);
           const T* row = k < w.split ? base_a : base_b;
           cp_async_16(ptx::smem_addr(slot + u * kLayerThreads), row + k * w.ld, 16);
         }
@@ -123,7 +125,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int u = 0; u < kLayerStepRows; ++u) {
       const int64_t i = step * kLayerStepRows + u;
       if (i >= mine) break;
-      const int64_t r = warp + kGroups * i;
+      const int64_t r = rg + groups * static_cast<int64_t>(i);
       float wf[8];
       unpack<T>(slot[u * kLayerThreads], wf);
 #pragma unroll
@@ -139,21 +141,20 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) red[(warp * NB + b) * kLayerTileCols + v + j] = acc[b][j];
+    for (int j = 0; j < 8; ++j) red[(rg * NB + b) * tc + v + j] = acc[b][j];
   }
   __syncthreads();
-  for (int e = tid; e < NB * kLayerTileCols; e += kLayerThreads) {
+  for (int e = tid; e < NB * tc; e += kLayerThreads) {
     float s = 0.f;
-#pragma unroll
-    for (int wp = 0; wp < kGroups; ++wp) s += red[wp * NB * kLayerTileCols + e];
+    for (int r = 0; r < groups; ++r) s += red[r * NB * tc + e];
     vals[e] = s;
   }
   if (g.chunks > 1) {
-    // Partials [chunk][b][tile][256]; the last unit of the tile sums them in chunk order.
-    const int64_t stride = static_cast<int64_t>(batch) * g.tiles * kLayerTileCols;
-    for (int e = tid; e < batch * kLayerTileCols; e += kLayerThreads) {
-      const int b = e / kLayerTileCols, c = e % kLayerTileCols;
-      __stcg(partials + chunk * stride + (b * g.tiles + tile) * kLayerTileCols + c, vals[e]);
+    // Partials [chunk][b][tile][tile_cols]; the last unit of the tile sums them in chunk order.
+    const int64_t stride = static_cast<int64_t>(batch) * g.tiles * tc;
+    for (int e = tid; e < batch * tc; e += kLayerThreads) {
+      const int b = e / tc, c = e % tc;
+      __stcg(partials + chunk * stride + (b * g.tiles + tile) * tc + c, vals[e]);
     }
     __syncthreads();
     if (tid == 0) {
@@ -163,9 +164,9 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     }
     __syncthreads();
     if (!*last) return;
-    for (int e = tid; e < batch * kLayerTileCols; e += kLayerThreads) {
-      const int b = e / kLayerTileCols, c = e % kLayerTileCols;
-      const float* p = partials + (b * g.tiles + tile) * kLayerTileCols + c;
+    for (int e = tid; e < batch * tc; e += kLayerThreads) {
+      const int b = e / tc, c = e % tc;
+      const float* p = partials + (b * g.tiles + tile) * tc + c;
       float s = 0.f;
       for (int64_t k = 0; k < g.chunks; ++k) s += __ldcg(p + k * stride);
       vals[e] = s;
@@ -183,12 +184,12 @@ __device__ void prefetch_layer_unit(const LayerGemv& g, const LayerWeights<T>& w
                                     int64_t budget) {
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int segments = g.paired ? 2 : 1;
-  const int seg_bytes = kLayerTileCols * static_cast<int>(sizeof(T)) / segments;
+  const int seg_bytes = static_cast<int>(g.tile_cols * sizeof(T)) / segments;
   const int64_t n = min(rows * segments, budget / seg_bytes);
   for (int64_t e = threadIdx.x; e < n; e += kLayerThreads) {
     const int64_t k = k0 + e / segments;
     const int s = static_cast<int>(e % segments);
-    int64_t col = g.paired ? tile * kLayerHalfTile : tile * kLayerTileCols;
+    int64_t col = g.paired ? tile * (g.tile_cols / 2) : tile * g.tile_cols;
     if (col >= g.n) return;
     const T* m = g.paired ? (s ? w.b : w.a) : (k < w.split ? w.a : w.b - w.split * w.ld);
     const int64_t cols = min(static_cast<int64_t>(seg_bytes / sizeof(T)), static_cast<int64_t>(g.n - col));

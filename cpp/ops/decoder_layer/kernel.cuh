@@ -104,7 +104,8 @@ __device__ void layer_h_stats(const DecoderLayerParams& p, const DecoderLayerPla
     double n = 0;
     float mu = 0.f, m2 = 0.f;
     for (int64_t t = 0; t < tiles; ++t) {
-      const float nt = static_cast<float>(min(static_cast<int64_t>(kLayerTileCols), static_cast<int64_t>(p.hidden - t * kLayerTileCols)));
+      const int64_t tc = pl.gemv[kGemvO].tile_cols;
+      const float nt = static_cast<float>(min(tc, p.hidden - t * tc));
       const float mt = __ldcg(ws + pl.h_stats + (t * p.batch + b) * 2);
       const float qt = __ldcg(ws + pl.h_stats + (t * p.batch + b) * 2 + 1);
       const float tot = static_cast<float>(n) + nt, delta = mt - mu;
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     each_unit(gi, 0, [&](int64_t tile, int64_t chunk) {
       if (budget <= 0) return;
       prefetch_layer_unit<T>(pl.gemv[gi], w, tile, chunk, budget);
-      budget -= pl.gemv[gi].chunk_rows * kLayerTileCols * static_cast<int64_t>(sizeof(T));
+      budget -= pl.gemv[gi].chunk_rows * pl.gemv[gi].tile_cols * static_cast<int64_t>(sizeof(T));
     });
   };
   auto norm_of_x = [&](const void* nw, const void* nb) {
@@ -189,24 +190,26 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   // ---- up front: QKV (and the parallel residual's MLP up)
   layer_x_stats<T, NB>(p, x_mean, x_rstd);
   auto finish_qkv = [&](int64_t tile, const float* vals, int nb) {
-    for (int e = threadIdx.x; e < nb * kLayerTileCols; e += kLayerThreads) {
-      const int b = e / kLayerTileCols;
-      const int64_t c = tile * kLayerTileCols + e % kLayerTileCols;
+    const int tc = static_cast<int>(pl.gemv[kGemvQkv].tile_cols);
+    for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+      const int b = e / tc;
+      const int64_t c = tile * tc + e % tc;
       if (c < cols) __stcg(qkv + b * cols + c, vals[e] + weight_at<T>(p.qkv_bias, c));
     }
   };
   auto finish_up = [&](int64_t tile, const float* vals, int nb) {
+    const int tc = static_cast<int>(pl.gemv[kGemvUp].tile_cols), half = tc / 2;
     if (pl.gemv[kGemvUp].paired) {  // act = silu(gate) * up
-      for (int e = threadIdx.x; e < nb * kLayerHalfTile; e += kLayerThreads) {
-        const int b = e / kLayerHalfTile, c = e % kLayerHalfTile;
-        const int64_t col = tile * kLayerHalfTile + c;
-        const float g = vals[b * kLayerTileCols + c], u = vals[b * kLayerTileCols + kLayerHalfTile + c];
+      for (int e = threadIdx.x; e < nb * half; e += kLayerThreads) {
+        const int b = e / half, c = e % half;
+        const int64_t col = tile * half + c;
+        const float g = vals[b * tc + c], u = vals[b * tc + half + c];
         if (col < f) __stcg(act + b * f + col, g / (1.f + __expf(-g)) * u);
       }
     } else {
-      for (int e = threadIdx.x; e < nb * kLayerTileCols; e += kLayerThreads) {
-        const int b = e / kLayerTileCols;
-        const int64_t col = tile * kLayerTileCols + e % kLayerTileCols;
+      for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+        const int b = e / tc;
+        const int64_t col = tile * tc + e % tc;
         if (col < f) {
           __stcg(act + b * f + col, layer_gelu(vals[e] + weight_at<T>(p.b1, col), p.mlp == MlpKind::kGeluTanh));
         }
@@ -268,9 +271,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
       layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
                              in, [&](int64_t t, const float* vals, int nb) {
-                               for (int e = threadIdx.x; e < nb * kLayerTileCols; e += kLayerThreads) {
-                                 const int b = e / kLayerTileCols;
-                                 const int64_t c = t * kLayerTileCols + e % kLayerTileCols;
+                               const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
+                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+                                 const int b = e / tc;
+                                 const int64_t c = t * tc + e % tc;
                                  if (c < d) {
                                    store_y(b, c, to_float(x[b * d + c]) + vals[e] + weight_at<T>(p.o_bias, c) +
                                                      weight_at<T>(p.b3, c));
@@ -286,9 +290,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
                            attn_in, [&](int64_t t, float* vals, int nb) {
-                             for (int e = threadIdx.x; e < nb * kLayerTileCols; e += kLayerThreads) {
-                               const int b = e / kLayerTileCols;
-                               const int64_t c = t * kLayerTileCols + e % kLayerTileCols;
+                             const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
+                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+                               const int b = e / tc;
+                               const int64_t c = t * tc + e % tc;
                                if (c < d) {
                                  vals[e] += to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c);
                                  __stcg(h + b * d + c, vals[e]);
@@ -297,12 +302,12 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                              __syncthreads();
                              if (threadIdx.x < nb) {  // the tile's (mean, M2) of row b
                                const int b = threadIdx.x;
-                               const int n = static_cast<int>(min(static_cast<int64_t>(kLayerTileCols), static_cast<int64_t>(d - t * kLayerTileCols)));
+                               const int n = static_cast<int>(min(static_cast<int64_t>(tc), d - t * tc));
                                float mu = 0.f, m2 = 0.f;
-                               for (int c = 0; c < n; ++c) mu += vals[b * kLayerTileCols + c];
+                               for (int c = 0; c < n; ++c) mu += vals[b * tc + c];
                                mu /= n;
                                for (int c = 0; c < n; ++c) {
-                                 const float dv = vals[b * kLayerTileCols + c] - mu;
+                                 const float dv = vals[b * tc + c] - mu;
                                  m2 += dv * dv;
                                }
                                __stcg(ws + pl.h_stats + (t * p.batch + b) * 2, mu);
@@ -335,9 +340,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down, tile, chunk, batch, smem, partials[kGemvDown],
                            tile_counters[kGemvDown], act_in, [&](int64_t t, const float* vals, int nb) {
-                             for (int e = threadIdx.x; e < nb * kLayerTileCols; e += kLayerThreads) {
-                               const int b = e / kLayerTileCols;
-                               const int64_t c = t * kLayerTileCols + e % kLayerTileCols;
+                             const int tc = static_cast<int>(pl.gemv[kGemvDown].tile_cols);
+                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+                               const int b = e / tc;
+                               const int64_t c = t * tc + e % tc;
                                if (c < d) store_y(b, c, __ldcg(h + b * d + c) + vals[e] + weight_at<T>(p.b3, c));
                              }
                            });

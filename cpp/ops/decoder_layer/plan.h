@@ -8,7 +8,7 @@
 //                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
 //   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
 //                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
-// A GEMV unit multiplies a K chunk of its B input rows by a 256-column tile of the weights;
+// A GEMV unit multiplies a K chunk of its B input rows by a tile of 256..2048 columns;
 // with several chunks per tile the units write fp32 partials and the last one to arrive
 // (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
 #pragma once
@@ -23,17 +23,21 @@ namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
 inline constexpr int kLayerMaxBatch = 8;             // rows: B x 8 fp32 accumulators per thread
-inline constexpr int kLayerTileCols = 256;           // GEMV tile: a warp's 32 lanes x 8 columns (512 bytes)
-inline constexpr int kLayerMaxChunks = 16;           // K chunks per tile
+inline constexpr int kLayerMinTileCols = 256;        // GEMV tiles: 256..2048 columns (lanes x 8)
+inline constexpr int kLayerMaxTileCols = 2048;
+inline constexpr int kLayerTileColsDefault = 1024;   // 2 KB of a weight row per row step
+inline constexpr int kLayerMaxChunks = 32;           // K chunks per tile
 inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
 inline constexpr int kLayerMaxSplits = 64;           // attention token splits per (row, KV head)
 inline constexpr int kLayerMinSplitTokens = 256;     // cache slots per split at least
 
 // One GEMV of the layer: out[b, n] = sum_k in[b, k] W[k, n], split into tiles x chunks units.
-// Paired (SwiGLU's gate and up): a tile is 128 columns of w_gate and the same 128 of w_up.
+// Paired (SwiGLU's gate and up): a tile is tile_cols / 2 columns of w_gate and the same
+// ones of w_up. Wide tiles: each row step of a tile reads tile_cols contiguous weights (DRAM
+// pages are used whole; 64-column tiles streamed at ~45% of HBM).
 struct LayerGemv {
   int64_t k, n;        // input width, output columns (paired: F, read as 2F virtual columns)
-  int64_t tiles, chunks, chunk_rows;  // chunk_rows: a multiple of 32
+  int64_t tile_cols, tiles, chunks, chunk_rows;  // chunk_rows: a multiple of 32
   bool paired;
   JAX_CLUSTER_HOST_DEVICE int64_t units() const { return tiles * chunks; }
 };
@@ -68,9 +72,10 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     const int64_t rows = ((g.k + c - 1) / c + 31) / 32 * 32;
     if (batch * rows > kLayerStageFloats) continue;
     const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
-    // A unit's time ~ its rows plus a fixed cost (pipeline fill, staging, reduction) worth
-    // ~128 rows of 512 bytes; splitting K adds the partials' round trip.
-    const double cost = static_cast<double>(waves) * (rows + 128) + (c > 1 ? 64.0 : 0.0);
+    // A unit's time ~ its bytes plus a fixed cost (pipeline fill, staging, reduction) worth
+    // ~64 KB of weights; splitting K adds the partials' round trip.
+    const double unit = static_cast<double>(rows) * g.tile_cols * 2 + 65536.0;
+    const double cost = static_cast<double>(waves) * unit + (c > 1 ? 32768.0 : 0.0);
     if (cost < best) {
       best = cost;
       g.chunks = c;
@@ -80,17 +85,30 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
 
-inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid) {
+// tile_cols: 256, 512, 1024 or 2048 (narrower GEMVs take one tile of their width rounded up
+// to 256).
+inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid,
+                                           int64_t tile_cols = kLayerTileColsDefault) {
   DecoderLayerPlan pl{};
   pl.grid = grid;
   const int64_t b = p.batch, d = p.hidden, f = p.inter, dh = p.head_dim;
   const int64_t hq = p.num_q_heads, hkv = p.num_kv_heads, cols = (hq + 2 * hkv) * dh;
   const bool swiglu = p.mlp == MlpKind::kSwiglu;
-  auto tiles = [](int64_t n) { return (n + kLayerTileCols - 1) / kLayerTileCols; };
-  pl.gemv[kGemvQkv] = {d, cols, tiles(cols), 1, 0, false};
-  pl.gemv[kGemvUp] = {d, f, swiglu ? tiles(2 * f) : tiles(f), 1, 0, swiglu};
-  pl.gemv[kGemvO] = {hq * dh + (p.parallel_residual ? f : 0), d, tiles(d), 1, 0, false};
-  pl.gemv[kGemvDown] = {f, d, tiles(d), 1, 0, false};
+  auto gemv = [&](int64_t k, int64_t n, bool paired) {
+    const int64_t virt = paired ? 2 * n : n;
+    LayerGemv g{};
+    g.k = k;
+    g.n = n;
+    g.paired = paired;
+    g.tile_cols = std::min(tile_cols, (virt + kLayerMinTileCols - 1) / kLayerMinTileCols * kLayerMinTileCols);
+    g.tiles = (virt + g.tile_cols - 1) / g.tile_cols;
+    g.chunks = 1;
+    return g;
+  };
+  pl.gemv[kGemvQkv] = gemv(d, cols, false);
+  pl.gemv[kGemvUp] = gemv(d, f, swiglu);
+  pl.gemv[kGemvO] = gemv(hq * dh + (p.parallel_residual ? f : 0), d, false);
+  pl.gemv[kGemvDown] = gemv(f, d, false);
   if (p.parallel_residual) {  // QKV and MLP up share the first phase
     plan_gemv(pl.gemv[kGemvQkv], b, grid, 0);
     plan_gemv(pl.gemv[kGemvUp], b, grid, pl.gemv[kGemvQkv].units());
@@ -112,15 +130,23 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     at += (floats + 31) / 32 * 32;  // 128-byte aligned regions
     return off;
   };
+  // Regions sized by bounds (the narrowest tiles, the most chunks and splits), not by this
+  // grid's or tile width's values: the op declares its workspace from the shapes alone
+  // (decoder_layer_workspace_floats).
+  auto max_tiles = [&](int i) {
+    const LayerGemv& g = pl.gemv[i];
+    return ((g.paired ? 2 * g.n : g.n) + kLayerMinTileCols - 1) / kLayerMinTileCols;
+  };
   pl.counter_words = 8;  // grid barriers
   for (int i = 0; i < kLayerGemvs; ++i) {
     pl.tile_counter_off[i] = pl.counter_words;
-    pl.counter_words += pl.gemv[i].tiles;
+    pl.counter_words += max_tiles(i);
   }
   pl.counters = take(pl.counter_words);
-  // Regions sized by the bounds on chunks and splits, not this grid's values: the op declares
-  // its workspace from the shapes alone (decoder_layer_workspace_floats).
-  auto partial_floats = [&](int i) { return kLayerMaxChunks * b * pl.gemv[i].tiles * kLayerTileCols; };
+  auto partial_floats = [&](int i) {
+    const LayerGemv& g = pl.gemv[i];
+    return kLayerMaxChunks * b * ((g.paired ? 2 * g.n : g.n) + kLayerMaxTileCols);
+  };
   int64_t partial = 0;
   for (int i = 0; i < kLayerGemvs; ++i) {
     pl.partial_off[i] = i == kGemvUp && p.parallel_residual ? partial_floats(kGemvQkv) : 0;
@@ -131,7 +157,7 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
   pl.attn_partial = take(b * hkv * kLayerMaxSplits * (hq / hkv) * (dh + 2) + b * hkv * 2 * dh);
   pl.attn = take(b * hq * dh);
   pl.h = take(b * d);
-  pl.h_stats = take(tiles(d) * b * 2);
+  pl.h_stats = take(max_tiles(kGemvO) * b * 2);
   pl.act = take(b * f);
   pl.timeline = take(2 * (1 + kLayerTimelineMaxBlocks * kLayerTimelineMarks));
   pl.floats = at;
