@@ -5,11 +5,11 @@
 //
 //   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
 //            functor (a norm of x or h, the attention output, the MLP activation)
-//   stream   the tile's rows through a ring of 32 KB stages in shared memory: thread 0
-//            issues one bulk copy per row segment (the copy engine; kLayerRingStages - 1
-//            stages in flight, no registers held), every thread = (row group, 8 columns)
-//            reads its 16-byte vectors of each stage into B x 8 fp32 accumulators and
-//            arrives on the stage's empty barrier
+//   stream   thread = (row group, 8 columns): each thread streams the 16-byte weight
+//            vectors of its rows rg, rg + groups, ... through its own ring of shared memory (cp.async,
+//            kLayerRingSteps steps of kLayerStepRows rows, all but one in flight), so the
+//            bytes in flight do not cost registers; a thread only reads what it copied
+//            (no block barrier in the loop) into B x 8 fp32 accumulators
 //   reduce   the row groups' sums in group order (in the ring's memory, idle by then)
 //   finish   one chunk: the tile's [B, tile_cols] sums go to the phase's epilogue; several: fp32
 //            partials, and the unit that raises the tile's counter to `chunks` sums them
@@ -20,8 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "jax_cluster/mma.cuh"  // cp.async
 #include "jax_cluster/ptx.cuh"
-#include "jax_cluster/tma.cuh"  // bulk_load, mbarrier_arrive
 #include "jax_cluster/vec.cuh"
 #include "ops/decoder_layer/plan.h"
 
@@ -39,26 +39,13 @@ struct LayerWeights {
   int64_t ld, split;  // row stride (elements); first row of b
 };
 
-inline constexpr int kLayerRingStages = 4;           // weight stages; kLayerRingStages - 1 in flight
-inline constexpr int kLayerStageBytes = 32 << 10;    // a stage: whole tile rows, 32 KB
-inline constexpr int kLayerRingFloats = kLayerRingStages * kLayerStageBytes / 4;
+inline constexpr int kLayerRingSteps = 6;  // steps per thread's ring; kLayerRingSteps - 1 in flight
+inline constexpr int kLayerStepRows = 4;   // rows (16 bytes each) a thread copies per step
 
-// The weight ring's barriers (static shared memory: the ring's bytes share the dynamic
-// buffer with the attention phase). full: a stage's bytes landed; empty: every thread read it.
-struct LayerRing {
-  uint64_t full[kLayerRingStages];
-  uint64_t empty[kLayerRingStages];
-  __device__ void init() {
-    for (int s = 0; s < kLayerRingStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], kLayerThreads);
-    }
-    ptx::fence_mbarrier_init_cluster();
-  }
-};
+inline constexpr int kLayerRingFloats = kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
 
-// Shared memory of one unit, in floats: the weight ring (then the row groups' sums), the
-// staged input, the tile's values.
+// Shared memory of one unit, in floats: the weight ring (then the per-warp sums), staged
+// input, the tile's values.
 template <int NB>
 __host__ __device__ constexpr int layer_gemv_smem_floats() {
   // the row groups' sums: groups x NB x tile_cols = NB x 8 x 256 floats for every width
@@ -67,14 +54,13 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
 }
 
 // One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
-// the epilogue of the tile's sums vals[b * tile_cols + v] (shared memory, all threads call
-// it). ring_pos: stages this block's ring has served so far (every thread keeps the count).
+// the epilogue of the tile's sums vals[b * tile_cols + v] (shared memory, all threads call it).
 template <typename T, int NB, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
-                                int batch, float* smem, LayerRing& ring, uint32_t& ring_pos, float* partials,
-                                unsigned int* tile_counters, In in, Finish finish) {
-  unsigned char* stages = reinterpret_cast<unsigned char*>(smem);
-  float* red = smem;  // [row group][b][column], after the loop
+                                int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
+                                Finish finish) {
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [step][row of step][thread]
+  float* red = smem;                              // [row group][b][column], after the loop
   float* stage = smem + kLayerRingFloats;
   float* vals = stage + kLayerStageFloats;
   int* last = reinterpret_cast<int*>(vals + NB * kLayerMaxTileCols);
@@ -83,48 +69,42 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   const int rg = tid / lanes, half = tc / 2;
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int64_t cr = g.chunk_rows;
-  const int row_bytes = tc * static_cast<int>(sizeof(T));
-  const int stage_rows = kLayerStageBytes / row_bytes;
-  const int64_t steps = (rows + stage_rows - 1) / stage_rows;
 
-  // This thread's 8 (virtual) columns of the tile.
+  // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
   const int v = (tid % lanes) * 8;
-  const int64_t col = g.paired ? tile * half + v % half : tile * tc + v;
+  int64_t col;
+  const T* base_a;
+  const T* base_b;
+  if (g.paired) {
+    col = tile * half + v % half;
+    base_a = base_b = (v < half ? w.a : w.b) + col;
+  } else {
+    col = tile * tc + v;
+    base_a = w.a + col;
+    base_b = w.b != nullptr ? w.b + col - w.split * w.ld : nullptr;
+  }
   const bool live = col < g.n;
-
-  // Stage n of the unit: rows [n * stage_rows, ...) of the chunk, each row's tile columns
-  // (paired: the gate half, then the up half) by the bulk-copy engine, issued by thread 0.
-  const uint64_t policy = ptx::l2_evict_first();
-  auto issue = [&](int64_t n) {
-    if (n >= steps) return;
-    const uint32_t at = ring_pos + static_cast<uint32_t>(n), slot = at % kLayerRingStages;
-    const uint32_t use = at / kLayerRingStages;
-    ptx::mbarrier_wait(&ring.empty[slot], (use & 1) ^ 1);  // the previous use was read
-    const int64_t r0 = n * stage_rows, r1 = min(rows, r0 + stage_rows);
-    const int64_t seg_cols = g.paired ? min(static_cast<int64_t>(half), g.n - tile * half)
-                                      : min(static_cast<int64_t>(tc), g.n - tile * tc);
-    const uint32_t seg = static_cast<uint32_t>(seg_cols * sizeof(T));
-    ptx::mbarrier_arrive_expect_tx(&ring.full[slot], static_cast<uint32_t>(r1 - r0) * seg * (g.paired ? 2 : 1));
-    unsigned char* dst = stages + slot * kLayerStageBytes;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t k = k0 + r;
-      unsigned char* row = dst + (r - r0) * row_bytes;
-      if (g.paired) {
-        ptx::bulk_load(row, w.a + k * w.ld + tile * half, seg, &ring.full[slot], policy);
-        ptx::bulk_load(row + half * sizeof(T), w.b + k * w.ld + tile * half, seg, &ring.full[slot], policy);
-      } else {
-        const T* src = k < w.split ? w.a + k * w.ld : w.b + (k - w.split) * w.ld;
-        ptx::bulk_load(row, src + tile * tc, seg, &ring.full[slot], policy);
+  // Thread rows rg + groups i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
+  const int64_t mine = live && rg < rows ? (rows - rg + groups - 1) / groups : 0;
+  const int64_t steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
+  auto issue = [&](int64_t step) {
+    if (step < steps) {
+      uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
+#pragma unroll
+      for (int u = 0; u < kLayerStepRows; ++u) {
+        const int64_t i = step * kLayerStepRows + u;
+        if (i < mine) {
+          const int64_t k = k0 + rg + groups * static_cast<int64_t>(i);
+          const T* row = k < w.split ? base_a : base_b;
+          cp_async_16(ptx::smem_addr(slot + u * kLayerThreads), row + k * w.ld, 16);
+        }
       }
     }
+    cp_async_commit();  // empty groups keep the count uniform
   };
-  // The previous unit's (or the attention's) ordinary writes to these bytes come before the
-  // copy engine's.
-  ptx::fence_proxy_async_shared();
-  __syncthreads();
-  if (tid == 0) {
-    for (int n = 0; n < kLayerRingStages - 1; ++n) issue(n);
-  }
+#pragma unroll
+  for (int s0 = 0; s0 < kLayerRingSteps - 1; ++s0) issue(s0);
+
   for (int64_t e = tid; e < NB * rows; e += kLayerThreads) {
     const int b = static_cast<int>(e / rows);
     const int64_t r = e % rows;
@@ -137,28 +117,27 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
   }
   __syncthreads();
-  for (int64_t n = 0; n < steps; ++n) {
-    if (tid == 0) issue(n + kLayerRingStages - 1);
-    const uint32_t at = ring_pos + static_cast<uint32_t>(n), slot = at % kLayerRingStages;
-    ptx::mbarrier_wait(&ring.full[slot], (at / kLayerRingStages) & 1);
-    const unsigned char* src = stages + slot * kLayerStageBytes + v * sizeof(T);
-    const int64_t r0 = n * stage_rows, nr = min(static_cast<int64_t>(stage_rows), rows - r0);
-    if (live) {
-      for (int j = rg; j < nr; j += groups) {
-        float wf[8];
-        unpack<T>(ptx::lds128(src + j * row_bytes), wf);
+  for (int64_t step = 0; step < steps; ++step) {
+    issue(step + kLayerRingSteps - 1);
+    cp_async_wait<kLayerRingSteps - 1>();  // this thread's copies of `step` landed
+    const uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
 #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const float xin = stage[b * cr + r0 + j];
+    for (int u = 0; u < kLayerStepRows; ++u) {
+      const int64_t i = step * kLayerStepRows + u;
+      if (i >= mine) break;
+      const int64_t r = rg + groups * static_cast<int64_t>(i);
+      float wf[8];
+      unpack<T>(slot[u * kLayerThreads], wf);
 #pragma unroll
-          for (int q = 0; q < 8; ++q) acc[b][q] = fmaf(xin, wf[q], acc[b][q]);
-        }
+      for (int b = 0; b < NB; ++b) {
+        const float xin = stage[b * cr + r];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
       }
     }
-    ptx::mbarrier_arrive(&ring.empty[slot]);
   }
-  ring_pos += static_cast<uint32_t>(steps);
-  __syncthreads();  // every thread is done with the ring: it holds the row groups' sums now
+  cp_async_wait<0>();
+  __syncthreads();  // every thread is done with the ring: it holds the warps' sums now
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
 #pragma unroll

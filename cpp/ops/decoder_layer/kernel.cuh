@@ -151,9 +151,6 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     }
   };
   mark(0);
-  __shared__ LayerRing ring;
-  uint32_t ring_pos = 0;
-  if (threadIdx.x == 0) ring.init();
   const int batch = static_cast<int>(p.batch);
   const int64_t d = p.hidden, f = p.inter, hqd = p.num_q_heads * DH;
   const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
@@ -220,12 +217,12 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     }
   };
   each_unit(kGemvQkv, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvQkv],
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv, tile, chunk, batch, smem, partials[kGemvQkv],
                            tile_counters[kGemvQkv], norm_of_x(p.norm_w, p.norm_b), finish_qkv);
   });
   if (parallel) {
     each_unit(kGemvUp, pl.gemv[kGemvQkv].units(), [&](int64_t tile, int64_t chunk) {
-      layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvUp],
+      layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, partials[kGemvUp],
                              tile_counters[kGemvUp], norm_of_x(p.post_norm_w, p.post_norm_b), finish_up);
     });
   }
@@ -272,7 +269,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   if (parallel) {
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-      layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvO], tile_counters[kGemvO],
+      layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
                              in, [&](int64_t t, const float* vals, int nb) {
                                const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
@@ -291,7 +288,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
 
   // ---- sequential: o-proj -> h (and its tile statistics)
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvO], tile_counters[kGemvO],
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
                            attn_in, [&](int64_t t, float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
@@ -330,7 +327,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     return layer_norm ? v + weight_at<T>(p.post_norm_b, k) : v;
   };
   each_unit(kGemvUp, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvUp],
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, partials[kGemvUp],
                            tile_counters[kGemvUp], norm_of_h, finish_up);
   });
   mark(8);
@@ -341,7 +338,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   // ---- MLP down: y = h + act W_down (+ b_out)
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down, tile, chunk, batch, smem, ring, ring_pos, partials[kGemvDown],
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down, tile, chunk, batch, smem, partials[kGemvDown],
                            tile_counters[kGemvDown], act_in, [&](int64_t t, const float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvDown].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {

@@ -39,7 +39,7 @@ DecodeAttentionParams attention_params(const DecoderLayerParams& p, const Decode
 // Tuning knobs read once from the environment, for measuring what they buy:
 // JAX_CLUSTER_LAYER_PREFETCH: bytes of its next GEMV units' weights a block pulls into L2
 // before each grid barrier (default 0: the pulls cost more at the barrier than they saved);
-// JAX_CLUSTER_LAYER_TILE: the GEMV tile width (256, 512 or 1024 columns).
+// JAX_CLUSTER_LAYER_TILE: the GEMV tile width (256, 512, 1024 or 2048 columns).
 int64_t env_int(const char* name, int64_t fallback) {
   const char* env = std::getenv(name);
   return env == nullptr ? fallback : static_cast<int64_t>(std::atoll(env));
@@ -51,7 +51,7 @@ int64_t prefetch_bytes() {
 int64_t tile_cols() {
   static const int64_t cols = [] {
     const int64_t v = env_int("JAX_CLUSTER_LAYER_TILE", kLayerTileColsDefault);
-    return v == 256 || v == 512 || v == 1024 ? v : int64_t{kLayerTileColsDefault};
+    return v == 256 || v == 512 || v == 1024 || v == 2048 ? v : int64_t{kLayerTileColsDefault};
   }();
   return cols;
 }

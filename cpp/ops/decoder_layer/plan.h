@@ -8,7 +8,7 @@
 //                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
 //   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
 //                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
-// A GEMV unit multiplies a K chunk of its B input rows by a tile of 256..1024 columns;
+// A GEMV unit multiplies a K chunk of its B input rows by a tile of 256..2048 columns;
 // with several chunks per tile the units write fp32 partials and the last one to arrive
 // (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
 #pragma once
@@ -23,8 +23,8 @@ namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
 inline constexpr int kLayerMaxBatch = 8;             // rows: B x 8 fp32 accumulators per thread
-inline constexpr int kLayerMinTileCols = 256;        // GEMV tiles: 256..1024 columns (lanes x 8)
-inline constexpr int kLayerMaxTileCols = 1024;
+inline constexpr int kLayerMinTileCols = 256;        // GEMV tiles: 256..2048 columns (lanes x 8)
+inline constexpr int kLayerMaxTileCols = 2048;
 inline constexpr int kLayerTileColsDefault = 1024;   // 2 KB of a weight row per row step
 inline constexpr int kLayerMaxChunks = 32;           // K chunks per tile
 inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
@@ -85,7 +85,7 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
 
-// tile_cols: 256, 512 or 1024 (narrower GEMVs take one tile of their width rounded up
+// tile_cols: 256, 512, 1024 or 2048 (narrower GEMVs take one tile of their width rounded up
 // to 256).
 inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid,
                                            int64_t tile_cols = kLayerTileColsDefault) {
