@@ -2,7 +2,7 @@
 
 Columns per case (model, batch, context): one_launch = jax_cluster.decoder_layer(impl="cuda")
 (the one-launch layer kernel; blank where it does not cover the shapes, e.g. batch > 8);
-per_op = impl="auto", one_launch=False (the layer on the per-op kernels, each op's tuner
+per_op = impl="auto" (the layer on the per-op kernels, each op's tuner
 picking its configuration); xla = the same layer in plain jnp (impl="xla"). A call runs
 STEPS decode steps of LAYERS layers (each with its own weights and KV cache, so weights do not
 stay in L2), written out in one jit with the state donated. floor = the bytes a layer step
@@ -38,7 +38,7 @@ MODELS = {
 }
 COMBOS = ((1, 1024), (1, 4096), (16, 4096))
 STEPS, LAYERS = 2, 4
-IMPLS = {"one_launch": dict(impl="cuda"), "per_op": dict(impl="auto", one_launch=False), "xla": dict(impl="xla")}
+IMPLS = {"one_launch": dict(impl="cuda"), "per_op": dict(impl="auto"), "xla": dict(impl="xla")}
 COLUMNS = ["case", "one_launch_us", "per_op_us", "xla_us", "floor_us", "one_launch_floor_fraction",
            "per_op_floor_fraction", "xla_floor_fraction", "one_launch_vs_per_op", "one_launch_vs_xla"]
 
@@ -135,7 +135,7 @@ def main():
         rows.append(bench_case(m, b, c, dtype, bandwidth, rng))
     write_results(name, rows, columns=COLUMNS, part=a.part,
                   notes="us per layer step (STEPS x LAYERS written out in one jit, state donated); one_launch = "
-                        "decoder_layer impl=cuda (the one-launch layer kernel); per_op = impl=auto, one_launch=False "
+                        "decoder_layer impl=cuda (the one-launch layer kernel); per_op = impl=auto "
                         "(attention_block + swiglu kernels, GeLU MLPs on XLA); floor = "
                         "(layer weights + K/V cache + x, y) bytes / measured HBM bandwidth.")
 

@@ -12,12 +12,13 @@ tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
 `impl` has the meaning of every op (docs/architecture.md): "cuda" is the custom call
 jax_cluster_decoder_layer, on a GPU the one-launch layer kernel (cpp/ops/decoder_layer:
 ClusterFusion++'s whole-layer dataflow in one persistent grid, docs/decoder_layer.md), on CPU
-its C++ handler (the reference's math and rounding points); "auto" on a GPU is that kernel
-wherever it covers the shapes (16-bit dtypes, at most 8 rows, head_dim 64/80/96/128, at
-most 8 query heads per KV head, widths multiples of 8) and the per-op kernels otherwise
-(attention_block, then swiglu; GeLU MLPs on XLA's dots; a warning says why, once); on CPU
-"auto" runs the per-op path. "xla" runs the same blocks in plain jnp, "reference" the fp32
-reference.
+its C++ handler (the reference's math and rounding points); it covers 16-bit dtypes, at most
+8 rows, head_dim 64/80/96/128, at most 8 query heads per KV head and widths that are
+multiples of 8. "auto" runs the layer on the per-op kernels (attention_block, then swiglu;
+GeLU MLPs on XLA's dots), which are faster than the one-launch kernel on every shape
+measured so far; one_launch=True makes auto run the kernel where it covers the shapes (a
+warning says why where it does not). "xla" runs the per-op blocks in plain jnp,
+"reference" the fp32 reference.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
                   num_kv_heads: int, eps: float, rotary_dim: int | None = None, rope_layout: str = "half",
                   scale: float | None = None, parallel_residual: bool = False, gelu_approximate: bool = False,
-                  impl: str = "auto", one_launch: bool | None = None):
+                  impl: str = "auto", one_launch: bool = False):
     """(y [B, D], k_cache, v_cache): one decode step of a whole layer (see the module docstring).
 
     weights: norm, qkv [D, (Hq + 2 Hkv) Dh] (columns [Q heads | K heads | V heads]), o
@@ -179,8 +180,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     w_out [F, D] (gpt_neox); optional qkv_bias, o_bias, b_in, b_out; norm_bias and
     post_norm_bias for gpt_neox's LayerNorms. Caches [B, Hkv, S_max, Dh] (donate them);
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim / 2].
-    one_launch: under impl="auto" on a GPU, False runs the per-op kernels even where the
-    one-launch kernel covers the shapes (None: the kernel wherever it does).
+    one_launch: under impl="auto" on a GPU, True runs the one-launch kernel where it covers
+    the shapes (default: the per-op kernels, faster so far: docs/decoder_layer.md).
     """
     op = "decoder_layer"
     check_impl(op, impl)
@@ -192,7 +193,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     if impl == "reference":
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     gpu = on_gpu()
-    if impl == "cuda" or (impl == "auto" and gpu and one_launch is not False):
+    if impl == "cuda" or (impl == "auto" and gpu and one_launch):
         if rope_layout not in ("half", "interleaved"):
             raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
         why = _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
