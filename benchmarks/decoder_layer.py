@@ -129,15 +129,16 @@ def main():
     bandwidth = measure_bandwidth(0.0625 if a.tiny else 1.0)
     rng = np.random.default_rng(0)
     cases = [(m, b, c) for m in models for b, c in combos]
+    notes = ("us per layer step (STEPS x LAYERS written out in one jit, state donated); one_launch = decoder_layer "
+             "impl=cuda (the one-launch layer kernel; blank where it does not cover the shapes); per_op = impl=auto "
+             "(attention_block + swiglu kernels, GeLU MLPs on XLA); floor = (layer weights + K/V cache + x, y) bytes "
+             "/ measured HBM bandwidth.")
     rows = []
     for i, (m, b, c) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} b{b} ctx{c}", flush=True)
         rows.append(bench_case(m, b, c, dtype, bandwidth, rng))
-    write_results(name, rows, columns=COLUMNS, part=a.part,
-                  notes="us per layer step (STEPS x LAYERS written out in one jit, state donated); one_launch = "
-                        "decoder_layer impl=cuda (the one-launch layer kernel); per_op = impl=auto "
-                        "(attention_block + swiglu kernels, GeLU MLPs on XLA); floor = "
-                        "(layer weights + K/V cache + x, y) bytes / measured HBM bandwidth.")
+        # after every case: a run cut short keeps what it measured
+        write_results(name, rows, columns=COLUMNS, part=a.part, notes=notes)
 
 
 if __name__ == "__main__":

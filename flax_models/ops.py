@@ -299,8 +299,9 @@ def gelu_mlp(x, w_in, b_in, w_out, b_out, residual=None, *, approximate=False, i
 
 
 def decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, *, impl="fused", rope_factor=1.0, **kw):
-    """A whole decode layer on ``jax_cluster.decoder_layer`` (impl "fused": its C++ handler on CPU;
-    on a GPU an error until its one-launch kernel exists). The models call it where every
+    """A whole decode layer on ``jax_cluster.decoder_layer`` (impl "fused": its C++ handler on CPU,
+    its one-launch kernel on a GPU, an error naming the reason where that kernel does not cover
+    the shapes, e.g. more than 8 rows). The models call it where every
     component is "fused" and the per-op path has no fused form (GPT-NeoX's GELU MLP)."""
     chosen = _choose(impl, "decoder_layer", "decoder_layer", x.dtype,
                      unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
