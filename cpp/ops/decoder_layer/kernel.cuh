@@ -13,8 +13,8 @@
 //   MLP down   y = h + act W_down (+ b_out), rounded once
 // Barriers: one gpu-scope counter each (zeroed before the launch), arrive = fence + add,
 // wait = acquire loads with nanosleep backoff; data produced in the launch is read through
-// L2 (ld.cg), never through the read-only path. Before waiting, a block pulls the first
-// rows of its next GEMV units into L2 (the phase's weights stream while stragglers finish).
+// L2 (ld.cg), never through the read-only path. Before waiting, a block may pull the first
+// rows of its next GEMV units into L2 (plan.prefetch_bytes; off by default: it lost).
 // Blocks never wait on anything but a barrier all blocks reach: no deadlock while all are
 // resident, which the cooperative launch guarantees (it fails otherwise).
 #pragma once
