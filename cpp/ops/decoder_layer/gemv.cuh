@@ -6,13 +6,13 @@
 //   staging  the unit's input rows [B, chunk] in fp32 shared memory, built by the phase's
 //            functor (a norm of x or h, the attention output, the MLP activation)
 //   stream   thread = (row group, 8 columns): each thread streams the 16-byte weight
-//            vectors of its rows rg, rg + groups, ... through its own ring of shared memory (cp.async,
-//            kLayerRingSteps steps of kLayerStepRows rows, all but one in flight), so the
+//            vectors of its rows rg, rg + groups, ... through its own shared-memory ring
+//            (cp.async, kLayerRingSteps steps of kLayerStepRows rows, all but one in flight): the
 //            bytes in flight do not cost registers; a thread only reads what it copied
 //            (no block barrier in the loop) into B x 8 fp32 accumulators
 //   reduce   the row groups' sums in group order (in the ring's memory, idle by then)
-//   finish   one chunk: the tile's [B, tile_cols] sums go to the phase's epilogue; several: fp32
-//            partials, and the unit that raises the tile's counter to `chunks` sums them
+//   finish   one chunk: the tile's [B, tile_cols] sums go to the phase's epilogue; several:
+//            fp32 partials, and the unit that raises the tile's counter to `chunks` sums them
 //            in chunk order and runs the epilogue (threadfence-reduction)
 // Every sum has a fixed order whoever arrives last: bitwise reproducible.
 #pragma once
@@ -29,9 +29,8 @@ namespace jax_cluster {
 
 // Where a lane's 8 columns of weight row k are. Paired (SwiGLU's gate and up): virtual
 // columns [0, half) of a tile are w_gate's, [half, 2 half) w_up's, both at tile * half +
-// (v % half), half = tile_cols / 2. Else two
-// row segments may be stacked: rows k < split of `a`, the rest of `b` (the parallel
-// residual's [W_o ; W_out]).
+// (v % half), half = tile_cols / 2. Else two row segments may be stacked: rows k < split of
+// `a`, the rest of `b` (the parallel residual's [W_o ; W_out]).
 template <typename T>
 struct LayerWeights {
   const T* a;
@@ -44,7 +43,7 @@ inline constexpr int kLayerStepRows = 4;   // rows (16 bytes each) a thread copi
 
 inline constexpr int kLayerRingFloats = kLayerRingSteps * kLayerStepRows * kLayerThreads * 4;
 
-// Shared memory of one unit, in floats: the weight ring (then the per-warp sums), staged
+// Shared memory of one unit, in floats: the weight ring (then the row groups' sums), staged
 // input, the tile's values.
 template <int NB>
 __host__ __device__ constexpr int layer_gemv_smem_floats() {
@@ -70,7 +69,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int64_t cr = g.chunk_rows;
 
-  // This lane's 8 columns: a pointer to row 0 of their matrix (or -1 past the last column).
+  // This thread's 8 columns: pointers to their row 0 in each matrix (live: inside the tile's N).
   const int v = (tid % lanes) * 8;
   int64_t col;
   const T* base_a;
