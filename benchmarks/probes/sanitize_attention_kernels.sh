@@ -1,13 +1,15 @@
 #!/bin/bash
-# Probe: memcheck and racecheck of every attention_block, decode_attention and mla_decode
-# kernel, run alone through the standalone probes (benchmarks/probes/attention_kernel.cu: one
-# decode step per configuration; decode_attention_kernel.cu: plain and append mode;
-# mla_decode_kernel.cu: contiguous and paged latent caches), not inside a JAX
+# Probe: memcheck and racecheck of every attention_block, decode_attention, mla_decode and
+# decoder_layer kernel, run alone through the standalone probes (benchmarks/probes/
+# attention_kernel.cu: one decode step per configuration; decode_attention_kernel.cu: plain
+# and append mode; mla_decode_kernel.cu: contiguous and paged latent caches;
+# decoder_layer_kernel.cu: the one-launch layer), not inside a JAX
 # process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
 # Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
 # run to the end (docs/attention_block.md).
 #   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
-# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE: the probe binaries; without them they are
+# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_LAYER_PROBE: the probe
+# binaries; without them they are
 # built here (2-3 min: build them on the CPU machine with the commands below and carry
 # them). The attention_block probe is built with every lane of the TMA kernel's consumer
 # warps arriving on the ring's "empty" barrier (JC_RING_ARRIVE_PER_LANE in
@@ -33,6 +35,11 @@ ml=${JC_MLA_PROBE:-}
 if [ -z "$ml" ] && wanted mla_decode; then
   ml=/tmp/mla_decode_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_decode_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$ml" || exit 1
+fi
+dl=${JC_LAYER_PROBE:-}
+if [ -z "$dl" ] && wanted decoder_layer; then
+  dl=/tmp/decoder_layer_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/decoder_layer_kernel.cu cpp/ops/decoder_layer/cpu.cc -o "$dl" || exit 1
 fi
 
 # attention_block: D Hq Hkv Dh ctx batch cluster heads_per_cluster [variant]: every kernel
@@ -72,6 +79,15 @@ ml_configs=(
   "1 128 512 64 200 2 0"
   "2 20 32 8 100 3 16"
 )
+# decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
+# 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
+dl_configs=(
+  "llama 1 512 1376 8 2 64 48"
+  "llama 3 320 520 16 2 80 600"
+  "neox 2 384 1536 4 4 96 300"
+  "neox_seq 3 240 456 4 4 80 600"
+  "llama 8 256 688 4 4 128 100"
+)
 failed=0
 check() {  # check LABEL CMD...: each tool over one configuration
   local label=$1; shift
@@ -101,5 +117,8 @@ for cfg in "${da_configs[@]}"; do
 done
 for cfg in "${ml_configs[@]}"; do
   check "mla_decode $cfg" "$ml" $cfg
+done
+for cfg in "${dl_configs[@]}"; do
+  check "decoder_layer $cfg" "$dl" $cfg
 done
 exit $failed
