@@ -57,7 +57,7 @@ inline std::string decoder_layer_check(const DecoderLayerParams& p) {
   return "";
 }
 
-inline constexpr int64_t kDecoderLayerMaxBatch = 8;  // plan.h's kLayerMaxBatch
+inline constexpr int64_t kDecoderLayerMaxBatch = 8;  // rows: B x 8 fp32 accumulators per thread (gemv.cuh)
 inline constexpr int64_t kDecoderLayerMaxGroup = 8;  // decode_attention's query heads per KV head
 
 // Why the one-launch CUDA kernel cannot run p, or "" (the per-op path can: auto falls back).

@@ -22,7 +22,6 @@
 namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
-inline constexpr int kLayerMaxBatch = 8;             // rows: B x 8 fp32 accumulators per thread
 inline constexpr int kLayerMinTileCols = 256;        // GEMV tiles: 256..2048 columns (lanes x 8)
 inline constexpr int kLayerMaxTileCols = 2048;
 inline constexpr int kLayerTileColsDefault = 256;    // a warp reads 512 B of a row (wider: worse balance)
