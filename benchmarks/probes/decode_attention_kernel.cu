@@ -27,14 +27,6 @@ static std::vector<__half> random_half(int64_t n, float scale, uint32_t seed) {
   return v;
 }
 
-template <typename T>
-static T* upload(const std::vector<T>& h) {
-  T* d;
-  CHECK(cudaMalloc(&d, h.size() * sizeof(T)));
-  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 7) {

@@ -20,14 +20,6 @@
 
 #include "probe_check.h"
 
-template <typename T>
-static T* upload(const std::vector<T>& h) {
-  T* d;
-  CHECK(cudaMalloc(&d, std::max<size_t>(1, h.size()) * sizeof(T)));
-  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 8) {

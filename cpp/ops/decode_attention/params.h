@@ -47,7 +47,7 @@ struct DecodeAttentionParams {
 // Which split kernel streams the tokens: MHA on CUDA cores (K/V straight into registers),
 // GQA on tensor cores (mma.sync for the whole group), where the CUDA-core loop would do G
 // dot products per cache element (measurements: docs/decode_attention.md).
-inline bool decode_attention_uses_tensor_cores(const DecodeAttentionParams& p) {
+JAX_CLUSTER_HOST_DEVICE inline bool decode_attention_uses_tensor_cores(const DecodeAttentionParams& p) {
   return p.group >= 2;
 }
 

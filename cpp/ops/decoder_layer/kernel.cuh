@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
       const int64_t bg = i / pl.splits;
       const SplitItem item{static_cast<int>(i % pl.splits), static_cast<int>(bg % p.num_kv_heads),
                            static_cast<int>(bg / p.num_kv_heads)};
-      if (dp.group >= 2) {  // decode_attention_uses_tensor_cores
+      if (decode_attention_uses_tensor_cores(dp)) {
         decode_attention_mma_split_block<T, DH>(dp, item, q, warp_states);
       } else {
         decode_attention_split_block<T, DH>(dp, item, q, warp_states);
