@@ -33,7 +33,7 @@ step() {  # step NAME LOGFILE CMD...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/device.txt" 2>&1
-export JAX_CLUSTER_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
+export JAX_CLUSTER_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 # JC_BUILD_DIR: a build folder outside the tree (a copy carried to the machine is replaced
 # on every call; a folder elsewhere keeps the build incremental while the machine is warm).
 build_args=()

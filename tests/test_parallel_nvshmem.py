@@ -228,10 +228,20 @@ _GPU_CHILD = """
     x = np.random.default_rng(0).standard_normal((3,) + shape).astype(np.float32)
     q, k, v = (jax.make_array_from_callback(shape, p.sharding(), lambda i, a=a: jnp.asarray(a[i], jnp.bfloat16))
                for a in x)
-    if mode == "fault" and rank == 1:  # joins NVSHMEM, then dies before the transfers:
-        import os                       # rank 0's device wait must fail in the timeout, not hang
+    if mode in ("killed", "stalled") and rank == 1:  # joins NVSHMEM, then never puts: rank 0
+        import os, time                                # must end in a bounded time, not hang
         nvshmem.init(p, sp.AttnShape(*shape, 2), jnp.bfloat16)
+        if mode == "stalled":  # alive (heartbeats go on), only its transfers never come
+            time.sleep(120)
         os._exit(0)
+    if mode == "arena":  # an arena sized for a smaller plan: a clear error, then grow() fixes it
+        nvshmem.init(p, sp.AttnShape(1, 256, 8, 128, 2), jnp.bfloat16)
+        try:
+            jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem"))(q, k, v)
+            raise SystemExit("no ArenaTooSmallError")
+        except nvshmem.ArenaTooSmallError as e:
+            print("ARENA", e, flush=True)
+        nvshmem.grow(nvshmem.arena_layout(p.build(sp.AttnShape(*shape, 2))).total_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warning here is a failure
         f = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem"))
@@ -263,14 +273,39 @@ def test_two_gpus_nvshmem_equals_single_device_attention(name):
 
 
 @pytest.mark.gpu
-def test_two_gpus_missing_peer_fails_within_the_timeout():
+def test_two_gpus_arena_too_small_is_an_error_until_grown():
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", "arena"], 2, timeout=300,
+                    gpus=True, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "30"})
+    out = [res.text(r) for r in range(2)]
+    assert res.returncode == 0, out
+    assert all("ARENA" in o and "grow" in o and "RESULT ring" in o for o in out), out
+
+
+def _fault_run(mode):
     if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
         pytest.skip("needs 2 GPUs and the NVSHMEM module")
     t = time.monotonic()
-    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", "fault"], 2, timeout=240, gpus=True,
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", mode], 2, timeout=240, gpus=True,
                     env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "5"})
-    assert not res.timed_out, [res.text(r) for r in range(2)]
-    assert res.returncode == 7 and time.monotonic() - t < 200, [res.text(r) for r in range(2)]
-    # expected: the fault record of the device wait ("PE 0: the put into slot signal ... never
-    # arrived"); a CUDA error from the put into the dead peer's memory is also bounded
-    assert "FAULT" in res.text(0), res.text(0)
+    out = [res.text(r) for r in range(2)]
+    assert not res.timed_out, out
+    return res, time.monotonic() - t, out
+
+
+@pytest.mark.gpu
+def test_two_gpus_stalled_peer_fails_within_the_timeout():
+    """The peer lives but never puts: the device wait gives up after the timeout (5 s) with
+    the fault record naming the slot."""
+    res, seconds, out = _fault_run("stalled")
+    assert res.returncode == 7 and seconds < 100, out
+    assert "FAULT" in out[0] and "never arrived" in out[0], out[0]
+
+
+@pytest.mark.gpu
+def test_two_gpus_killed_peer_ends_the_job():
+    """The peer dies after init: either the device wait's timeout (exit 7 with the fault
+    record) or jax.distributed's heartbeat check (which aborts the survivor) ends rank 0,
+    whichever comes first, never a hang."""
+    res, seconds, out = _fault_run("killed")
+    assert seconds < 200, out
+    assert (res.returncode == 7 and "FAULT" in out[0]) or "unhealthy" in out[0], out

@@ -319,6 +319,9 @@ def init(plan, shape: AttnShape, dtype, *, timeout_s: float | None = None,
         return Status(True, arena_bytes=ctx.arena_bytes)
     mod = _extension()[0]
     rank, world = jax.process_index(), jax.process_count()
+    # NVSHMEM reads its symmetric heap size once, at init: room for this arena and for a grow
+    # of half as much again, unless the user chose the size.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, need + need // 2 + (64 << 20))))
     uid = broadcast_bytes(_next_tag("uniqueid"), mod.unique_id() if rank == 0 else None, timeout_s=timeout_s)
     mod.init(rank, world, uid, need, float(timeout_s))
     for name, capsule in mod.registrations().items():

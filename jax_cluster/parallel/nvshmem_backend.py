@@ -75,8 +75,16 @@ def run_local(schedule: Schedule, arena, q, k, v, *, kernel=None, scale=None):
                         env[d] = env[s]
                     continue
                 peers = [lay.shifted(r, op.axis, op.shift) for r in range(lay.num_devices)]
+                tokens = []
                 for s, d in zip(op.src, op.dst):
-                    pending.append((d, _put(env[s], region=d, arena=arena, peers=peers), env[s]))
+                    tokens.append(_put(env[s], region=d, arena=arena, peers=peers))
+                    pending.append((d, tokens[-1], env[s]))
+                # Issue the puts before the rest of the step: the step's attention reads values
+                # tied to their tokens. Otherwise XLA may run that attention first, and the
+                # transfer would start only when it ends.
+                keys = list(env)
+                _, tied = jax.lax.optimization_barrier((tokens, [env[x] for x in keys]))
+                env.update(zip(keys, tied))
             elif isinstance(op, AllToAll):
                 g = xb._axis_size(schedule, op.axes)
                 split, concat = (2, 1) if op.gather == "seq" else (1, 2)

@@ -120,7 +120,11 @@ void init(int rank, int world, const std::vector<uint8_t>& uid, size_t arena_byt
   check(cudaHostAlloc(&g.fault_host, sizeof(Fault), cudaHostAllocMapped), "cudaHostAlloc(fault record)");
   std::memset(g.fault_host, 0, sizeof(Fault));
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g.fault_dev), g.fault_host, 0), "fault record");
-  check(cudaStreamCreateWithFlags(&g.side, cudaStreamNonBlocking), "side stream");
+  // The highest priority: whatever part of a put runs as a kernel gets the next free SM slot
+  // ahead of the blocks of the attention it overlaps, instead of waiting for that kernel's end.
+  int least = 0, greatest = 0;
+  check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+  check(cudaStreamCreateWithPriority(&g.side, cudaStreamNonBlocking, greatest), "side stream");
   check(cudaEventCreateWithFlags(&g.xla_ready, cudaEventDisableTiming), "event");
   g.up = true;
   resize_arena(arena_bytes);

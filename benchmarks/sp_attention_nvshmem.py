@@ -1,0 +1,157 @@
+"""Sequence-parallel attention on 2 GPUs as 2 processes: the NVSHMEM backend against the XLA one.
+
+Per shape (Flux 24 heads x 128, CogVideoX 48 x 64; bf16, batch 1) and length: the whole
+sequence on one GPU, then ring and torus with ``backend="xla"`` and ``backend="nvshmem"``
+(and ulysses, XLA only, as the all-to-all reference), each as a layer loop inside one jit.
+Every nvshmem row also says whether two runs were bitwise equal and whether the result is
+bitwise equal to the XLA backend's (it should be: the same kernels on the same chunks).
+
+    python benchmarks/sp_attention_nvshmem.py [--lengths 16384,65536] [--shapes flux,cogvideox]
+
+starts itself as 2 processes (one GPU each, jax_cluster.parallel.launch); rank 0 writes
+results/sp_attention_nvshmem.{md,json} after every case.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"flux": (24, 128), "cogvideox": (48, 64)}
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="16384,32768,65536")
+    ap.add_argument("--shapes", default="flux,cogvideox", help=f"of {sorted(SHAPES)}")
+    ap.add_argument("--schedules", default="ring,torus,ulysses")
+    ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "xla"])
+    ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
+    return ap.parse_args(argv)
+
+
+def _launch_self(args) -> int:
+    from jax_cluster.parallel import launch  # noqa: PLC0415
+
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": str(ROOT / "benchmarks")}
+    res = launch.launch([sys.executable, *sys.argv], 2, timeout=args.timeout, gpus=True, env=env)
+    return res.returncode
+
+
+def _set_overlap_flags():
+    spec = importlib.util.spec_from_file_location("_sp_flags", ROOT / "jax_cluster" / "parallel" / "flags.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.set_overlap_flags(True)
+
+
+def main(args) -> None:
+    _set_overlap_flags()
+    from jax_cluster.parallel.launch import init_distributed  # noqa: PLC0415
+
+    rank, _ = init_distributed(timeout_s=120)
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    import common  # noqa: PLC0415
+    from jax_cluster import parallel as sp  # noqa: PLC0415
+    from jax_cluster.parallel import nvshmem  # noqa: PLC0415
+
+    dtype = jnp.bfloat16
+    lengths = [int(x) for x in args.lengths.split(",")]
+    shapes = [s for s in args.shapes.split(",") if s]
+    schedules = [s for s in args.schedules.split(",") if s]
+    kernel = sp.get_kernel(args.kernel)
+    local = jax.local_devices()[0]
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    # The arena is allocated once: size it for the largest plan first (every rank, same order).
+    big = max(((s, l, n) for s in shapes for l in lengths for n in schedules if n != "ulysses"),
+              key=lambda t: nvshmem.arena_layout(sp.plan(t[2], heads=SHAPES[t[0]][0], devices=jax.devices())
+                                                 .build(sp.AttnShape(1, t[1], *SHAPES[t[0]], 2))).total_bytes)
+    st = nvshmem.init(sp.plan(big[2], heads=SHAPES[big[0]][0], devices=jax.devices()),
+                      sp.AttnShape(1, big[1], *SHAPES[big[0]], 2), dtype)
+    say(f"nvshmem: {st} (arena {st.arena_bytes / 2**20:.0f} MiB, sized for {big})")
+    if not st.available:
+        raise SystemExit(f"the NVSHMEM backend is not available here: {st.reason}")
+
+    def qkv(seed, length, heads, hd, sharding):
+        def part(a):
+            return jax.make_array_from_callback(
+                (1, length, heads, hd), sharding,
+                lambda i: jnp.asarray(a[i], dtype))
+        x = np.random.default_rng(seed).standard_normal((3, 1, length, heads, hd), dtype=np.float32)
+        return tuple(part(a) for a in x)
+
+    def layer_loop(fn, iters):
+        return jax.jit(lambda q, k, v: jax.lax.fori_loop(0, iters, lambda i, x: fn(x, k, v), q))
+
+    def gathered(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    rows = []
+    for shape_name in shapes:
+        heads, hd = SHAPES[shape_name]
+        for length in lengths:
+            iters = max(2, min(20, int(20 * (16384 / length) ** 2)))
+            # one GPU, the whole sequence, the same local kernel (every rank on its own GPU)
+            q1, k1, v1 = (jax.device_put(jnp.asarray(np.random.default_rng(s).standard_normal(
+                (1, length, heads, hd), dtype=np.float32), dtype), local) for s in range(3))
+            one = layer_loop(lambda x, k, v: sp.attention(x, k, v, kernel=kernel), iters)
+            one_us = common.time_fn(one, q1, k1, v1, warmup=1, trials=3) / iters * 1e6
+            del q1, k1, v1
+            say(f"{shape_name} l{length}: one GPU {one_us:.1f} us")
+            xla_out = {}
+            for name in schedules:
+                plan = sp.plan(name, heads=heads, devices=jax.devices())
+                q, k, v = qkv(length, length, heads, hd, plan.sharding())
+                for backend in (("xla",) if name == "ulysses" else ("xla", "nvshmem")):
+                    case = f"{shape_name} b1 l{length} bf16 {name} {backend}"
+                    f = jax.jit(lambda q, k, v, p=plan, b=backend: sp.sp_attention(q, k, v, p, kernel=kernel,
+                                                                                    backend=b))
+                    t0 = time.perf_counter()
+                    out1 = gathered(f(q, k, v))
+                    compile_s = time.perf_counter() - t0
+                    out2 = gathered(f(q, k, v))
+                    run = layer_loop(lambda x, k, v, p=plan, b=backend: sp.sp_attention(x, k, v, p, kernel=kernel,
+                                                                                         backend=b), iters)
+                    us = common.time_fn(run, q, k, v, warmup=1, trials=3) / iters * 1e6
+                    row = {"case": case, "schedule": name, "backend": backend, "seq_len": length,
+                           "us": us, "one_gpu_us": one_us, "speedup_vs_one_gpu": one_us / us,
+                           "bitwise_repeat": bool(np.array_equal(out1, out2)), "compile_s": round(compile_s, 1)}
+                    if backend == "xla":
+                        xla_out[name] = (out1, us)
+                    else:
+                        ref, ref_us = xla_out[name]
+                        row["equal_to_xla"] = bool(np.array_equal(out1, ref))
+                        row["max_abs_diff_to_xla"] = float(np.abs(out1.astype(np.float32) - ref.astype(np.float32)).max())
+                        row["vs_xla_backend"] = ref_us / us
+                    rows.append(row)
+                    say(f"  {case:44s} {us:10.1f} us  x{one_us / us:.3f} of one GPU  "
+                        f"repeat-equal={row['bitwise_repeat']} {row.get('equal_to_xla', '')}")
+                    if rank == 0:
+                        common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES)
+                del q, k, v
+
+
+COLUMNS = ["case", "us", "one_gpu_us", "speedup_vs_one_gpu", "vs_xla_backend", "bitwise_repeat", "equal_to_xla",
+           "max_abs_diff_to_xla"]
+NOTES = ("2 GPUs of one host as 2 processes (jax_cluster.parallel.launch), one GPU each, plan = 2 machines x 1 GPU "
+         "(the link between the 'machines' is the GPUs' NVLink). us: one layer's attention inside a loop of layers in "
+         "one jit (XLA's overlap flags on); one_gpu_us: the whole sequence on one GPU with the same local kernel "
+         "(ideal speedup 2). vs_xla_backend: the same schedule with backend='xla' over its time. bitwise_repeat: two "
+         "calls gave the same bits; equal_to_xla: bitwise equal to the XLA backend's result.")
+
+
+if __name__ == "__main__":
+    ARGS = _args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if "JAX_CLUSTER_RANK" not in os.environ:
+        sys.exit(_launch_self(ARGS))
+    main(ARGS)
