@@ -245,8 +245,8 @@ _GPU_CHILD = """
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warning here is a failure
         f = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem"))
-        try:
-            o = multihost_utils.process_allgather(f(q, k, v), tiled=True)
+        try:  # wait for the local shard first: a gather would wait on the peer's host
+            o = multihost_utils.process_allgather(jax.block_until_ready(f(q, k, v)), tiled=True)
         except Exception as e:
             print("FAULT", nvshmem.last_fault(), "|", type(e).__name__, str(e)[:300], flush=True)
             import os
