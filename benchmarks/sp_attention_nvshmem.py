@@ -30,6 +30,7 @@ def _args(argv=None):
     ap.add_argument("--shapes", default="flux,cogvideox", help=f"of {sorted(SHAPES)}")
     ap.add_argument("--schedules", default="ring,torus,ulysses")
     ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "xla"])
+    ap.add_argument("--part", default=None, help="merge into the table as this part (common.write_results)")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
     return ap.parse_args(argv)
 
@@ -136,7 +137,7 @@ def main(args) -> None:
                     say(f"  {case:44s} {us:10.1f} us  x{one_us / us:.3f} of one GPU  "
                         f"repeat-equal={row['bitwise_repeat']} {row.get('equal_to_xla', '')}")
                     if rank == 0:
-                        common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES)
+                        common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES, part=args.part)
                 del q, k, v
 
 

@@ -162,8 +162,12 @@ def test_arena_holds_every_shifted_slot_once(name, machines, dims):
     for (o1, n1), (o2, _) in zip(spans, spans[1:]):
         assert o1 + n1 <= o2 and o1 % nvshmem.ALIGN == 0
     assert all(n == sched.slot_bytes(d) for d, (_, n) in lay.regions.items())
-    assert lay.signal_offset >= sum(n for _, n in lay.regions.values())
-    assert lay.total_bytes >= lay.signal_offset + 8 * (len(dsts) + 1)
+    # the signals: a fixed block before every region, the barrier's first, one per slot
+    assert lay.signal_offset == 0 and lay.barrier_signal == 0
+    assert sorted(lay.signals.values()) == list(range(1, len(dsts) + 1))
+    assert nvshmem.SIGNAL_BLOCK >= 8 * (len(dsts) + 1) and lay.total_bytes >= nvshmem.SIGNAL_BLOCK
+    if spans:
+        assert spans[0][0] >= nvshmem.SIGNAL_BLOCK and lay.total_bytes >= spans[-1][0] + spans[-1][1]
     if name == "ring":  # P - 1 passes of k and v
         assert len(dsts) == 2 * (sched.layout.num_devices - 1)
 

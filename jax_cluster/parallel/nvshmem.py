@@ -151,22 +151,25 @@ def _next_tag(what: str) -> str:
 
 
 # ---------------------------------------------------------------------------- arena
+SIGNAL_BLOCK = 4096  # bytes at the start of the arena: the barrier's signal and the slots'
+
+
 @dataclass(frozen=True)
 class ArenaLayout:
     """Where each slot written by a one-sided transfer lives in the symmetric arena.
 
-    ``regions[slot] = (offset, nbytes)``; ``signals[slot]`` = index of its uint64 signal in
-    the signal block at ``signal_offset``; one more signal (index ``len(signals)``) is the
-    end-of-call barrier's. Every slot is written once per call, so regions never overlap."""
+    The signals sit in a fixed block at the start of the arena, the same for every plan:
+    index 0 is the end-of-call barrier's, ``signals[slot]`` (from 1) the slot's. Every wait
+    consumes what it waited for, so a call leaves its signals at zero and the next plan,
+    whatever its layout, starts from clean signals; a plan-dependent place would let one
+    plan's data bytes read as another's signals. ``regions[slot] = (offset, nbytes)`` follow
+    the block. Every slot is written once per call, so regions never overlap."""
 
     regions: dict = field(hash=False)
     signals: dict = field(hash=False)
-    signal_offset: int
     total_bytes: int
-
-    @property
-    def barrier_signal(self) -> int:
-        return len(self.signals)
+    signal_offset: int = 0
+    barrier_signal: int = 0
 
 
 def _align(n: int) -> int:
@@ -174,19 +177,21 @@ def _align(n: int) -> int:
 
 
 def arena_layout(schedule: Schedule, itemsize: int | None = None) -> ArenaLayout:
-    """The arena a schedule needs: one region per destination slot of every Shift."""
+    """The arena a schedule needs: the signal block, then one region per destination slot of
+    every Shift."""
     itemsize = schedule.shape.itemsize if itemsize is None else itemsize
-    regions, signals, off = {}, {}, 0
+    regions, signals, off = {}, {}, SIGNAL_BLOCK
     for _, _, op in schedule.ops():
         if isinstance(op, Shift) and op.shift % schedule.layout.size(op.axis):
             for d in op.dst:
                 nbytes = int(np.prod(schedule.slots[d])) * itemsize
                 regions[d] = (off, nbytes)
-                signals[d] = len(signals)
+                signals[d] = len(signals) + 1
                 off += _align(nbytes)
-    sig_off = off
-    total = sig_off + _align(8 * (len(signals) + 1))
-    return ArenaLayout(regions, signals, sig_off, total)
+    if len(signals) + 1 > SIGNAL_BLOCK // 8:
+        raise ValueError(f"the schedule shifts {len(signals)} slots; the arena's signal block holds "
+                         f"{SIGNAL_BLOCK // 8 - 1}")
+    return ArenaLayout(regions, signals, off)
 
 
 # ----------------------------------------------------------------------- fingerprint
