@@ -235,7 +235,9 @@ _GPU_CHILD = """
     if mode in ("killed", "stalled") and rank == 1:  # joins NVSHMEM, then never puts: rank 0
         import os, time                                # must end in a bounded time, not hang
         nvshmem.init(p, sp.AttnShape(*shape, 2), jnp.bfloat16)
-        if mode == "stalled":  # alive (heartbeats go on), only its transfers never come
+        if mode == "stalled":  # compiles (XLA's compile waits for every process: it shares its
+            # autotuning), stays alive (heartbeats go on), and only its transfers never come
+            jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem")).lower(q, k, v).compile()
             time.sleep(120)
         os._exit(0)
     if mode == "arena":  # an arena sized for a smaller plan: a clear error, then grow() fixes it
