@@ -2,7 +2,9 @@
 
 Llama-2-7B, Llama-3-8B, Llama-3.2-1B, Pythia-2.8B, Pythia-6.9B and DeepSeek-V2-Lite shapes, batch 1
 and 16, contexts 1K/4K/16K (tokens already in the KV cache), impl="xla" (plain jnp) vs the
-jax_cluster ops that exist for the model (attention_block or mla_decode; swiglu, moe_decode). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
+jax_cluster ops that exist for the model (attention_block or mla_decode; swiglu, moe_decode: "fused") and,
+for Llama and GPT-NeoX, whole layers on jax_cluster.decoder_layer's one-launch kernel ("one_launch";
+skipped, with the kernel's reason, where it does not cover the batch). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
 (jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
 values.
@@ -58,7 +60,14 @@ def fused_impl(cfg=None):
     attention_op, mlp_ops = ("mla_decode", ("moe_decode", "swiglu")) if mla else ("attention_block", ("swiglu",))
     comp = {"attention": on if ops.fused_available(attention_op) else "xla",
             "mlp": on if swiglu_mlp and all(ops.fused_available(o) for o in mlp_ops) else "xla"}
-    return comp if on in comp.values() else None
+    return {**comp, "layer": "xla"} if on in comp.values() else None  # per-op blocks; whole layers: one_launch
+
+
+def one_launch_impl(cfg):
+    """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX), or None."""
+    if getattr(cfg, "architecture", None) not in ("llama", "gpt_neox") or not ops.fused_available("decoder_layer"):
+        return None
+    return {"layer": "fused"}
 
 
 def param_bytes(model) -> int:
@@ -188,11 +197,20 @@ def main(argv=None) -> int:
                 read = weight_bytes_per_step(cfg, wbytes, batch, jnp.dtype(dtype).itemsize)
                 floor_s = (read + kv) / bw
                 fused = fused_impl(cfg)
-                variants = [("xla", "xla")] + ([("fused", fused)] if fused else [])
+                layer = one_launch_impl(cfg)
+                variants = ([("xla", "xla")] + ([("fused", fused)] if fused else [])
+                            + ([("one_launch", layer)] if layer else []))
                 xla_s = None
                 for vname, impl in variants:
                     try:
                         s = time_decode(model, impl, batch, ctx, steps, trials)
+                    except ValueError as exc:  # the one-launch kernel's coverage (e.g. rows), named
+                        if vname != "one_launch":
+                            raise
+                        rows.append({"case": f"{base} {vname}", "skipped": str(exc)[:200]})
+                        print(rows[-1])
+                        save(rows)
+                        continue
                     except jax.errors.JaxRuntimeError as exc:  # the estimate above is a floor
                         if "RESOURCE_EXHAUSTED" not in str(exc):
                             raise

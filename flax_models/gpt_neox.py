@@ -77,27 +77,26 @@ class GPTNeoX(CausalLM):
         c = self.config
         inv_freq = self.inv_freq()
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
+        whole = ops.whole_layer_impl(impl, mlp_has_fused_op=False)
         ks, vs = [], []
-        whole = a_impl == m_impl == "fused"  # the GELU MLP's only fused form is the whole-layer op
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            if whole:
-                x, kc, vc = ops.decoder_layer(
-                    x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, family="gpt_neox",
-                    num_q_heads=c.num_heads, num_kv_heads=c.num_heads, eps=c.layer_norm_eps,
-                    rotary_dim=c.rotary_dim, rope_layout="half", scale=c.head_dim ** -0.5,
-                    parallel_residual=c.use_parallel_residual, gelu_approximate=layer.mlp.approximate,
-                    rope_factor=self.rope_factor())
-                ks.append(kc)
-                vs.append(vc)
-                continue
-            h, kc, vc = ops.attention_block(
-                x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
-                norm_weight=layer.input_norm.weight[...], norm_bias=layer.input_norm.bias[...], norm="layer",
-                eps=c.layer_norm_eps, qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(),
-                residual=True, rotary_dim=c.rotary_dim, rope_layout="half", rope_factor=self.rope_factor(),
-                num_q_heads=c.num_heads, num_kv_heads=c.num_heads, scale=c.head_dim ** -0.5, impl=a_impl,
-            )
-            x = self._mlp(layer, x if c.use_parallel_residual else h, h, m_impl)
+            out = None if whole is None else ops.decoder_layer(
+                x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="gpt_neox",
+                num_q_heads=c.num_heads, num_kv_heads=c.num_heads, eps=c.layer_norm_eps,
+                rotary_dim=c.rotary_dim, rope_layout="half", scale=c.head_dim ** -0.5,
+                parallel_residual=c.use_parallel_residual, gelu_approximate=layer.mlp.approximate,
+                rope_factor=self.rope_factor())
+            if out is not None:
+                x, kc, vc = out
+            else:
+                h, kc, vc = ops.attention_block(
+                    x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
+                    norm_weight=layer.input_norm.weight[...], norm_bias=layer.input_norm.bias[...], norm="layer",
+                    eps=c.layer_norm_eps, qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(),
+                    residual=True, rotary_dim=c.rotary_dim, rope_layout="half", rope_factor=self.rope_factor(),
+                    num_q_heads=c.num_heads, num_kv_heads=c.num_heads, scale=c.head_dim ** -0.5, impl=a_impl,
+                )
+                x = self._mlp(layer, x if c.use_parallel_residual else h, h, m_impl)
             ks.append(kc)
             vs.append(vc)
         return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))

@@ -64,22 +64,37 @@ class Llama(CausalLM):
             vs.append(vc)
         return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
 
+    @staticmethod
+    def _layer_weights(layer) -> dict:
+        """The dict jax_cluster.decoder_layer takes."""
+        mlp = layer.mlp.weights()
+        return dict(norm=layer.input_norm.weight[...], qkv=layer.qkv.kernel[...], qkv_bias=layer.qkv.bias_value(),
+                    o=layer.o.kernel[...], o_bias=layer.o.bias_value(), post_norm=layer.post_norm.weight[...],
+                    **{k: mlp[k] for k in ("w_gate", "w_up", "w_down")})
+
     def _decode_layers(self, x, cache: KVCache, impl):
         c = self.config
         inv_freq = self.inv_freq()
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
+        whole = ops.whole_layer_impl(impl, mlp_has_fused_op=True)
         ks, vs = [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            x, kc, vc = ops.attention_block(
-                x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
-                norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
-                qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
-                rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(), impl=a_impl,
-                **self._attn_kw(),
-            )
-            h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)
-            x = ops.swiglu_mlp(h, residual=x, impl=m_impl, **layer.mlp.weights())
+            out = None if whole is None else ops.decoder_layer(
+                x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="llama",
+                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(),
+                unsupported="MLP biases" if c.mlp_bias else "", **self._attn_kw())
+            if out is not None:
+                x, kc, vc = out
+            else:
+                x, kc, vc = ops.attention_block(
+                    x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
+                    norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
+                    qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
+                    rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(), impl=a_impl,
+                    **self._attn_kw(),
+                )
+                h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)
+                x = ops.swiglu_mlp(h, residual=x, impl=m_impl, **layer.mlp.weights())
             ks.append(kc)
             vs.append(vc)
         return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
-

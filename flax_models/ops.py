@@ -7,9 +7,9 @@ whole block at once:
 :func:`attention_block`  norm -> QKV -> RoPE -> cache write -> attention -> out-proj (+ residual):
                          ``jax_cluster.attention_block``
 :func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
-:func:`gelu_mlp`         GPT-NeoX's MLP: no fused op of its own (XLA); with every component
-                         "fused" GPT-NeoX runs whole layers on :func:`decoder_layer`
-                         (``jax_cluster.decoder_layer``)
+:func:`gelu_mlp`         GPT-NeoX's MLP: no fused op of its own (XLA)
+:func:`decoder_layer`    a whole decode layer: ``jax_cluster.decoder_layer`` (component "layer",
+                         :func:`whole_layer_impl` says when a model runs it)
 :func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode``
 :func:`moe`              DeepSeek-V2's MoE layer: router -> routed SwiGLU experts (+ residual) ->
                          shared experts: ``jax_cluster.moe_decode`` (its shared experts through
@@ -26,6 +26,10 @@ Model-level ``impl`` (a string, or a dict per component ``{"attention": ..., "ml
   picks a CUDA configuration or XLA's own ops per shape; a shape without a kernel runs XLA with
   a one-time warning); everywhere else the plain jnp formulation. On CPU "auto" therefore runs no
   jax_cluster op: the C++ CPU handlers exist to test the FFI path, not to be fast.
+
+Components: "attention", "mlp" and "layer" (a whole decode layer as one op). Plain "fused"
+therefore runs whole layers on the one-launch kernel; "attention=fused,mlp=fused" runs the
+per-op kernels (faster on the shapes measured so far: docs/decoder_layer.md).
 
 :func:`record_routes` collects, while a decode step is traced, which path each block took and
 why (the command line prints it). jax_cluster is imported lazily, on first use, never when
@@ -48,7 +52,7 @@ from .layers import dense, gelu, layer_norm, rms_norm, silu
 from .rope import apply_rope, cos_sin
 
 IMPLS = ("auto", "xla", "fused")
-COMPONENTS = ("attention", "mlp")
+COMPONENTS = ("attention", "mlp", "layer")
 # The dtypes of the CUDA kernels (every jax_cluster kernel is 16-bit in, fp32 accumulation).
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -298,18 +302,53 @@ def gelu_mlp(x, w_in, b_in, w_out, b_out, residual=None, *, approximate=False, i
     return _add_residual(dense(gelu(dense(x, w_in, b_in), approximate), w_out, b_out), residual)
 
 
-def decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, *, impl="fused", rope_factor=1.0, **kw):
-    """A whole decode layer on ``jax_cluster.decoder_layer`` (impl "fused": its C++ handler on CPU,
-    its one-launch kernel on a GPU, an error naming the reason where that kernel does not cover
-    the shapes, e.g. more than 8 rows). The models call it where every
-    component is "fused" and the per-op path has no fused form (GPT-NeoX's GELU MLP)."""
-    chosen = _choose(impl, "decoder_layer", "decoder_layer", x.dtype,
-                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
-    if chosen is None:
-        raise ValueError(f"decoder_layer block: impl {impl!r} has no per-op form here; use the model's blocks")
-    op, op_impl = chosen
-    return _run("decoder_layer", "decoder_layer", op, op_impl, x, w, k_cache, v_cache, lengths,
-                jnp.asarray(inv_freq, jnp.float32), **kw)
+def whole_layer_impl(impl, *, mlp_has_fused_op: bool) -> str | None:
+    """How a decode layer runs as one :func:`decoder_layer` call: "fused", "auto", or None (the
+    model's per-component blocks).
+
+    * component "layer" = "fused" (so plain impl="fused"): ``jax_cluster.decoder_layer`` with
+      impl="cuda", the one-launch layer kernel on a GPU, its C++ handler on CPU;
+    * every component "auto" (plain impl="auto"): ``jax_cluster.decoder_layer`` with impl="auto"
+      where it can run (a GPU, 16-bit), its per-op kernels by the tuners' choice;
+    * attention and MLP "fused" where the MLP has no fused op of its own (GPT-NeoX's GELU): the
+      whole-layer op is the only fused form, so "fused";
+    * anything else (a component "xla", "layer=xla"): per-component blocks."""
+    layer, a, m = (component_impl(impl, c) for c in ("layer", "attention", "mlp"))
+    if layer == "fused":
+        if "xla" in (a, m):
+            raise ValueError(f"impl: layer=fused runs the whole layer on jax_cluster.decoder_layer, which "
+                             f"contradicts attention={a}, mlp={m}")
+        return "fused"
+    if layer == "xla":
+        return None
+    if a == m == "fused" and not mlp_has_fused_op:
+        return "fused"
+    return "auto" if a == m == "auto" else None
+
+
+def decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, *, impl="fused", rope_factor=1.0, unsupported="",
+                  **kw):
+    """A whole decode layer on ``jax_cluster.decoder_layer`` (see :func:`whole_layer_impl`).
+
+    impl "fused": its one-launch kernel on a GPU (its C++ handler on CPU), an error naming the
+    reason where that kernel does not cover the call (e.g. more than 8 rows). impl "auto": the
+    op's own choice on a GPU for 16-bit models; returns None where the op cannot run at all (CPU,
+    other dtypes, ``unsupported``), and the model runs its per-component blocks instead."""
+    why = unsupported or ("" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    args = (x, w, k_cache, v_cache, lengths, jnp.asarray(inv_freq, jnp.float32))
+    if impl == "auto":
+        op = fused_op("decoder_layer")
+        if (why or not on_gpu() or jnp.dtype(x.dtype) not in KERNEL_DTYPES or op is None
+                or not _load_jax_cluster()[0].cuda_module_built()):
+            return None
+        return _run("decoder_layer", "decoder_layer", op, "auto", *args, **kw,
+                    _inner={"attention_block": "attention_block", "swiglu": "swiglu"},
+                    _auto_why="impl=auto: jax_cluster.decoder_layer on its per-op kernels (tuners' picks per shape)")
+    op, op_impl = _choose(impl, "decoder_layer", "decoder_layer", x.dtype, unsupported=why)
+    try:
+        return _run("decoder_layer", "decoder_layer", op, op_impl, *args, **kw)
+    except ValueError as e:
+        raise ValueError(f"{e} (impl='attention=fused,mlp=fused' runs the per-op kernels instead)") from e
 
 
 def note_unfused(block: str, why: str) -> None:

@@ -102,7 +102,7 @@ def test_cli_fused_fp32_names_the_dtype(capsys, monkeypatch):
     """tiny-llama's D and F are multiples of 64: what the SwiGLU op lacks is a float32 kernel."""
     if not (ops.fused_available("attention_block") and ops.fused_available("swiglu")):
         pytest.skip("jax_cluster ops not available")
-    err = _usage_error(capsys, monkeypatch, ["--impl", "fused", "--dtype", "fp32"])
+    err = _usage_error(capsys, monkeypatch, ["--impl", "attention=fused,mlp=fused", "--dtype", "fp32"])
     assert "swiglu" in err and "float32" in err
     assert "multiple" not in err
 
@@ -128,10 +128,14 @@ def test_cli_summary_names_a_fallback_and_its_reason(capsys, monkeypatch):
 def test_cli_fused_on_cpu_runs_the_cpu_handlers(capsys):
     if not (ops.fused_available("attention_block") and ops.fused_available("swiglu")):
         pytest.skip("jax_cluster ops not available")
-    assert main(["--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert main(["--impl", "attention=fused,mlp=fused", "--dtype", "bf16", "--max-new-tokens", "2",
+                 "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "attention_block: jax_cluster (C++ CPU handler, no GPU)" in out
     assert "swiglu: jax_cluster (C++ CPU handler, no GPU)" in out
+    if ops.fused_available("decoder_layer"):  # plain fused: whole layers
+        assert main(["--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "2", "--no-progress"]) == 0
+        assert "decoder_layer: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
 
 
 def test_cli_fused_pythia_runs_whole_layers_on_cpu(capsys):

@@ -35,3 +35,29 @@ def test_llama_matches_transformers(name, tmp_path):
     assert err["decode"] <= TOL, err
     ours, theirs = compare_greedy(hf, model)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ["gqa2-hd64-untied", "mha-hd80-tied-llama3", "mqa-hd80-llama3"])
+def test_llama_fused_layers_on_cpu_match_transformers(name, tmp_path):
+    """Decode through jax_cluster.decoder_layer's C++ CPU handler (impl fused: whole layers)."""
+    from flax_models import ops  # noqa: PLC0415
+
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    cfg = transformers.LlamaConfig(**BASE, **CONFIGS[name])
+    hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    assert [str(r) for r in routes] == ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"]
+
+
+def test_llama_fused_with_mlp_biases_names_them(tmp_path):
+    from flax_models import ops  # noqa: PLC0415
+
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    cfg = transformers.LlamaConfig(**BASE, **CONFIGS["gqa4-hd16-bias"])
+    hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
+    with pytest.raises(RuntimeError, match="impl='fused' for decoder_layer: MLP biases"):
+        compare_logits(hf, model, prompt_lengths=(5,), decode_steps=1)

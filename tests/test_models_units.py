@@ -161,6 +161,18 @@ class FakeJaxCluster:
         cls.calls.append("swiglu")
         return ops.swiglu_mlp_xla(x, w_gate, w_up, w_down, residual)
 
+    @classmethod
+    def decoder_layer(cls, x, w, k_cache, v_cache, lengths, inv_freq, *, impl, family, eps, rotary_dim,
+                      rope_layout, num_q_heads, num_kv_heads, scale):
+        """Llama only: the per-op blocks, as jax_cluster.decoder_layer's impl="auto" runs them."""
+        cls.calls.append(("decoder_layer", impl))
+        h, k_cache, v_cache = cls.attention_block(
+            x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, impl=impl, norm_weight=w["norm"], norm="rms",
+            eps=eps, qkv_bias=w["qkv_bias"], o_bias=w["o_bias"], residual=True, rotary_dim=rotary_dim,
+            rope_layout=rope_layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, scale=scale)
+        y = cls.swiglu(ops.rms_norm(h, w["post_norm"], eps), w["w_gate"], w["w_up"], w["w_down"], h, impl=impl)
+        return y, k_cache, v_cache
+
 
 @pytest.fixture
 def fake_jax_cluster(monkeypatch):
@@ -180,8 +192,12 @@ def test_fused_calls_the_jax_cluster_op_with_the_documented_signature(fake_jax_c
     _, cache = jax.jit(lambda c: model.prefill(jnp.array([[1, 2, 3]]), jnp.array([3]), c))(cache)
     ref, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="xla"))(cache)
     calls.clear()
-    got, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="fused"))(cache)
+    got, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl={"attention": "fused", "mlp": "fused"}))(cache)
     assert calls.count("swiglu") == model.config.num_layers and len(calls) == 3 * model.config.num_layers
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    calls.clear()  # plain "fused": whole layers on decoder_layer's kernel
+    got, _ = jax.jit(lambda c: model.decode(jnp.array([4]), c, impl="fused"))(cache)
+    assert calls.count(("decoder_layer", "cuda")) == model.config.num_layers
     np.testing.assert_allclose(got, ref, rtol=1e-6)
     calls.clear()
     jax.eval_shape(lambda c: model.decode(jnp.array([4]), c, impl="auto"), cache)  # CPU: auto stays on xla
@@ -193,18 +209,23 @@ def test_decode_routes_say_how_each_block_runs(fake_jax_cluster, monkeypatch):
     routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
     assert routes == ["attention_block: xla (no GPU: impl=auto runs XLA on CPU)",
                       "swiglu: xla (no GPU: impl=auto runs XLA on CPU)"]
-    routes = [str(r) for r in decode_routes(model, 2, 32, "fused")]
+    routes = [str(r) for r in decode_routes(model, 2, 32, "attention=fused,mlp=fused")]
     assert routes == ["attention_block: jax_cluster (C++ CPU handler, no GPU)",
                       "swiglu: jax_cluster (C++ CPU handler, no GPU)"]
+    routes = [str(r) for r in decode_routes(model, 2, 32, "fused")]
+    assert routes == ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"]
     monkeypatch.setattr(ops, "on_gpu", lambda: True)
     fake_jax_cluster.calls.clear()
-    routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
-    assert "auto" in fake_jax_cluster.calls
+    routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]  # whole layers, the op's own choice
+    assert ("decoder_layer", "auto") in fake_jax_cluster.calls
+    assert routes == ["decoder_layer: jax_cluster (impl=auto: jax_cluster.decoder_layer on its per-op kernels "
+                      "(tuners' picks per shape))"]
+    routes = [str(r) for r in decode_routes(model, 2, 32, "attention=auto,mlp=auto,layer=xla")]
     assert routes[0].startswith("attention_block: jax_cluster (impl=auto: the tuner's pick")
     fake_jax_cluster.warn = "attention_block: no CUDA kernel for head_dim=16; using XLA's ops"
     routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]
-    assert routes[0] == ("attention_block: xla (jax_cluster fell back: attention_block: no CUDA kernel for "
-                         "head_dim=16; using XLA's ops)")
+    assert routes[-1] == ("attention_block: xla (jax_cluster fell back: attention_block: no CUDA kernel for "
+                          "head_dim=16; using XLA's ops)")
     routes = [str(r) for r in decode_routes(random_model(PRESETS["tiny-pythia"], jnp.float16), 1, 32,
                                             {"attention": "xla"})]
     assert routes == ["attention_block: xla (impl=xla)", "gelu_mlp: xla (no fused GELU MLP op)"]
@@ -218,7 +239,18 @@ def test_fused_rejects_what_the_op_does_not_cover(fake_jax_cluster, monkeypatch)
     model = random_model(PRESETS["tiny-llama"], jnp.float32)
     with pytest.raises(ValueError, match="impl='fused' for swiglu: jax_cluster.swiglu does not cover this "
                                          "call: swiglu: float32 has no kernel"):
-        decode_routes(model, 1, 16, "fused")
+        decode_routes(model, 1, 16, "attention=fused,mlp=fused")
+
+
+def test_whole_layer_impl_per_component():
+    w = lambda impl, f=True: ops.whole_layer_impl(ops.normalize_impl(impl), mlp_has_fused_op=f)  # noqa: E731
+    assert w("fused") == "fused" and w("auto") == "auto" and w("xla") is None
+    assert w("layer=fused") == "fused" and w("layer=xla") is None
+    assert w("attention=fused,mlp=fused") is None  # the per-op kernels
+    assert w("attention=fused,mlp=fused", f=False) == "fused"  # GPT-NeoX: the layer is the GELU MLP's only fused form
+    assert w("attention=fused,mlp=xla") is None and w("attention=auto,mlp=xla") is None
+    with pytest.raises(ValueError, match="layer=fused .* contradicts"):
+        w("layer=fused,mlp=xla")
 
 
 def test_real_fused_ops_on_cpu_if_built():
