@@ -1,6 +1,7 @@
-"""The NVSHMEM executor of a schedule description (reached through ``nvshmem.execute``).
+"""The NVSHMEM transport of a schedule description (reached through ``nvshmem.execute``).
 
-Like ``xla_backend.run_local``, op by op, except :class:`~.description.Shift`:
+``xla_backend.run_local`` executes the schedule op by op, with :class:`PutTransport` moving
+each :class:`~.description.Shift`:
 
 * at the Shift, ``jax_cluster_nvshmem_put`` (per destination slot): the source buffer is
   put into the peer's arena region of that slot with a signal, on the extension's side
@@ -19,17 +20,12 @@ no command-buffer trait (the put/wait pairing lives on the host).
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from . import local_attention as la
 from . import xla_backend as xb
-from .description import AllToAll, Attend, Finalize, JoinHeads, Schedule, Shift, SplitHeads
+from .description import Schedule, Shift
 
 PUT, WAIT, BARRIER = "jax_cluster_nvshmem_put", "jax_cluster_nvshmem_wait", "jax_cluster_nvshmem_barrier"
 _TOKEN = jax.ShapeDtypeStruct((1,), jnp.uint32)
@@ -56,61 +52,35 @@ def _barrier(x, *, arena):
                                                          signal_offset=np.int64(arena.signal_offset))
 
 
-def run_local(schedule: Schedule, arena, q, k, v, *, kernel=None, scale=None):
-    """One device's part of the schedule, Shifts as one-sided puts."""
-    kernel = la.get_kernel(kernel)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    dtype = q.dtype
-    env = {"q": q, "k": k, "v": v}
-    states: dict = {}
-    lay = schedule.layout
-    for step in schedule.steps:
-        pending = []  # (dst slot, token, src) completed at the end of the step
-        for op in step.ops:
-            if isinstance(op, Shift):
-                n = lay.size(op.axis)
-                if op.shift % n == 0:
-                    for s, d in zip(op.src, op.dst):
-                        env[d] = env[s]
-                    continue
-                peers = [lay.shifted(r, op.axis, op.shift) for r in range(lay.num_devices)]
-                tokens = []
-                for s, d in zip(op.src, op.dst):
-                    tokens.append(_put(env[s], region=d, arena=arena, peers=peers))
-                    pending.append((d, tokens[-1], env[s]))
-                # Issue the puts before the rest of the step: the step's attention reads values
-                # tied to their tokens. Otherwise XLA may run that attention first, and the
-                # transfer would start only when it ends.
-                keys = list(env)
-                _, tied = jax.lax.optimization_barrier((tokens, [env[x] for x in keys]))
-                env.update(zip(keys, tied))
-            elif isinstance(op, AllToAll):
-                g = xb._axis_size(schedule, op.axes)
-                split, concat = (2, 1) if op.gather == "seq" else (1, 2)
-                for s, d in zip(op.src, op.dst):
-                    x = env[s]
-                    env[d] = x if g == 1 else jax.lax.all_to_all(x, op.axes, split, concat, tiled=True)
-            elif isinstance(op, SplitHeads):
-                for d, x in zip(op.dst, xb._split_heads(env[op.src], len(op.dst), op.axis)):
-                    env[d] = x
-            elif isinstance(op, JoinHeads):
-                env[op.dst] = xb._join_heads([env[s] for s in op.src], op.axis)
-            elif isinstance(op, Attend):
-                xb._attend(kernel, scale, env, states, op)
-            elif isinstance(op, Finalize):
-                for s, d in zip(op.src, op.dst):
-                    st = states.get(s)
-                    env[d] = jnp.zeros_like(env[s]) if st is None else la.finalize(st, dtype)
-            else:  # pragma: no cover
-                raise TypeError(f"unknown op {op!r}")
-        for d, token, src in pending:
-            env[d] = _wait(token, src, region=d, arena=arena)
-    return _barrier(env[schedule.output], arena=arena)
+class PutTransport:
+    """Shifts as one-sided puts (the hooks of ``xla_backend.run_local``'s transport)."""
+
+    def __init__(self, arena):
+        self.arena = arena
+        self.pending = []  # (dst slot, token, src) of this step, completed at its end
+
+    def shift(self, schedule: Schedule, op: Shift, env: dict) -> None:
+        lay = schedule.layout
+        peers = [lay.shifted(r, op.axis, op.shift) for r in range(lay.num_devices)]
+        tokens = []
+        for s, d in zip(op.src, op.dst):
+            tokens.append(_put(env[s], region=d, arena=self.arena, peers=peers))
+            self.pending.append((d, tokens[-1], env[s]))
+        # Issue the puts before the rest of the step: the step's attention reads values tied
+        # to their tokens. Otherwise XLA may run that attention first, and the transfer would
+        # start only when it ends.
+        keys = list(env)
+        _, tied = jax.lax.optimization_barrier((tokens, [env[x] for x in keys]))
+        env.update(zip(keys, tied))
+
+    def end_step(self, env: dict) -> None:
+        for d, token, src in self.pending:
+            env[d] = _wait(token, src, region=d, arena=self.arena)
+        self.pending = []
+
+    def finish(self, out):
+        return _barrier(out, arena=self.arena)
 
 
 def execute(schedule: Schedule, mesh, q, k, v, *, arena, kernel=None, scale=None):
-    spec = PartitionSpec(None, tuple(schedule.layout.axis_names), None, None)
-    body = functools.partial(run_local, schedule, arena, kernel=kernel, scale=scale)
-    f = xb._shard_map(body, mesh, (spec, spec, spec), spec)
-    return f(q, k, v)
+    return xb.execute(schedule, mesh, q, k, v, kernel=kernel, scale=scale, transport=PutTransport(arena))

@@ -67,9 +67,30 @@ def _attend(kernel, scale, env, states, op: Attend):
         states[name] = st
 
 
-def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None):
-    """Body of the shard_map: one device's part of the schedule on its local blocks."""
+class PpermuteTransport:
+    """How the XLA backend moves a :class:`Shift`'s slots: one ``ppermute`` per slot, which XLA's
+    async collectives overlap with the step's attention. A transport has three hooks, called by
+    :func:`run_local`: ``shift`` at the op, ``end_step`` after the step's ops (slots whose
+    arrival is completed there), ``finish`` on the output."""
+
+    def shift(self, schedule: Schedule, op: Shift, env: dict) -> None:
+        n = schedule.layout.size(op.axis)
+        perm = [(i, (i + op.shift) % n) for i in range(n)]
+        for s, d in zip(op.src, op.dst):
+            env[d] = jax.lax.ppermute(env[s], op.axis, perm)
+
+    def end_step(self, env: dict) -> None:
+        pass
+
+    def finish(self, out):
+        return out
+
+
+def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None, transport=None):
+    """Body of the shard_map: one device's part of the schedule on its local blocks, its
+    Shifts through ``transport`` (default: :class:`PpermuteTransport`)."""
     kernel = la.get_kernel(kernel)
+    transport = PpermuteTransport() if transport is None else transport
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     dtype = q.dtype
@@ -85,10 +106,11 @@ def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None):
                     x = env[s]
                     env[d] = x if g == 1 else jax.lax.all_to_all(x, op.axes, split, concat, tiled=True)
             elif isinstance(op, Shift):
-                n = lay.size(op.axis)
-                perm = [(i, (i + op.shift) % n) for i in range(n)]
-                for s, d in zip(op.src, op.dst):
-                    env[d] = env[s] if op.shift % n == 0 else jax.lax.ppermute(env[s], op.axis, perm)
+                if op.shift % lay.size(op.axis) == 0:  # a shift onto itself moves nothing
+                    for s, d in zip(op.src, op.dst):
+                        env[d] = env[s]
+                else:
+                    transport.shift(schedule, op, env)
             elif isinstance(op, SplitHeads):
                 for d, x in zip(op.dst, _split_heads(env[op.src], len(op.dst), op.axis)):
                     env[d] = x
@@ -102,13 +124,15 @@ def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None):
                     env[d] = jnp.zeros_like(env[s]) if st is None else la.finalize(st, dtype)
             else:  # pragma: no cover
                 raise TypeError(f"unknown op {op!r}")
-    return env[schedule.output]
+        transport.end_step(env)
+    return transport.finish(env[schedule.output])
 
 
-def execute(schedule: Schedule, mesh, q, k, v, *, kernel=None, scale=None):
+def execute(schedule: Schedule, mesh, q, k, v, *, kernel=None, scale=None, transport=None):
     """Run ``schedule`` on ``mesh`` (axes named as in the schedule's layout) over global
-    ``[B, L, H, Dh]`` arrays; the result is sharded along the sequence like the inputs."""
+    ``[B, L, H, Dh]`` arrays; the result is sharded along the sequence like the inputs.
+    ``transport``: how Shifts move data (default: ``ppermute``; the NVSHMEM backend's puts)."""
     spec = PartitionSpec(None, tuple(schedule.layout.axis_names), None, None)
-    body = functools.partial(run_local, schedule, kernel=kernel, scale=scale)
+    body = functools.partial(run_local, schedule, kernel=kernel, scale=scale, transport=transport)
     f = _shard_map(body, mesh, (spec, spec, spec), spec)
     return f(q, k, v)
