@@ -32,6 +32,8 @@ def _args(argv=None):
     ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "xla"])
     ap.add_argument("--part", default=None, help="merge into the table as this part (common.write_results)")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
+    ap.add_argument("--sweep-mb", default="16,64,256",
+                    help="bare transfers after the layers: MB each GPU sends per round, by ppermute and by put ('': none)")
     return ap.parse_args(argv)
 
 
@@ -139,9 +141,55 @@ def main(args) -> None:
                     if rank == 0:
                         common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES, part=args.part)
                 del q, k, v
+    # last: a failure here (a device wait that traps loses the CUDA context) costs no layer row
+    for r in transfer_sweep(st.arena_bytes, [int(x) for x in args.sweep_mb.split(",") if x]):
+        rows.append(r)
+        say(f"  {r['case']:44s} {r.get('us', float('nan')):10.1f} us  {r.get('gbytes_per_s', 0):6.1f} GB/s "
+            f"{r.get('error', '')}")
+        if rank == 0:
+            common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES, part=args.part)
 
 
-COLUMNS = ["case", "us", "one_gpu_us", "speedup_vs_one_gpu", "vs_xla_backend", "bitwise_repeat", "equal_to_xla",
+def transfer_sweep(arena_bytes, sizes_mb, iters=10):
+    """Each GPU sends n MB to the other, `iters` rounds inside one jit, with nothing beside the
+    transfers: XLA's ppermute against put + wait + barrier through the NVSHMEM arena. The link
+    the simulator needs (layer times hide the transfers under the attention)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+    import common  # noqa: PLC0415
+    from jax_cluster.parallel import nvshmem, nvshmem_backend as nb  # noqa: PLC0415
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    rows = []
+    for mb in sizes_mb:
+        nbytes = mb << 20
+        if nvshmem.SIGNAL_BLOCK + nbytes > arena_bytes:
+            continue
+        arena = nvshmem.ArenaLayout({"x": (nvshmem.SIGNAL_BLOCK, nbytes)}, {"x": 1}, nvshmem.SIGNAL_BLOCK + nbytes)
+        x = jax.make_array_from_callback((2 * nbytes // 2,), NamedSharding(mesh, P("x")),
+                                         lambda i: jnp.ones((nbytes // 2,), jnp.bfloat16))
+
+        def by_put(y):
+            return nb._barrier(nb._wait(nb._put(y, region="x", arena=arena, peers=[1, 0]), y, region="x",
+                                        arena=arena), arena=arena)
+
+        for how, step in (("ppermute", lambda y: jax.lax.ppermute(y, "x", [(0, 1), (1, 0)])), ("nvshmem", by_put)):
+            body = lambda y, step=step: jax.lax.fori_loop(0, iters, lambda i, z: step(z), y)  # noqa: E731
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+            try:
+                t = common.time_fn(f, x, warmup=1, trials=3) / iters
+            except Exception as e:  # noqa: BLE001 - a sweep that fails must not cost the layer rows
+                rows.append({"case": f"transfer {mb}MB {how}", "backend": how, "error": str(e)[:200]})
+                continue
+            rows.append({"case": f"transfer {mb}MB {how}", "schedule": "transfer", "backend": how, "seq_len": 0,
+                         "us": t * 1e6, "gbytes_per_s": nbytes / t / 1e9})
+    return rows
+
+
+COLUMNS = ["case", "us", "gbytes_per_s", "one_gpu_us", "speedup_vs_one_gpu", "vs_xla_backend", "bitwise_repeat", "equal_to_xla",
            "max_abs_diff_to_xla"]
 NOTES = ("2 GPUs of one host as 2 processes (jax_cluster.parallel.launch), one GPU each, plan = 2 machines x 1 GPU "
          "(the link between the 'machines' is the GPUs' NVLink). us: one layer's attention inside a loop of layers in "
