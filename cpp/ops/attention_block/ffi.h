@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "ffi/common.h"
+#include "ffi/decode_step.h"
 #include "ops/attention_block/params.h"
 #include "ops/attention_block/plan.h"
 
@@ -70,25 +71,12 @@ inline ffi::ErrorOr<AttentionBlockParams> attention_block_params(const FfiBuffer
   ffi::Result<ffi::AnyBuffer> y = call.out(kAbY), k_out = call.out(kAbKOut), v_out = call.out(kAbVOut);
   ffi::Result<ffi::AnyBuffer> workspace = call.out(kAbWorkspace);
 
-  auto xd = x.dimensions(), kd = k_cache.dimensions();
-  if (xd.size() != 2 || kd.size() != 4) return fail("x must be [B, D] and caches [B, Hkv, S_max, Dh]");
+  AttentionBlockParams p{};
+  if (auto e = read_decode_geometry(p, x, k_cache, a); !e.empty()) return fail(e);
   auto dtype = ffi_util::to_dtype(x.element_type(), "x");
   if (!dtype) return ffi::Unexpected(dtype.error());
-  if (a.rope_layout != 0 && a.rope_layout != 1) return fail("rope_layout must be 0 (half) or 1 (interleaved)");
   if (a.norm < 0 || a.norm > 2) return fail("norm must be 0 (none), 1 (rms) or 2 (layer)");
-  AttentionBlockParams p{};
   p.dtype = *dtype;
-  p.batch = xd[0];
-  p.hidden = xd[1];
-  p.num_q_heads = a.num_q_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.head_dim = kd[3];
-  p.max_seq = kd[2];
-  p.rotary_dim = a.rotary_dim;
-  p.rope_layout = static_cast<RopeLayout>(a.rope_layout);
-  p.norm = static_cast<NormKind>(a.norm);
-  p.eps = a.eps;
-  p.scale = a.scale;
   p.residual = a.residual;
   p.has_qkv_bias = a.has_qkv_bias;
   p.has_o_bias = a.has_o_bias;
@@ -98,9 +86,10 @@ inline ffi::ErrorOr<AttentionBlockParams> attention_block_params(const FfiBuffer
   p.pipeline = static_cast<AttnPipeline>(a.pipeline);
   if (auto e = attention_block_check(p); !e.empty()) return fail(e);
 
-  if (kd[0] != p.batch || kd[1] != p.num_kv_heads) return fail("cache shape does not match x / num_kv_heads");
-  if (v_cache.dimensions().size() != 4 || v_cache.element_count() != k_cache.element_count()) {
-    return fail("v_cache must have k_cache's shape");
+  if (auto e = check_decode_inputs(p, k_cache, v_cache, lengths, inv_freq, k_out->untyped_data(),
+                                   v_out->untyped_data());
+      !e.empty()) {
+    return fail(e);
   }
   const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
   auto count = [](const ffi::AnyBuffer& b) { return static_cast<int64_t>(b.element_count()); };
@@ -110,18 +99,8 @@ inline ffi::ErrorOr<AttentionBlockParams> attention_block_params(const FfiBuffer
   if (p.has_o_bias && count(o_bias) != p.hidden) return fail("o_bias must be [D]");
   if (p.norm != NormKind::kNone && count(norm_w) != p.hidden) return fail("norm_weight must be [D]");
   if (p.norm == NormKind::kLayer && count(norm_b) != p.hidden) return fail("norm_bias must be [D]");
-  if (inv_freq.element_type() != ffi::DataType::F32 || count(inv_freq) != p.rotary_dim / 2) {
-    return fail("inv_freq must be float32 [rotary_dim / 2]");
-  }
-  if (lengths.element_type() != ffi::DataType::S32 || count(lengths) != p.batch) {
-    return fail("lengths must be int32 [B]");
-  }
   for (const ffi::AnyBuffer* buf : {&w_qkv, &w_o, &k_cache, &v_cache}) {
     if (buf->element_type() != x.element_type()) return fail("weights and caches must have x's dtype");
-  }
-  // The caches are updated in place: XLA hands the aliased outputs the operands' buffers.
-  if (k_out->untyped_data() != k_cache.untyped_data() || v_out->untyped_data() != v_cache.untyped_data()) {
-    return fail("the caches must be aliased to the k_cache and v_cache results");
   }
   if (static_cast<int64_t>(workspace->size_bytes()) < attention_block_workspace_bytes(p)) {
     return fail("workspace too small");

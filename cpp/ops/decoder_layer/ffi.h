@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "ffi/common.h"
+#include "ffi/decode_step.h"
 #include "ops/attention_block/ffi.h"  // FfiBuffers
 #include "ops/decoder_layer/params.h"
 #include "ops/decoder_layer/plan.h"
@@ -29,32 +30,22 @@ enum DecoderLayerOperand : size_t {
 inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& call, const DecoderLayerAttrs& a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("decoder_layer: " + m)); };
   if (auto e = call.arity(kDlOperands, 4); !e.empty()) return fail(e);
-  const ffi::AnyBuffer x = call.in(kDlX), kc = call.in(kDlKCache);
-  auto xd = x.dimensions(), kd = kc.dimensions();
-  if (xd.size() != 2 || kd.size() != 4) return fail("x must be [B, D] and the caches [B, Hkv, S_max, Dh]");
+  const ffi::AnyBuffer x = call.in(kDlX), kc = call.in(kDlKCache), vc = call.in(kDlVCache);
+  const ffi::AnyBuffer lengths = call.in(kDlLengths), inv_freq = call.in(kDlInvFreq);
+  DecoderLayerParams p{};
+  if (auto e = read_decode_geometry(p, x, kc, a); !e.empty()) return fail(e);
   auto dtype = ffi_util::to_dtype(x.element_type(), "x");
   if (!dtype) return ffi::Unexpected(dtype.error());
-  DecoderLayerParams p{};
+  if (a.mlp < 0 || a.mlp > 2) return fail("mlp must be 0 (SwiGLU), 1 (GeLU) or 2 (tanh GeLU)");
   p.dtype = *dtype;
-  p.batch = xd[0];
-  p.hidden = xd[1];
-  p.num_q_heads = a.num_q_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.head_dim = kd[3];
-  p.max_seq = kd[2];
-  p.rotary_dim = a.rotary_dim;
-  p.rope_layout = static_cast<RopeLayout>(a.rope_layout);
-  p.norm = static_cast<NormKind>(a.norm);
   p.mlp = static_cast<MlpKind>(a.mlp);
   p.parallel_residual = a.parallel_residual;
-  p.eps = a.eps;
-  p.scale = a.scale;
   p.inter = call.in(kDlW1).dimensions().size() == 2 ? call.in(kDlW1).dimensions()[1] : 0;
   if (auto e = decoder_layer_check(p); !e.empty()) return fail(e);
-  if (a.rope_layout != 0 && a.rope_layout != 1) return fail("rope_layout must be 0 (half) or 1 (interleaved)");
-  if (a.mlp < 0 || a.mlp > 2) return fail("mlp must be 0 (SwiGLU), 1 (GeLU) or 2 (tanh GeLU)");
-  if (kd[0] != p.batch || kd[1] != p.num_kv_heads || call.in(kDlVCache).element_count() != kc.element_count()) {
-    return fail("the caches must be [B, Hkv, S_max, Dh] with the x's B and num_kv_heads");
+  if (auto e = check_decode_inputs(p, kc, vc, lengths, inv_freq, call.out(1)->untyped_data(),
+                                   call.out(2)->untyped_data());
+      !e.empty()) {
+    return fail(e);
   }
   const int64_t d = p.hidden, f = p.inter, dh = p.head_dim, cols = (p.num_q_heads + 2 * p.num_kv_heads) * dh;
   // (operand, elements it must hold; 0: may be empty, -1: must be empty)
@@ -73,21 +64,9 @@ inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& c
                   " elements or another dtype than x");
     }
   }
-  const ffi::AnyBuffer lengths = call.in(kDlLengths), inv_freq = call.in(kDlInvFreq);
-  if (lengths.element_type() != ffi::DataType::S32 || static_cast<int64_t>(lengths.element_count()) != p.batch) {
-    return fail("lengths must be int32 [B]");
-  }
-  if (inv_freq.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(inv_freq.element_count()) != p.rotary_dim / 2) {
-    return fail("inv_freq must be float32 [rotary_dim / 2]");
-  }
   auto y = call.out(0);
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
     return fail("y must have x's shape and dtype");
-  }
-  if (call.out(1)->untyped_data() != kc.untyped_data() ||
-      call.out(2)->untyped_data() != call.in(kDlVCache).untyped_data()) {
-    return fail("the caches must be aliased to their results");
   }
   auto ws = call.out(3);
   if (ws->element_type() != ffi::DataType::F32 ||
@@ -106,7 +85,7 @@ inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& c
   p.inv_freq = static_cast<const float*>(inv_freq.untyped_data());
   p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   p.k_cache = kc.untyped_data();
-  p.v_cache = call.in(kDlVCache).untyped_data();
+  p.v_cache = vc.untyped_data();
   p.y = y->untyped_data();
   return p;
 }
