@@ -184,6 +184,12 @@ def test_executor_puts_waits_and_one_barrier(name):
     assert jaxpr.count(nvshmem_backend.PUT) == jaxpr.count(nvshmem_backend.WAIT) == len(arena.regions) > 0
     assert jaxpr.count(nvshmem_backend.BARRIER) == 1
     assert "ppermute" not in jaxpr
+    # each Shift's puts are tied (optimization_barrier) to what the rest of its step reads, so
+    # XLA cannot run the step's attention first; the waits come at the step's end
+    shifts = [op for _, _, op in sched.ops() if isinstance(op, Shift) and op.shift % sched.layout.size(op.axis)]
+    assert jaxpr.count("optimization_barrier") >= len(shifts) > 0
+    first_put = jaxpr.index(nvshmem_backend.PUT)
+    assert first_put < jaxpr.index("optimization_barrier", first_put) < jaxpr.index(nvshmem_backend.WAIT)
 
 
 # -------------------------------------------------------------------------- fallback
