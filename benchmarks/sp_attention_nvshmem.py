@@ -169,8 +169,9 @@ def transfer_sweep(arena_bytes, sizes_mb, iters=10):
         if nvshmem.SIGNAL_BLOCK + nbytes > arena_bytes:
             continue
         arena = nvshmem.ArenaLayout({"x": (nvshmem.SIGNAL_BLOCK, nbytes)}, {"x": 1}, nvshmem.SIGNAL_BLOCK + nbytes)
-        x = jax.make_array_from_callback((2 * nbytes // 2,), NamedSharding(mesh, P("x")),
-                                         lambda i: jnp.ones((nbytes // 2,), jnp.bfloat16))
+        # bf16: nbytes / 2 elements = nbytes bytes on each of the 2 devices
+        x = jax.make_array_from_callback((nbytes,), NamedSharding(mesh, P("x")),
+                                         lambda i: np.ones((nbytes // 2,), jnp.bfloat16))
 
         def by_put(y):
             return nb._barrier(nb._wait(nb._put(y, region="x", arena=arena, peers=[1, 0]), y, region="x",
