@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt text; repeat for several prompts (of different lengths) in one batch")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--impl", default="auto",
-                   help="auto | xla | fused, or per component: attention=fused,mlp=xla (default auto; "
-                        "see docs/models.md)")
+                   help="auto | xla | fused (fused: whole layers on the one-launch layer kernel where the model "
+                        "has one), or per component of attention, mlp, layer: attention=fused,mlp=fused "
+                        "(default auto; see docs/models.md)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="default: the checkpoint's dtype; for presets bf16 on GPU, fp32 on CPU")
     p.add_argument("--batch", type=_positive_int, default=None,
