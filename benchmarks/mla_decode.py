@@ -1,7 +1,8 @@
 """mla_decode (absorbed MLA over a latent cache) vs jnp, DeepSeek-V2-Lite shapes, one GPU run.
 
 Rows per case (batch, context): ours = jax_cluster.mla_decode(impl="cuda") on a contiguous
-latent cache and on a paged one (64-token pages, shuffled pool); jnp_absorbed = the absorbed
+latent cache and on a paged one (64-token pages, shuffled pool), and up to 8 rows with its
+projections on XLA's dots instead of the projection kernels (ours_xla_proj); jnp_absorbed = the absorbed
 formulation as flax_models writes it (flax_models.ops.mla_decode_xla); jnp_expanded = the
 non-absorbed form that caches expanded keys and values per head ([B, H, S, dn + dr] and
 [B, H, S, dv]: about 28x the latent cache's bytes). A call runs STEPS decode steps of LAYERS
@@ -26,7 +27,7 @@ from common import dtype_tag, measure_bandwidth, time_donated, write_results
 V2_LITE = dict(hidden=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 CASES = ("b1:4096", "b1:32768", "b16:4096", "b64:4096")
 STEPS, LAYERS, PAGE = 4, 4, 64
-COLUMNS = ["case", "ours_us", "ours_paged_us", "jnp_absorbed_us", "jnp_expanded_us", "floor_us", "ours_floor_fraction",
+COLUMNS = ["case", "ours_us", "ours_paged_us", "ours_xla_proj_us", "jnp_absorbed_us", "jnp_expanded_us", "floor_us", "ours_floor_fraction",
            "paged_floor_fraction", "speedup_vs_absorbed", "speedup_vs_expanded", "paged_vs_contiguous"]
 
 
@@ -114,6 +115,12 @@ def bench_case(batch, ctx, dtype, bandwidth, rng):
         return jc.mla_decode(x, w, c, n, f, impl="cuda", block_table=table, **kw)
 
     out["ours_paged_us"] = timed(ours_paged, (fresh_x(), pools), ws, lengths, inv_freq)
+    if batch <= 8:  # where the projection kernels run by default: the same call on XLA's dots
+
+        def ours_xla_proj(x, w, c, n, f):
+            return jc.mla_decode(x, w, c, n, f, impl="cuda", config=jc.MlaDecodeConfig(projections="xla"), **kw)
+
+        out["ours_xla_proj_us"] = timed(ours_xla_proj, (fresh_x(), lat()), ws, lengths, inv_freq)
 
     def absorbed(x, w, c, n, f):
         return mla_decode_xla(x, w, c, n, f, **kw)
@@ -162,8 +169,10 @@ def main():
     write_results("mla_decode", rows, columns=COLUMNS, part=a.part,
                   notes="us per layer step (STEPS x LAYERS written out in one jit, state donated); "
                         "floor = (weights + latent cache + x, y) bytes / measured HBM bandwidth; "
-                        "ours = jax_cluster.mla_decode impl=cuda (XLA's projection dots + the latent-attention "
-                        "kernel); paged = 64-token pages in a shuffled pool.")
+                        "ours = jax_cluster.mla_decode impl=cuda (up to 8 rows the projection kernels "
+                        "mla_project / mla_output around the latent-attention kernels, else XLA's dots); "
+                        "ours_xla_proj = the same with MlaDecodeConfig(projections='xla'); paged = 64-token "
+                        "pages in a shuffled pool.")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """jax_cluster.mla_decode: every impl against the fp32 reference (contiguous and paged latent
 caches, q LoRA and biases, YaRN's rope factor), invalid rows under jit, the errors raised
-before anything runs, jit / vmap; on a GPU the CUDA kernels on DeepSeek-V2 and V2-Lite
-shapes, several splits, 64-token pages, and bitwise determinism."""
+before anything runs, jit / vmap, the projection kernels against XLA's dots; on a GPU the
+CUDA kernels on DeepSeek-V2 and V2-Lite shapes, several splits, 64-token pages, and bitwise
+determinism."""
 
 import functools
 
@@ -196,6 +197,44 @@ def test_vmap_paged_keeps_pools_apart(rng):
     assert np.all(np.isnan(np.asarray(y[1, 0]))) and np.allclose(y[1, 1:], ry[1:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_lora,bias,residual", [(None, False, True), (24, True, False)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_projection_kernels_match_xla_dots(rng, q_lora, bias, residual, dtype):
+    """mla_project / mla_output's handlers against the same call on XLA's dots: the same
+    roundings, so only the summation order differs."""
+    args, kw = make_case(rng, q_lora=q_lora, bias=bias, dtype=dtype, lengths=(0, 17, 39))
+    got = run(args, kw, "cuda", residual=residual, config=MlaDecodeConfig(projections="kernels"))
+    want = run(args, kw, "cuda", residual=residual, config=MlaDecodeConfig(projections="xla"))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32), rtol=tol, atol=tol)
+
+
+def test_projection_kernels_only_where_they_take_the_call(rng):
+    def lowered(args, kw, **extra):
+        return jax.jit(functools.partial(mla_decode, impl="cuda", **kw, **extra)).lower(**args).as_text()
+
+    args, kw = make_case(rng, batch=8)
+    text = lowered(args, kw)
+    assert "jax_cluster_mla_project" in text and "jax_cluster_mla_output" in text
+    assert "jax_cluster_mla_project" not in lowered(args, kw, config=MlaDecodeConfig(projections="xla"))
+    big, kw = make_case(rng, batch=9)
+    assert "jax_cluster_mla_project" not in lowered(big, kw)  # past the kernels' rows: XLA's dots
+    with pytest.raises(ValueError, match="projections='kernels': at most 8 rows"):
+        lowered(big, kw, config=MlaDecodeConfig(projections="kernels"))
+    with pytest.raises(ValueError, match="projections must be one of"):
+        MlaDecodeConfig(projections="fused")
+
+
+def test_projection_kernels_under_vmap(rng):
+    a, kw = make_case(rng, lengths=(3, 30, 11))
+    xs = jnp.stack([a["x"], a["x"][::-1]])
+    fn = functools.partial(mla_decode, impl="cuda", residual=True, config=MlaDecodeConfig(projections="kernels"), **kw)
+    y, cache = jax.jit(jax.vmap(lambda x: fn(x, a["weights"], a["latent_cache"], a["lengths"], a["inv_freq"])))(xs)
+    for i in range(2):
+        check_close((y[i], cache[i]), run(dict(a, x=xs[i]), kw, "reference", residual=True), "float32")
+
+
 def test_auto_on_cpu_runs_xla(rng):
     args, kw = make_case(rng, dtype=jnp.float16)
     if jax_cluster.cuda_module_built() and jax.default_backend() == "gpu":
@@ -260,6 +299,38 @@ def test_gpu_invalid_rows_nan(rng, splits):
     y, cache = np.asarray(y), np.asarray(cache)
     assert np.all(np.isnan(y[[0, 2]])) and not np.any(np.isnan(y[1]))
     np.testing.assert_array_equal(cache[[0, 2]], np.asarray(args["latent_cache"])[[0, 2]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape,lengths", [
+    (V2_LITE, (4000,)),
+    (V2_LITE, (0, 5, 100, 1000, 2000, 3000, 4000, 4095)),
+    (V2, (5, 333, 1000)),
+    (dict(hidden=96, heads=20, rank=136, nope=24, rope=24, v=8, q_lora=40), (7, 64)),
+])
+def test_gpu_projection_kernels_match_xla_dots(rng, dtype, shape, lengths):
+    args, kw = make_case(rng, dtype=dtype, lengths=lengths, s_max=4096, bias=True, **shape)
+    args = jax.device_put(args, _gpu())
+    got = run(args, kw, "cuda", residual=True, config=MlaDecodeConfig(projections="kernels"))
+    want = run(args, kw, "cuda", residual=True, config=MlaDecodeConfig(projections="xla"))
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    assert rel_l2(got[0], want[0]) <= tol, rel_l2(got[0], want[0])
+    assert rel_l2(got[1], want[1]) <= tol, rel_l2(got[1], want[1])
+    text = jax.jit(functools.partial(mla_decode, impl="cuda", **kw)).lower(**args).as_text()
+    assert "jax_cluster_mla_project" in text
+
+
+@pytest.mark.gpu
+def test_gpu_projection_kernels_bitwise_deterministic(rng):
+    args, kw = make_case(rng, dtype=jnp.bfloat16, lengths=(4095,), s_max=4096, **V2_LITE)
+    args = jax.device_put(args, _gpu())
+    fn = jax.jit(functools.partial(mla_decode, impl="cuda", residual=True,
+                                   config=MlaDecodeConfig(projections="kernels"), **kw))
+    first = [np.asarray(a) for a in fn(**args)]
+    for _ in range(19):
+        for a, b in zip(fn(**args), first):
+            np.testing.assert_array_equal(np.asarray(a), b)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
+from jax.interpreters import batching
 
 from jax_cluster import _extension, reference
 from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis, num_sms,
@@ -52,16 +53,26 @@ def _constants() -> dict:
     return dict(_extension.plans().mla_decode_constants())
 
 
+PROJECTIONS = ("kernels", "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig:
-    """How mla_decode's latent attention runs on the GPU (impl="auto" or "cuda").
+    """How mla_decode runs on the GPU (impl="auto" or "cuda").
 
-    splits  token splits per (row, 16-head tile), 1..256; None: default_splits.
+    splits       token splits per (row, 16-head tile), 1..256; None: default_splits.
+    projections  "kernels": the projections around the attention as two cluster kernels
+                 (up to 8 rows; cpp/ops/mla_decode/projections.h); "xla": XLA's dots; None:
+                 the kernels where they take the call, else XLA's dots.
     """
 
     splits: int | None = None
+    projections: str | None = None
 
     def __post_init__(self):
+        if self.projections is not None and self.projections not in PROJECTIONS:
+            raise ValueError(f"MlaDecodeConfig: projections must be one of {PROJECTIONS} or None, got "
+                             f"{self.projections!r}")
         if self.splits is None:
             return
         if isinstance(self.splits, bool) or not isinstance(self.splits, (int, np.integer)):
@@ -118,6 +129,71 @@ _PRIM = ffi_primitive("mla_decode", abstract_eval=_abstract, batching_rule=_batc
                       operand_output_aliases={2: 1})
 
 
+# ----------------------------------------------------------------------------- the projection kernels
+def _project_abstract(x, norm, q_src, w_q, kv_a, kv_a_bias, kv_a_norm, kv_b, lengths, inv_freq, *, num_heads,
+                      nope, rope, rank, v_dim, capacity, eps, latent_eps, rope_factor):
+    b, e = x.shape[0], rank + rope
+    return ShapedArray((b, num_heads, e), np.float32), ShapedArray((b, e), np.float32)
+
+
+def _output_abstract(o_lat, kv_b, w_o, o_bias, residual, *, nope, v_dim):
+    b, h, _ = o_lat.shape
+    hidden = w_o.shape[1]
+    return (ShapedArray((b, hidden), o_lat.dtype),
+            ShapedArray((h * b * hidden + _constants()["cluster_blocks"],), np.float32))
+
+
+def _sequential_batching(prim, scratch: tuple[bool, ...]):
+    """vmap by mapping the instances one after another (any operand may be mapped; folding
+    them into rows would pass the kernels' row limit). Scratch results come back unbatched."""
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+
+        def one(i):
+            outs = prim.bind(*[a[i] if d is not None else a for a, d in zip(moved, dims)], **params)
+            return [o for o, s in zip(outs, scratch) if not s]
+
+        kept = iter(jax.lax.map(one, jnp.arange(size)))
+        single = [jax.ShapeDtypeStruct(a.shape[1:] if d is not None else a.shape, a.dtype)
+                  for a, d in zip(moved, dims)]
+        shapes = jax.eval_shape(lambda *xs: prim.bind(*xs, **params), *single)
+        outs = [jnp.zeros(t.shape, t.dtype) if s else next(kept) for s, t in zip(scratch, shapes)]
+        return outs, [None if s else 0 for s in scratch]
+    return rule
+
+
+_PROJECT = ffi_primitive("mla_project", abstract_eval=_project_abstract)
+batching.primitive_batchers[_PROJECT] = _sequential_batching(_PROJECT, (False, False))
+_OUTPUT = ffi_primitive("mla_output", abstract_eval=_output_abstract)
+batching.primitive_batchers[_OUTPUT] = _sequential_batching(_OUTPUT, (False, True))
+
+
+def _project_kernel(x, w, d, lengths, inv_freq, capacity, eps, latent_eps, rope_factor):
+    """q_full [B, H, r + dr] (q_nope absorbed, q_rope rotated) and the new latent token, fp32,
+    from mla_project; with q LoRA its first branch (q_a, norm) runs as XLA's dots first."""
+    empty = jnp.zeros((0,), x.dtype)
+    if w.get("q") is not None:
+        q_src, w_q = empty, w["q"]
+    else:
+        h = _rms_norm(x, w["norm"], eps)
+        q_src, w_q = _rms_norm(_dense(h, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], latent_eps), w["q_b"]
+    bias = w.get("kv_a_bias")
+    return _PROJECT.bind(x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"],
+                         w["kv_b"], lengths, inv_freq, num_heads=d.heads, nope=d.nope, rope=d.rope, rank=d.rank,
+                         v_dim=d.v, capacity=int(capacity), eps=np.float32(eps), latent_eps=np.float32(latent_eps),
+                         rope_factor=np.float32(rope_factor))
+
+
+def _output_kernel(o_lat, w, d, residual):
+    """y [B, hidden] = concat_h(o_lat W_uv_h) W_o (+ o_bias) (+ residual) from mla_output."""
+    empty = jnp.zeros((0,), o_lat.dtype)
+    bias = w.get("o_bias")
+    y, _ = _OUTPUT.bind(o_lat, w["kv_b"], w["o"], empty if bias is None else bias,
+                        empty if residual is None else residual, nope=d.nope, v_dim=d.v)
+    return y
+
+
 # ----------------------------------------------------------------------------- jnp pieces
 def _dense(x, w, b=None):
     y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
@@ -159,6 +235,13 @@ def _project(x, w, d: _Dims, pos, inv_freq, rope_factor, eps, latent_eps):
     new = jnp.concatenate([_rms_norm(kv[:, :d.rank], w["kv_a_norm"], latent_eps),
                            _rope_interleaved(kv[:, d.rank:], cos, sin)], -1)
     return q[..., :d.nope], q_rope, new
+
+
+def _attend_kernel(q_full, new, cache, lengths, block_table, d: _Dims, splits, scale):
+    table = block_table if block_table is not None else jnp.zeros((0,), jnp.int32)
+    o_lat, cache, _ = _PRIM.bind(q_full, new, cache, table, lengths, splits=int(splits), rank=d.rank,
+                                 paged=block_table is not None, scale=np.float32(scale))
+    return o_lat, cache
 
 
 def _row_validity(lengths, block_table, capacity, num_pages):
@@ -264,6 +347,22 @@ def _check(op, x, weights, cache, lengths, inv_freq, block_table, d: _Dims):
     return capacity, pages
 
 
+def _use_projection_kernels(op, impl, config, x, weights, d: _Dims) -> bool:
+    """Whether the attention kernel's call runs its projections on mla_project / mla_output."""
+    choice = config.projections if config is not None else None
+    if choice == "xla":
+        return False
+    q_in = weights["q_a"].shape[1] if weights.get("q_a") is not None else x.shape[1]
+    check = dict(_extension.plans().mla_projections(jnp.dtype(x.dtype).name, x.shape[0], x.shape[1], q_in, d.nope,
+                                                    d.rope, d.rank, d.v))
+    why_not = check["error"] or (check["cuda_error"] if on_gpu() else "")
+    if not why_not and x.shape[0] > _constants()["projection_max_rows"]:
+        why_not = f"at most {_constants()['projection_max_rows']} rows, got {x.shape[0]}"
+    if why_not and choice == "kernels":
+        raise ValueError(f"{op}: projections='kernels': {why_not}")
+    return not why_not
+
+
 def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
     """The token splits to launch with, or None for the jnp formulation."""
     check_impl(op, impl)
@@ -314,20 +413,22 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
               block_table=block_table)
     if impl == "reference":
         return reference.mla_decode(x, weights, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+    w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
+    if splits is not None and _use_projection_kernels(op, impl, config, x, weights, d):
+        q_full, new = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps, rope_factor)
+        o_lat, latent_cache = _attend_kernel(q_full, new, latent_cache, lengths, block_table, d, splits, scale)
+        return _output_kernel(o_lat, weights, d, x if residual else None), latent_cache
     valid = _row_validity(lengths, block_table, capacity, pages)
     q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
                                    latent_eps)
-    w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
     if splits is None:
         o_lat, latent_cache = _attend_xla(q_nope, q_rope, new, w_kvb, latent_cache, lengths, block_table, d,
                                           scale, valid)
     else:
         q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope], preferred_element_type=jnp.float32)
         q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], -1)
-        table = block_table if block_table is not None else jnp.zeros((0,), jnp.int32)
-        o_lat, latent_cache, _ = _PRIM.bind(q_full, new.astype(jnp.float32), latent_cache, table, lengths,
-                                            splits=int(splits), rank=d.rank, paged=block_table is not None,
-                                            scale=np.float32(scale))
+        o_lat, latent_cache = _attend_kernel(q_full, new.astype(jnp.float32), latent_cache, lengths, block_table,
+                                             d, splits, scale)
     o = jnp.einsum("bhr,rhd->bhd", o_lat, w_kvb[..., d.nope:].astype(o_lat.dtype), preferred_element_type=jnp.float32)
     y = _dense(o.astype(x.dtype).reshape(x.shape[0], d.heads * d.v), weights["o"], weights.get("o_bias"))
     if residual:

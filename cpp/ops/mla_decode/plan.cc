@@ -7,6 +7,7 @@
 
 #include "ffi/plan_util.h"
 #include "ops/mla_decode/params.h"
+#include "ops/mla_decode/projections.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -42,8 +43,24 @@ void bind_mla_decode_plan(nb::module_& m) {
     out["max_splits"] = jax_cluster::kMlaDecodeMaxSplits;
     out["head_tile"] = jax_cluster::kMlaDecodeHeadTile;
     out["tile_tokens"] = jax_cluster::kMlaDecodeTileTokens;
+    out["cluster_blocks"] = jax_cluster::kMlaClusterBlocks;
+    out["projection_max_rows"] = jax_cluster::kMlaProjectMaxRows;
     return out;
   });
+  m.def(
+      "mla_projections",
+      [](const std::string& dtype, int64_t batch, int64_t hidden, int64_t q_in, int64_t nope, int64_t rope,
+         int64_t rank, int64_t v_dim) {
+        jax_cluster::DType t{};
+        nb::dict out;
+        const bool known = jax_cluster::dtype_from_name(dtype, &t);
+        out["error"] = jax_cluster::mla_projections_check(t, batch, hidden, q_in, nope, rope, rank, v_dim, false);
+        out["cuda_error"] = known ? jax_cluster::mla_projections_check(t, batch, hidden, q_in, nope, rope, rank, v_dim, true)
+                                  : std::string("dtype must be float32, float16 or bfloat16");
+        return out;
+      },
+      "dtype"_a, "batch"_a, "hidden"_a, "q_in"_a, "nope"_a, "rope"_a, "rank"_a, "v_dim"_a,
+      "mla_decode's projection kernels' checks: 'error' (every platform), 'cuda_error' (the GPU kernels)");
   m.def("mla_decode", &jax_cluster::plan, "batch"_a, "num_heads"_a, "rank"_a, "rope_dim"_a, "capacity"_a,
         "dtype"_a, "splits"_a, "paged"_a,
         "mla_decode's checks for one call: 'error' (sizes out of range, '' if valid), 'cuda_error' "

@@ -1,0 +1,362 @@
+// The CUDA kernels of mla_decode's projections (projections.h has the dataflow).
+//
+// Both kernels are grids of clusters of kMlaClusterBlocks blocks; a cluster owns one head
+// (or the latent) and splits its GEMV's K rows between its blocks. A block's GEMV keeps
+// `U` 16-byte weight loads per thread in flight (registers, read-only path) and sums its
+// row groups through shared memory in group order; the cluster's blocks then read each
+// other's sums over DSMEM in rank order, so all hold the same bits. Two cluster barriers
+// frame that read (the second: nobody leaves or overwrites its sums while a peer reads).
+// Weights never depend on the previous kernel: each block asks L2 for its slice before
+// griddepcontrol.wait, which only guards x, o_lat and lengths (PDL).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/vec.cuh"
+#include "ops/mla_decode/projections.h"
+
+namespace jax_cluster {
+
+// Row groups of a GEMV over w columns (8 per lane).
+__host__ __device__ constexpr int mla_gemv_groups(int w) { return kMlaProjectThreads / (w / 8); }
+
+// Shared memory of one block, in floats: the GEMV's row-group sums (reused by the
+// absorption's per-vector partials), the cluster-visible sums, the combined vector, the
+// staged input rows.
+struct MlaSmem {
+  int red, sums, full, stage;
+  __host__ __device__ int total() const { return red + sums + full + stage; }
+};
+
+// sums[b * w + c] = sum over rows k < rows of in[b * in_ld + k] * W[k * ld + c] (c < w, a
+// multiple of 8; b < NB, rows past `batch` are zero in `in`). All threads call it.
+template <typename T, int NB, int U>
+__device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, const float* in, int in_ld,
+                         float* red, float* sums) {
+  const int lanes = w / 8, groups = kMlaProjectThreads / lanes;
+  const int tid = threadIdx.x, g = tid / lanes, l = tid % lanes;
+  float acc[NB][8];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
+  }
+  if (g < groups) {
+    const T* col = W + 8 * l;
+    for (int k = g; k < rows; k += groups * U) {
+      uint4 wv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kk = k + u * groups;
+        if (kk < rows) wv[u] = ptx::ldg_stream(col + static_cast<int64_t>(kk) * ld);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kk = k + u * groups;
+        if (kk < rows) {
+          float wf[8];
+          unpack<T>(wv[u], wf);
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const float xin = in[b * in_ld + kk];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) red[(g * NB + b) * w + 8 * l + j] = acc[b][j];
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < NB * w; e += kMlaProjectThreads) {
+    float s = 0.f;
+    for (int r = 0; r < groups; ++r) s += red[r * NB * w + e];
+    sums[e] = s;
+  }
+  __syncthreads();
+}
+
+// full[b * w + c] = the cluster's sums in rank order, then every block's sums are free.
+template <int NB>
+__device__ void mla_cluster_sum(const float* sums, int w, float* full) {
+  __syncthreads();
+  ptx::cluster_sync();  // every rank's sums are written (release / acquire)
+  const int n = static_cast<int>(ptx::cluster_num_blocks());
+  const uint32_t base = ptx::smem_addr(sums);
+  for (int e = threadIdx.x; e < NB * w; e += kMlaProjectThreads) {
+    float s = 0.f;
+    for (int r = 0; r < n; ++r) s += ptx::ld_cluster_f32(ptx::map_to_rank(base + 4u * e, r));
+    full[e] = s;
+  }
+  ptx::cluster_sync();  // no rank reuses or leaves its sums while a peer reads them
+}
+
+template <typename T>
+__device__ __forceinline__ float round_t(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// Asks L2 for rows [0, rows) x w columns of W (one bulk prefetch per row).
+template <typename T>
+__device__ void mla_prefetch_rows(const T* W, int64_t ld, int w, int rows) {
+  for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
+    ptx::prefetch_l2(W + static_cast<int64_t>(k) * ld, static_cast<uint32_t>(w * sizeof(T)));
+  }
+}
+
+__device__ __forceinline__ int mla_position(const int32_t* lengths, int b, int64_t capacity) {
+  const int32_t len = lengths[b];
+  return len >= 0 && len < capacity ? len : 0;
+}
+
+// cos, sin (times rope_factor) of pair i at position pos, as the jnp formulation computes them.
+__device__ __forceinline__ void mla_rope_angle(int pos, float inv_freq, float factor, float* c, float* s) {
+  const float angle = static_cast<float>(pos) * inv_freq;
+  *c = cosf(angle) * factor;
+  *s = sinf(angle) * factor;
+}
+
+// ----------------------------------------------------------------------------- mla_project
+// Grid: (H + 1) clusters along x; cluster u < H is head u, cluster H the latent.
+template <typename T, int NB>
+__global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaProjectParams p, MlaSmem sm) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* red = smem;
+  float* sums = red + sm.red;
+  float* full = sums + sm.sums;
+  float* stage = full + sm.full;
+  const int rank = static_cast<int>(ptx::cluster_rank());
+  const int C = static_cast<int>(ptx::cluster_num_blocks());
+  const int64_t unit = blockIdx.x / C;
+  const bool latent = unit == p.num_heads;
+  const int64_t qc = p.num_heads * p.head_cols();
+  const bool q_from_x = p.q_src == nullptr;
+  // This block's K rows of its GEMV and its weight slice.
+  const int64_t K = latent || q_from_x ? p.hidden : p.q_in;
+  const int64_t chunk = (K + C - 1) / C;
+  const int64_t k0 = min(K, rank * chunk), rows = min(chunk, K - k0);
+  const int w = static_cast<int>(latent ? p.latent_cols() : p.head_cols());
+  const int64_t ld = latent ? p.latent_cols() : qc;
+  const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld
+                      : static_cast<const T*>(p.w_q) + k0 * ld + unit * p.head_cols();
+  mla_prefetch_rows(W, ld, w, static_cast<int>(rows));
+  ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
+
+  // Stage the input rows of the chunk in fp32: h = RMSNorm(x) (rounded as jnp rounds), or q_src.
+  const int in_ld = static_cast<int>(chunk);
+  if (latent || q_from_x) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* rstd = full;  // scratch until the cluster sum
+    if (warp < NB) {
+      float ss = 0.f;
+      if (warp < p.batch) {
+        const T* row = static_cast<const T*>(p.x) + warp * p.hidden;
+        for (int64_t k = lane * 8; k < p.hidden; k += 256) {
+          float v[8];
+          unpack<T>(*reinterpret_cast<const uint4*>(row + k), v);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) ss = fmaf(v[j], v[j], ss);
+        }
+      }
+      for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) rstd[warp] = rsqrtf(ss / static_cast<float>(p.hidden) + p.eps);
+    }
+    __syncthreads();
+    const T* norm = static_cast<const T*>(p.norm);
+    for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
+      const int b = static_cast<int>(e / rows);
+      const int64_t k = e % rows;
+      float v = 0.f;
+      if (b < p.batch) {
+        const float xv = to_float(static_cast<const T*>(p.x)[b * p.hidden + k0 + k]);
+        v = round_t<T>(to_float(norm[k0 + k]) * round_t<T>(xv * rstd[b]));
+      }
+      stage[b * in_ld + k] = v;
+    }
+  } else {
+    for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
+      const int b = static_cast<int>(e / rows);
+      const int64_t k = e % rows;
+      stage[b * in_ld + k] = b < p.batch ? to_float(static_cast<const T*>(p.q_src)[b * p.q_in + k0 + k]) : 0.f;
+    }
+  }
+  __syncthreads();
+  if (latent) {
+    mla_gemv<T, NB, (NB <= 2 ? 16 : NB == 4 ? 10 : 8)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
+  } else {
+    mla_gemv<T, NB, (NB <= 4 ? 8 : 4)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
+  }
+  ptx::griddep_launch_dependents();  // the attention kernel may take the SMs this grid frees
+  mla_cluster_sum<NB>(sums, w, full);
+
+  const int64_t E = p.latent_cols(), half = p.rope / 2;
+  const float* inv_freq = p.inv_freq;
+  if (latent) {
+    if (rank != 0) return;
+    // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])], kv rounded after its bias; a warp per row.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp >= p.batch) return;
+    float* kv = full + warp * w;
+    const T* bias = static_cast<const T*>(p.kv_a_bias);
+    float ss = 0.f;
+    for (int c = lane; c < w; c += 32) {
+      kv[c] = round_t<T>(kv[c] + (bias != nullptr ? to_float(bias[c]) : 0.f));
+      if (c < p.rank) ss = fmaf(kv[c], kv[c], ss);
+    }
+    for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float rstd = rsqrtf(ss / static_cast<float>(p.rank) + p.latent_eps);
+    const T* lnorm = static_cast<const T*>(p.kv_a_norm);
+    float* out = p.new_latent + warp * E;
+    for (int c = lane; c < p.rank; c += 32) out[c] = round_t<T>(to_float(lnorm[c]) * round_t<T>(kv[c] * rstd));
+    const int pos = mla_position(p.lengths, warp, p.capacity);
+    for (int i = lane; i < half; i += 32) {
+      float cs, sn;
+      mla_rope_angle(pos, inv_freq[i], p.rope_factor, &cs, &sn);
+      const float a = kv[p.rank + 2 * i], bb = kv[p.rank + 2 * i + 1];
+      out[p.rank + 2 * i] = round_t<T>(a * cs - bb * sn);
+      out[p.rank + 2 * i + 1] = round_t<T>(a * sn + bb * cs);
+    }
+    return;
+  }
+
+  // A head: q rounded as jnp's dense rounds it; rank 0 rotates q_rope into q_full[..., r:].
+  const int64_t h = unit;
+  for (int e = threadIdx.x; e < NB * w; e += kMlaProjectThreads) full[e] = round_t<T>(full[e]);
+  __syncthreads();
+  if (rank == 0) {
+    for (int64_t e = threadIdx.x; e < p.batch * half; e += kMlaProjectThreads) {
+      const int b = static_cast<int>(e / half), i = static_cast<int>(e % half);
+      float cs, sn;
+      mla_rope_angle(mla_position(p.lengths, b, p.capacity), inv_freq[i], p.rope_factor, &cs, &sn);
+      const float a = full[b * w + p.nope + 2 * i], bb = full[b * w + p.nope + 2 * i + 1];
+      float* out = p.q_full + (b * p.num_heads + h) * E + p.rank;
+      out[2 * i] = round_t<T>(a * cs - bb * sn);
+      out[2 * i + 1] = round_t<T>(a * sn + bb * cs);
+    }
+  }
+  // Absorption of this rank's rows n of r: q_full[b, h, n] = q_nope . W_kv_b[n, h, :dn]. Items
+  // (row, 8-column vector) spread over the threads, their loads issued together; per-item
+  // partials through shared memory (reusing `red`), summed per row in vector order.
+  const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr), nrows = min(nr, p.rank - n0);
+  const int vecs = static_cast<int>(p.nope / 8);
+  const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
+  const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + h * (p.nope + p.v_dim);
+  const int64_t items = nrows * vecs;
+  constexpr int kBatchLoads = 4;
+  for (int64_t i0 = threadIdx.x; i0 < items; i0 += kBatchLoads * kMlaProjectThreads) {
+    uint4 wv[kBatchLoads];
+#pragma unroll
+    for (int u = 0; u < kBatchLoads; ++u) {
+      const int64_t i = i0 + u * kMlaProjectThreads;
+      if (i < items) wv[u] = ptx::ldg_stream(Wk + (i / vecs) * ldb + 8 * (i % vecs));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatchLoads; ++u) {
+      const int64_t i = i0 + u * kMlaProjectThreads;
+      if (i < items) {
+        float wf[8];
+        unpack<T>(wv[u], wf);
+        const int v = static_cast<int>(i % vecs);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          float s = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s = fmaf(full[b * w + 8 * v + j], wf[j], s);
+          red[b * items + i] = s;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < p.batch * nrows; e += kMlaProjectThreads) {
+    const int b = static_cast<int>(e / nrows);
+    const int64_t n = e % nrows;
+    float s = 0.f;
+    for (int v = 0; v < vecs; ++v) s += red[b * items + n * vecs + v];
+    p.q_full[(b * p.num_heads + h) * E + n0 + n] = s;
+  }
+}
+
+// ----------------------------------------------------------------------------- mla_output
+// Grid: H clusters along x; cluster h is head h. Counters (after the partials) zeroed before.
+template <typename T, int NB>
+__global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOutputParams p, MlaSmem sm) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* red = smem;
+  float* sums = red + sm.red;
+  float* full = sums + sm.sums;
+  float* stage = full + sm.full;
+  const int rank = static_cast<int>(ptx::cluster_rank());
+  const int C = static_cast<int>(ptx::cluster_num_blocks());
+  const int64_t h = blockIdx.x / C;
+  const int dv = static_cast<int>(p.v_dim);
+  // o_h = o_lat[b, h] W_uv_h over this rank's chunk of the r rows.
+  const int64_t chunk = (p.rank + C - 1) / C, k0 = min(p.rank, rank * chunk), rows = min(chunk, p.rank - k0);
+  const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
+  const T* Wv = static_cast<const T*>(p.w_kv_b) + k0 * ldb + h * (p.nope + p.v_dim) + p.nope;
+  // Then this rank's column slice of W_o's rows [h dv, (h + 1) dv).
+  const int64_t slice = mla_output_slice_cols(p.hidden), c0 = min(p.hidden, rank * slice);
+  const int wo = static_cast<int>(min(slice, p.hidden - c0));
+  const T* Wo = static_cast<const T*>(p.w_o) + h * dv * p.hidden + c0;
+  mla_prefetch_rows(Wv, ldb, dv, static_cast<int>(rows));
+  if (wo > 0) mla_prefetch_rows(Wo, p.hidden, wo, dv);
+  ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
+
+  const int in_ld = static_cast<int>(chunk);
+  for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
+    const int b = static_cast<int>(e / rows);
+    const int64_t k = e % rows;
+    stage[b * in_ld + k] =
+        b < p.batch ? to_float(static_cast<const T*>(p.o_lat)[(b * p.num_heads + h) * p.rank + k0 + k]) : 0.f;
+  }
+  __syncthreads();
+  mla_gemv<T, NB, 4>(Wv, ldb, dv, static_cast<int>(rows), stage, in_ld, red, sums);
+  mla_cluster_sum<NB>(sums, dv, full);
+  for (int e = threadIdx.x; e < NB * dv; e += kMlaProjectThreads) full[e] = round_t<T>(full[e]);
+  __syncthreads();
+  ptx::griddep_launch_dependents();
+  if (wo <= 0) return;
+  mla_gemv<T, NB, (NB <= 4 ? 8 : 4)>(Wo, p.hidden, wo, dv, full, dv, red, sums);
+
+  // This head's partial of y's slice; the slice's last head sums them all in head order.
+  float* part = p.partial;
+  for (int e = threadIdx.x; e < p.batch * wo; e += kMlaProjectThreads) {
+    const int b = e / wo, c = e % wo;
+    __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
+  }
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* counters = reinterpret_cast<unsigned int*>(part + p.num_heads * p.batch * p.hidden);
+    __threadfence();  // the partials are visible before the count says so
+    last = atomicAdd(counters + rank, 1u) == static_cast<unsigned>(p.num_heads - 1);
+    __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  const T* bias = static_cast<const T*>(p.o_bias);
+  const T* res = static_cast<const T*>(p.residual);
+  T* y = static_cast<T*>(p.y);
+  for (int e = threadIdx.x; e < p.batch * wo; e += kMlaProjectThreads) {
+    const int b = e / wo;
+    const int64_t col = c0 + e % wo;
+    float s = 0.f;
+    for (int64_t g = 0; g < p.num_heads; ++g) s += __ldcg(part + (g * p.batch + b) * p.hidden + col);
+    if (bias != nullptr) s += to_float(bias[col]);
+    float v = round_t<T>(s);
+    if (res != nullptr) v = v + to_float(res[b * p.hidden + col]);
+    y[b * p.hidden + col] = from_float<T>(v);
+  }
+}
+
+}  // namespace jax_cluster
