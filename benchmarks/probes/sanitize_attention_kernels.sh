@@ -3,12 +3,13 @@
 # decoder_layer kernel, run alone through the standalone probes (benchmarks/probes/
 # attention_kernel.cu: one decode step per configuration; decode_attention_kernel.cu: plain
 # and append mode; mla_decode_kernel.cu: contiguous and paged latent caches;
+# mla_projections_kernel.cu: mla_decode's projection kernels;
 # decoder_layer_kernel.cu: the one-launch layer), not inside a JAX
 # process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
 # Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
 # run to the end (docs/attention_block.md).
 #   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
-# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_LAYER_PROBE: the probe
+# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_MLA_PROJ_PROBE, JC_LAYER_PROBE: the probe
 # binaries; without them they are
 # built here (2-3 min: build them on the CPU machine with the commands below and carry
 # them). The attention_block probe is built with every lane of the TMA kernel's consumer
@@ -35,6 +36,11 @@ ml=${JC_MLA_PROBE:-}
 if [ -z "$ml" ] && wanted mla_decode; then
   ml=/tmp/mla_decode_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_decode_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$ml" || exit 1
+fi
+mp=${JC_MLA_PROJ_PROBE:-}
+if [ -z "$mp" ] && wanted mla_projections; then
+  mp=/tmp/mla_projections_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_projections_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$mp" || exit 1
 fi
 dl=${JC_LAYER_PROBE:-}
 if [ -z "$dl" ] && wanted decoder_layer; then
@@ -79,6 +85,14 @@ ml_configs=(
   "1 128 512 64 200 2 0"
   "2 20 32 8 100 3 16"
 )
+# mla_projections: B H hidden q_lora r dn dr dv: V2-Lite at 1 and 3 rows, V2 (q LoRA, 128
+# heads), and a small shape at the 8-row limit whose widths are off every power of two.
+mp_configs=(
+  "1 16 2048 0 512 128 64 128"
+  "3 16 2048 0 512 128 64 128"
+  "2 128 5120 1536 512 128 64 128"
+  "8 20 96 40 136 24 24 8"
+)
 # decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
 # 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
 dl_configs=(
@@ -117,6 +131,9 @@ for cfg in "${da_configs[@]}"; do
 done
 for cfg in "${ml_configs[@]}"; do
   check "mla_decode $cfg" "$ml" $cfg
+done
+for cfg in "${mp_configs[@]}"; do
+  check "mla_projections $cfg" "$mp" $cfg
 done
 for cfg in "${dl_configs[@]}"; do
   check "decoder_layer $cfg" "$dl" $cfg

@@ -1,0 +1,144 @@
+// Probe: mla_decode's projection kernels (cpp/ops/mla_decode/launch_projections.cu, compiled
+// in) alone, bf16, checked against the CPU handlers' computation (cpp/ops/mla_decode/cpu.cc)
+// on the same inputs: for compute-sanitizer outside a JAX process (sanitize_attention_kernels.sh)
+// and for timing the two kernels without XLA around them.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo \
+//     -Icpp -Icpp/include benchmarks/probes/mla_projections_kernel.cu cpp/ops/mla_decode/cpu.cc -o /tmp/mlp
+//   /tmp/mlp B H hidden q_lora r dn dr dv   (q_lora 0: q from RMSNorm(x); biases and a
+//   residual always; MLA_TIME=1: also time 50 back-to-back calls of each kernel)
+// Prints the largest errors against the CPU computation and exits 1 above 2e-2 (relative to
+// the largest value).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cpu/numerics.h"
+#include "ops/mla_decode/cpu.h"
+#include "ops/mla_decode/launch_projections.cu"
+
+#include "probe_check.h"
+
+namespace {
+
+uint32_t seed = 12345;
+float rnd() {
+  seed = seed * 1664525u + 1013904223u;
+  return static_cast<float>(seed >> 8) / 8388608.f - 1.f;
+}
+
+std::vector<uint16_t> bf16s(int64_t n, float scale, float offset = 0.f) {
+  std::vector<uint16_t> v(n);
+  for (auto& e : v) e = jax_cluster::cpu::float_to_bf16(rnd() * scale + offset);
+  return v;
+}
+
+template <typename F>
+float time_us(F&& launch) {
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  CHECK(cudaEventRecord(t0));
+  for (int i = 0; i < 50; ++i) CHECK(launch());
+  CHECK(cudaEventRecord(t1));
+  CHECK(cudaEventSynchronize(t1));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, t0, t1));
+  return ms * 20.f;
+}
+
+float rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  float worst = 0.f, big = 1e-6f;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::fabs(got[i] - want[i]));
+    big = std::max(big, std::fabs(want[i]));
+  }
+  return worst / big;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace jax_cluster;
+  if (argc < 9) {
+    std::printf("usage: %s B H hidden q_lora r dn dr dv\n", argv[0]);
+    return 2;
+  }
+  const int64_t B = std::atoll(argv[1]), H = std::atoll(argv[2]), D = std::atoll(argv[3]),
+                QL = std::atoll(argv[4]), R = std::atoll(argv[5]), DN = std::atoll(argv[6]),
+                DR = std::atoll(argv[7]), DV = std::atoll(argv[8]), E = R + DR, QIN = QL > 0 ? QL : D;
+  const float s = 1.f / std::sqrt(static_cast<float>(D));
+  auto x = bf16s(B * D, 1.f), norm = bf16s(D, 0.2f, 1.f), q_src = bf16s(QL > 0 ? B * QL : 0, 1.f),
+       w_q = bf16s(QIN * H * (DN + DR), 1.f / std::sqrt(static_cast<float>(QIN))), w_kv_a = bf16s(D * E, s),
+       kv_a_bias = bf16s(E, 0.1f), kv_a_norm = bf16s(R, 0.2f, 1.f),
+       w_kv_b = bf16s(R * H * (DN + DV), 1.f / std::sqrt(static_cast<float>(R))),
+       w_o = bf16s(H * DV * D, 1.f / std::sqrt(static_cast<float>(H * DV))), o_bias = bf16s(D, 0.1f),
+       o_lat = bf16s(B * H * R, 1.f);
+  std::vector<int32_t> lengths(B);
+  for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>((b * 7919) % 4096);
+  std::vector<float> inv_freq(DR / 2);
+  for (int64_t i = 0; i < DR / 2; ++i) inv_freq[i] = std::pow(10000.f, -2.f * i / static_cast<float>(DR));
+
+  MlaProjectParams p{};
+  p.dtype = DType::kBF16;
+  p.batch = B, p.hidden = D, p.num_heads = H, p.nope = DN, p.rope = DR, p.rank = R, p.v_dim = DV, p.q_in = QIN;
+  p.capacity = 4096, p.eps = 1e-6f, p.latent_eps = 1e-6f, p.rope_factor = 1.1f;
+  MlaOutputParams o{};
+  o.dtype = DType::kBF16;
+  o.batch = B, o.hidden = D, o.num_heads = H, o.nope = DN, o.rank = R, o.v_dim = DV;
+  if (auto e = mla_projections_check(p.dtype, B, D, QIN, DN, DR, R, DV, true); !e.empty()) {
+    std::printf("not a GPU shape: %s\n", e.c_str());
+    return 2;
+  }
+
+  MlaProjectParams dp = p;
+  dp.x = upload(x), dp.norm = upload(norm), dp.q_src = QL > 0 ? upload(q_src) : nullptr, dp.w_q = upload(w_q);
+  dp.w_kv_a = upload(w_kv_a), dp.kv_a_bias = upload(kv_a_bias), dp.kv_a_norm = upload(kv_a_norm);
+  dp.w_kv_b = upload(w_kv_b), dp.lengths = upload(lengths), dp.inv_freq = upload(inv_freq);
+  CHECK(cudaMalloc(&dp.q_full, B * H * E * sizeof(float)));
+  CHECK(cudaMalloc(&dp.new_latent, B * E * sizeof(float)));
+  MlaOutputParams dq = o;
+  dq.o_lat = upload(o_lat), dq.w_kv_b = dp.w_kv_b, dq.w_o = upload(w_o), dq.o_bias = upload(o_bias);
+  dq.residual = dp.x;
+  CHECK(cudaMalloc(&dq.y, B * D * 2));
+  CHECK(cudaMalloc(&dq.partial, mla_output_workspace_floats(o) * sizeof(float)));
+  CHECK(launch_mla_project(dp, nullptr));
+  CHECK(launch_mla_output(dq, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> q_full(B * H * E), fresh(B * E);
+  std::vector<uint16_t> y(B * D);
+  CHECK(cudaMemcpy(q_full.data(), dp.q_full, q_full.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(fresh.data(), dp.new_latent, fresh.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(y.data(), dq.y, y.size() * 2, cudaMemcpyDeviceToHost));
+  if (std::getenv("MLA_TIME") != nullptr) {
+    double wp = 2.0 * (QIN * H * (DN + DR) + D * E + R * H * DN), wo = 2.0 * (R * H * DV + H * DV * D);
+    const float tp = time_us([&] { return launch_mla_project(dp, nullptr); });
+    const float to = time_us([&] { return launch_mla_output(dq, nullptr); });
+    std::printf("time: mla_project %.2f us (%.0f GB/s of weights), mla_output %.2f us (%.0f GB/s)\n", tp,
+                wp / (tp * 1e3), to, wo / (to * 1e3));
+  }
+
+  MlaProjectParams hp = p;
+  hp.x = x.data(), hp.norm = norm.data(), hp.q_src = QL > 0 ? q_src.data() : nullptr, hp.w_q = w_q.data();
+  hp.w_kv_a = w_kv_a.data(), hp.kv_a_bias = kv_a_bias.data(), hp.kv_a_norm = kv_a_norm.data();
+  hp.w_kv_b = w_kv_b.data(), hp.lengths = lengths.data(), hp.inv_freq = inv_freq.data();
+  std::vector<float> want_q(B * H * E), want_fresh(B * E), want_y(B * D), got_y(B * D);
+  std::vector<uint16_t> want_y16(B * D);
+  hp.q_full = want_q.data(), hp.new_latent = want_fresh.data();
+  cpu::mla_project(hp);
+  MlaOutputParams ho = o;
+  ho.o_lat = o_lat.data(), ho.w_kv_b = w_kv_b.data(), ho.w_o = w_o.data(), ho.o_bias = o_bias.data();
+  ho.residual = x.data(), ho.y = want_y16.data();
+  cpu::mla_output(ho);
+  for (int64_t i = 0; i < B * D; ++i) {
+    want_y[i] = cpu::bf16_to_float(want_y16[i]);
+    got_y[i] = cpu::bf16_to_float(y[i]);
+  }
+  const float eq = rel_err(q_full, want_q), ef = rel_err(fresh, want_fresh), ey = rel_err(got_y, want_y);
+  std::printf("mla projections B=%lld H=%lld hidden=%lld q_lora=%lld r=%lld dn=%lld dr=%lld dv=%lld: "
+              "rel |err| q_full %.3g, new_latent %.3g, y %.3g\n",
+              (long long)B, (long long)H, (long long)D, (long long)QL, (long long)R, (long long)DN, (long long)DR,
+              (long long)DV, eq, ef, ey);
+  return eq <= 2e-2f && ef <= 2e-2f && ey <= 2e-2f ? 0 : 1;
+}
