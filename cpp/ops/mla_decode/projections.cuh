@@ -84,16 +84,20 @@ __device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, c
   __syncthreads();
 }
 
-// full[b * w + c] = the cluster's sums in rank order, then every block's sums are free.
+// full[b * w + c] = the cluster's sums in rank order (launched with kMlaClusterBlocks per
+// cluster), then every block's sums are free.
 template <int NB>
 __device__ void mla_cluster_sum(const float* sums, int w, float* full) {
   __syncthreads();
   ptx::cluster_sync();  // every rank's sums are written (release / acquire)
-  const int n = static_cast<int>(ptx::cluster_num_blocks());
   const uint32_t base = ptx::smem_addr(sums);
   for (int e = threadIdx.x; e < NB * w; e += kMlaProjectThreads) {
+    float v[kMlaClusterBlocks];  // all loads in flight before the first add
+#pragma unroll
+    for (int r = 0; r < kMlaClusterBlocks; ++r) v[r] = ptx::ld_cluster_f32(ptx::map_to_rank(base + 4u * e, r));
     float s = 0.f;
-    for (int r = 0; r < n; ++r) s += ptx::ld_cluster_f32(ptx::map_to_rank(base + 4u * e, r));
+#pragma unroll
+    for (int r = 0; r < kMlaClusterBlocks; ++r) s += v[r];
     full[e] = s;
   }
   ptx::cluster_sync();  // no rank reuses or leaves its sums while a peer reads them
