@@ -16,13 +16,14 @@ token for V2 and V2-Lite, against 2 H (dn + dr) expanded). The cache is contiguo
 lengths[b] is outside [0, capacity), or whose used blocks name a page outside the pool, gets
 NaN and writes nothing; with concrete arguments that is a ValueError before anything runs.
 
-`impl` has the meaning of every op (docs/architecture.md): "cuda" runs the projections as
-XLA dots (fp32 accumulation) around the latent-attention custom call (cache write, paged
-or contiguous reads, split-K over tokens with a fixed-order merge: cpp/ops/mla_decode); on
-CPU the custom call's C++ handler. "xla" is the absorbed formulation in jnp a JAX user
+`impl` has the meaning of every op (docs/architecture.md): "cuda" runs the latent-attention
+custom call (cache write, paged or contiguous reads, split-K over tokens with a fixed-order
+merge: cpp/ops/mla_decode) between the projection custom calls mla_project and mla_output
+(cluster GEMVs, up to 8 rows; cpp/ops/mla_decode/projections.h), or between XLA's dots
+(fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the absorbed formulation in jnp a JAX user
 writes (the page pool gathered into rows), "reference" the fp32 jnp reference, "auto" the
 CUDA kernels on a GPU where they take the shape, else "xla" (one warning).
-MlaDecodeConfig(splits=...) fixes the token splits.
+MlaDecodeConfig(splits=..., projections=...) fixes the token splits and the projections' form.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 // so keys are the whole token, values its first r features, and the cache is read once for
 // all heads. The step's own token (new_latent: [c | rotated k_rope]) is rounded to the
 // cache dtype, written at slot lengths[b] and attended like the others. The projections
-// around it (q, kv_a, W_uk, W_uv, W_o) run in jax_cluster/ops/mla_decode.py.
+// around it (q, kv_a, W_uk, W_uv, W_o) are projections.h's kernels or XLA's dots
+// (jax_cluster/ops/mla_decode.py).
 //
 // The cache is contiguous [B, S_max, E], or paged: a pool [num_pages, page_size, E] and a
 // block table [B, max_blocks] (slot t of row b is page block_table[b, t / page_size],
