@@ -216,6 +216,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
       kv[c] = round_t<T>(kv[c] + (bias != nullptr ? to_float(bias[c]) : 0.f));
       if (c < p.rank) ss = fmaf(kv[c], kv[c], ss);
     }
+    __syncwarp();  // the rotation below reads other lanes' rounded kv
     for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float rstd = rsqrtf(ss / static_cast<float>(p.rank) + p.latent_eps);
     const T* lnorm = static_cast<const T*>(p.kv_a_norm);
