@@ -98,6 +98,9 @@ int main(int argc, char** argv) {
   dp.w_kv_b = upload(w_kv_b), dp.lengths = upload(lengths), dp.inv_freq = upload(inv_freq);
   CHECK(cudaMalloc(&dp.q_full, B * H * E * sizeof(float)));
   CHECK(cudaMalloc(&dp.new_latent, B * E * sizeof(float)));
+  const int64_t ws = mla_project_workspace_floats(B, E);
+  CHECK(cudaMalloc(&dp.kv_raw, ws * sizeof(float)));
+  dp.kv_counter = reinterpret_cast<unsigned int*>(dp.kv_raw + ws - 4);
   MlaOutputParams dq = o;
   dq.o_lat = upload(o_lat), dq.w_kv_b = dp.w_kv_b, dq.w_o = upload(w_o), dq.o_bias = upload(o_bias);
   dq.residual = dp.x;

@@ -134,7 +134,9 @@ _PRIM = ffi_primitive("mla_decode", abstract_eval=_abstract, batching_rule=_batc
 def _project_abstract(x, norm, q_src, w_q, kv_a, kv_a_bias, kv_a_norm, kv_b, lengths, inv_freq, *, num_heads,
                       nope, rope, rank, v_dim, capacity, eps, latent_eps, rope_factor):
     b, e = x.shape[0], rank + rope
-    return ShapedArray((b, num_heads, e), np.float32), ShapedArray((b, e), np.float32)
+    ws = -(-b * e // 4) * 4 + _constants()["project_workspace_pad"]  # params.h: mla_project_workspace_floats
+    return (ShapedArray((b, num_heads, e), np.float32), ShapedArray((b, e), np.float32),
+            ShapedArray((ws,), np.float32))
 
 
 def _output_abstract(o_lat, kv_b, w_o, o_bias, residual, *, nope, v_dim):
@@ -165,7 +167,7 @@ def _sequential_batching(prim, scratch: tuple[bool, ...]):
 
 
 _PROJECT = ffi_primitive("mla_project", abstract_eval=_project_abstract)
-batching.primitive_batchers[_PROJECT] = _sequential_batching(_PROJECT, (False, False))
+batching.primitive_batchers[_PROJECT] = _sequential_batching(_PROJECT, (False, False, True))
 _OUTPUT = ffi_primitive("mla_output", abstract_eval=_output_abstract)
 batching.primitive_batchers[_OUTPUT] = _sequential_batching(_OUTPUT, (False, True))
 
@@ -180,10 +182,11 @@ def _project_kernel(x, w, d, lengths, inv_freq, capacity, eps, latent_eps, rope_
         h = _rms_norm(x, w["norm"], eps)
         q_src, w_q = _rms_norm(_dense(h, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], latent_eps), w["q_b"]
     bias = w.get("kv_a_bias")
-    return _PROJECT.bind(x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"],
+    q_full, new, _ = _PROJECT.bind(x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"],
                          w["kv_b"], lengths, inv_freq, num_heads=d.heads, nope=d.nope, rope=d.rope, rank=d.rank,
                          v_dim=d.v, capacity=int(capacity), eps=np.float32(eps), latent_eps=np.float32(latent_eps),
                          rope_factor=np.float32(rope_factor))
+    return q_full, new
 
 
 def _output_kernel(o_lat, w, d, residual):

@@ -4,7 +4,8 @@
 //
 // mla_project: x [B, D], norm [D], q_src [B, q_in] or [0], w_q [q_in, H (dn + dr)],
 //   w_kv_a [D, r + dr], kv_a_bias [r + dr] or [0], kv_a_norm [r], w_kv_b [r, H (dn + dv)],
-//   lengths int32 [B], inv_freq f32 [dr / 2] -> q_full f32 [B, H, r + dr], new_latent f32 [B, r + dr]
+//   lengths int32 [B], inv_freq f32 [dr / 2] -> q_full f32 [B, H, r + dr], new_latent f32 [B, r + dr],
+//   workspace f32
 // mla_output: o_lat [B, H, r], w_kv_b, w_o [H dv, D], o_bias [D] or [0], residual [B, D]
 //   or [0] -> y [B, D], workspace f32
 #pragma once
@@ -70,7 +71,7 @@ inline ffi::ErrorOr<MlaProjectParams> decode_mla_project(
     ffi::AnyBuffer x, ffi::AnyBuffer norm, ffi::AnyBuffer q_src, ffi::AnyBuffer w_q, ffi::AnyBuffer w_kv_a,
     ffi::AnyBuffer kv_a_bias, ffi::AnyBuffer kv_a_norm, ffi::AnyBuffer w_kv_b, ffi::AnyBuffer lengths,
     ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> q_full, ffi::Result<ffi::AnyBuffer> new_latent,
-    MlaProjectAttrs a) {
+    ffi::Result<ffi::AnyBuffer> workspace, MlaProjectAttrs a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("mla_project: " + m)); };
   auto xd = x.dimensions();
   if (xd.size() != 2) return fail("x must be [B, hidden]");
@@ -119,8 +120,14 @@ inline ffi::ErrorOr<MlaProjectParams> decode_mla_project(
   p.w_kv_b = w_kv_b.untyped_data();
   p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   p.inv_freq = static_cast<const float*>(inv_freq.untyped_data());
+  const int64_t ws = mla_project_workspace_floats(p.batch, E);
+  if (workspace->element_type() != ffi::DataType::F32 || static_cast<int64_t>(workspace->element_count()) < ws) {
+    return fail("workspace must be float32 with at least " + std::to_string(ws) + " elements");
+  }
   p.q_full = static_cast<float*>(q_full->untyped_data());
   p.new_latent = static_cast<float*>(new_latent->untyped_data());
+  p.kv_raw = static_cast<float*>(workspace->untyped_data());
+  p.kv_counter = reinterpret_cast<unsigned int*>(p.kv_raw + ws - 4);
   return p;
 }
 

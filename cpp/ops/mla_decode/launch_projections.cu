@@ -18,12 +18,14 @@ int gemv_red(int w) { return mla_gemv_groups(w) * w; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 MlaSmem project_smem(const MlaProjectParams& p, int nb) {
-  const int hw = static_cast<int>(p.head_cols()), lw = static_cast<int>(p.latent_cols());
+  // head tiles and latent tiles (the last may be narrower)
+  const int hw = static_cast<int>(p.head_cols());
+  const int lw = static_cast<int>(p.latent_cols() - (mla_project_latent_tiles(p) - 1) * p.head_cols());
   const int64_t items = ceil_div(p.rank, kMlaClusterBlocks) * (p.nope / 8);
   const int64_t k = std::max(p.hidden, p.q_src != nullptr ? p.q_in : p.hidden);
   MlaSmem s{};
   s.red = round4(nb * std::max<int64_t>({gemv_red(hw), gemv_red(lw), items}));
-  s.sums = round4(nb * std::max(hw, lw));
+  s.sums = round4(nb * hw);
   s.full = std::max(s.sums, 32);  // also the rows' 1 / rms before the GEMV
   s.stage = round4(nb * ceil_div(k, kMlaClusterBlocks));
   return s;
@@ -50,12 +52,13 @@ cudaError_t dispatch_rows(int64_t batch, F&& f) {
 }  // namespace
 
 cudaError_t launch_mla_project(const MlaProjectParams& p, cudaStream_t stream) {
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.kv_counter, 0, sizeof(unsigned int), stream));
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return dispatch_rows(p.batch, [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
       const MlaSmem sm = project_smem(p, NB);
-      const dim3 grid(static_cast<unsigned>((p.num_heads + 1) * kMlaClusterBlocks));
+      const dim3 grid(static_cast<unsigned>((p.num_heads + mla_project_latent_tiles(p)) * kMlaClusterBlocks));
       return launch_cluster_programmatic(mla_project_kernel<T, NB>, grid, dim3(kMlaProjectThreads),
                                          sm.total() * sizeof(float), kMlaClusterBlocks, stream, p, sm);
     });

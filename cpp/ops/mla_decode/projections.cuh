@@ -129,7 +129,8 @@ __device__ __forceinline__ void mla_rope_angle(int pos, float inv_freq, float fa
 }
 
 // ----------------------------------------------------------------------------- mla_project
-// Grid: (H + 1) clusters along x; cluster u < H is head u, cluster H the latent.
+// Grid: (H + L) clusters along x; cluster u < H is head u, clusters H.. the latent's column
+// tiles (mla_project_latent_tiles), as wide as a head's so no cluster streams more.
 template <typename T, int NB>
 __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaProjectParams p, MlaSmem sm) {
   extern __shared__ float4 smem_f4[];
@@ -141,17 +142,18 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const int rank = static_cast<int>(ptx::cluster_rank());
   const int C = static_cast<int>(ptx::cluster_num_blocks());
   const int64_t unit = blockIdx.x / C;
-  const bool latent = unit == p.num_heads;
+  const bool latent = unit >= p.num_heads;
+  const int64_t tile = unit - p.num_heads, hc = p.head_cols(), E = p.latent_cols();
   const int64_t qc = p.num_heads * p.head_cols();
   const bool q_from_x = p.q_src == nullptr;
   // This block's K rows of its GEMV and its weight slice.
   const int64_t K = latent || q_from_x ? p.hidden : p.q_in;
   const int64_t chunk = (K + C - 1) / C;
   const int64_t k0 = min(K, rank * chunk), rows = min(chunk, K - k0);
-  const int w = static_cast<int>(latent ? p.latent_cols() : p.head_cols());
-  const int64_t ld = latent ? p.latent_cols() : qc;
-  const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld
-                      : static_cast<const T*>(p.w_q) + k0 * ld + unit * p.head_cols();
+  const int w = static_cast<int>(latent ? min(hc, E - tile * hc) : hc);
+  const int64_t ld = latent ? E : qc;
+  const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld + tile * hc
+                      : static_cast<const T*>(p.w_q) + k0 * ld + unit * hc;
   mla_prefetch_rows(W, ld, w, static_cast<int>(rows));
   ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
 
@@ -194,39 +196,50 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     }
   }
   __syncthreads();
-  if (latent) {
-    mla_gemv<T, NB, (NB <= 2 ? 16 : NB == 4 ? 10 : 8)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
-  } else {
-    mla_gemv<T, NB, (NB <= 4 ? 8 : 4)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
-  }
+  mla_gemv<T, NB, (NB <= 2 ? 16 : NB == 4 ? 8 : 4)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
   ptx::griddep_launch_dependents();  // the attention kernel may take the SMs this grid frees
   mla_cluster_sum<NB>(sums, w, full);
 
-  const int64_t E = p.latent_cols(), half = p.rope / 2;
+  const int64_t half = p.rope / 2;
   const float* inv_freq = p.inv_freq;
   if (latent) {
     if (rank != 0) return;
-    // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])], kv rounded after its bias; a warp per row.
+    // This tile's kv columns, rounded after their bias, to the workspace; the last tile to
+    // arrive (a counter zeroed before the launch) finishes the row for all of them.
+    const T* bias = static_cast<const T*>(p.kv_a_bias);
+    for (int e = threadIdx.x; e < p.batch * w; e += kMlaProjectThreads) {
+      const int b = e / w, c = e % w;
+      const int64_t col = tile * hc + c;
+      __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
+    }
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();  // the columns are visible before the count says so
+      last = atomicAdd(p.kv_counter, 1u) == static_cast<unsigned>(mla_project_latent_tiles(p) - 1);
+      __threadfence();
+    }
+    __syncthreads();
+    if (!last) return;
+    // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= p.batch) return;
-    float* kv = full + warp * w;
-    const T* bias = static_cast<const T*>(p.kv_a_bias);
+    const float* kv = p.kv_raw + warp * E;
     float ss = 0.f;
-    for (int c = lane; c < w; c += 32) {
-      kv[c] = round_t<T>(kv[c] + (bias != nullptr ? to_float(bias[c]) : 0.f));
-      if (c < p.rank) ss = fmaf(kv[c], kv[c], ss);
+    for (int c = lane; c < p.rank; c += 32) {
+      const float v = __ldcg(kv + c);
+      ss = fmaf(v, v, ss);
     }
-    __syncwarp();  // the rotation below reads other lanes' rounded kv
     for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float rstd = rsqrtf(ss / static_cast<float>(p.rank) + p.latent_eps);
     const T* lnorm = static_cast<const T*>(p.kv_a_norm);
     float* out = p.new_latent + warp * E;
-    for (int c = lane; c < p.rank; c += 32) out[c] = round_t<T>(to_float(lnorm[c]) * round_t<T>(kv[c] * rstd));
+    for (int c = lane; c < p.rank; c += 32) out[c] = round_t<T>(to_float(lnorm[c]) * round_t<T>(__ldcg(kv + c) * rstd));
     const int pos = mla_position(p.lengths, warp, p.capacity);
     for (int i = lane; i < half; i += 32) {
       float cs, sn;
       mla_rope_angle(pos, inv_freq[i], p.rope_factor, &cs, &sn);
-      const float a = kv[p.rank + 2 * i], bb = kv[p.rank + 2 * i + 1];
+      const float a = __ldcg(kv + p.rank + 2 * i), bb = __ldcg(kv + p.rank + 2 * i + 1);
       out[p.rank + 2 * i] = round_t<T>(a * cs - bb * sn);
       out[p.rank + 2 * i + 1] = round_t<T>(a * sn + bb * cs);
     }
@@ -356,7 +369,13 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
     const int b = e / wo;
     const int64_t col = c0 + e % wo;
     float s = 0.f;
-    for (int64_t g = 0; g < p.num_heads; ++g) s += __ldcg(part + (g * p.batch + b) * p.hidden + col);
+    for (int64_t g0 = 0; g0 < p.num_heads; g0 += 8) {  // eight heads' loads in flight, summed in order
+      float v[8];
+#pragma unroll
+      for (int g = 0; g < 8; ++g) v[g] = g0 + g < p.num_heads ? __ldcg(part + ((g0 + g) * p.batch + b) * p.hidden + col) : 0.f;
+#pragma unroll
+      for (int g = 0; g < 8; ++g) s += v[g];
+    }
     if (bias != nullptr) s += to_float(bias[col]);
     float v = round_t<T>(s);
     if (res != nullptr) v = v + to_float(res[b * p.hidden + col]);

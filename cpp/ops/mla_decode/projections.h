@@ -2,12 +2,14 @@
 // as two cluster kernels, so a batch-1 layer is four launches (project, split, merge,
 // output) instead of a dozen XLA kernels (ClusterFusion's Alg. 4 dataflow).
 //
-//   mla_project   one cluster of kMlaClusterBlocks blocks per head, one more for the latent:
+//   mla_project   one cluster of kMlaClusterBlocks blocks per head and per latent column tile:
 //     head h     q_h = src W_q[:, h] with K split over the cluster; the partial sums meet
 //                over DSMEM (every block reads all ranks' partials in rank order: the same
 //                bits everywhere); rank 0 rotates q_rope_h -> q_full[b, h, r:]; each rank
 //                absorbs its share of the r rows: q_full[b, h, n] = q_nope_h . W_kv_b[n, h, :dn]
-//     latent     kv = h W_kv_a (+ b), K split the same way; rank 0 writes
+//     latent     kv = h W_kv_a (+ b), tiles of a head's width, K split the same way; each
+//                tile's rank 0 writes its columns to the workspace, and the last tile to
+//                finish (a counter, zeroed before the launch) writes
 //                new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]
 //     src is h = RMSNorm(x) (every block normalises its K chunk itself), or, with q LoRA,
 //     the q_a branch's normalised output (computed by XLA) for the heads.
@@ -52,6 +54,8 @@ struct MlaProjectParams {
   const float* inv_freq;            // [dr / 2]
   float* q_full;                    // [B, H, r + dr]: q_nope W_uk^T | rotated q_rope
   float* new_latent;                // [B, r + dr]
+  float* kv_raw;                    // workspace: [B, r + dr], then the counter
+  unsigned int* kv_counter;
 
   JAX_CLUSTER_HOST_DEVICE int64_t head_cols() const { return nope + rope; }
   JAX_CLUSTER_HOST_DEVICE int64_t latent_cols() const { return rank + rope; }
@@ -69,6 +73,16 @@ struct MlaOutputParams {
   void* y;                          // [B, hidden]
   float* partial;                   // workspace: mla_output_workspace_floats
 };
+
+// Clusters of the latent's kv_a GEMV: column tiles of a head's width.
+JAX_CLUSTER_HOST_DEVICE inline int64_t mla_project_latent_tiles(const MlaProjectParams& p) {
+  return (p.latent_cols() + p.head_cols() - 1) / p.head_cols();
+}
+
+// The latent's rounded kv [B, r + dr], then (at a 16-byte offset) the tiles' counter.
+inline int64_t mla_project_workspace_floats(int64_t batch, int64_t latent_cols) {
+  return (batch * latent_cols + 3) / 4 * 4 + 4;
+}
 
 // Columns of W_o each rank of a head's cluster owns (a multiple of 8).
 JAX_CLUSTER_HOST_DEVICE inline int64_t mla_output_slice_cols(int64_t hidden) {
