@@ -70,9 +70,10 @@ __device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, c
       }
     }
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) red[(g * NB + b) * w + 8 * l + j] = acc[b][j];
+    for (int b = 0; b < NB; ++b) {  // two 16-byte stores: conflict-free wavefronts
+      float4* dst = reinterpret_cast<float4*>(red + (g * NB + b) * w + 8 * l);
+      dst[0] = make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+      dst[1] = make_float4(acc[b][4], acc[b][5], acc[b][6], acc[b][7]);
     }
   }
   __syncthreads();
@@ -149,7 +150,8 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   // This block's K rows of its GEMV and its weight slice.
   const int64_t K = latent || q_from_x ? p.hidden : p.q_in;
   const int64_t chunk = (K + C - 1) / C;
-  const int64_t k0 = min(K, rank * chunk), rows = min(chunk, K - k0);
+  const int64_t k0 = min(K, rank * chunk);
+  const int rows = static_cast<int>(min(chunk, K - k0));  // 32-bit index math below: no 64-bit divisions
   const int w = static_cast<int>(latent ? min(hc, E - tile * hc) : hc);
   const int64_t ld = latent ? E : qc;
   const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld + tile * hc
@@ -178,21 +180,21 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     }
     __syncthreads();
     const T* norm = static_cast<const T*>(p.norm);
-    for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
-      const int b = static_cast<int>(e / rows);
-      const int64_t k = e % rows;
-      float v = 0.f;
-      if (b < p.batch) {
-        const float xv = to_float(static_cast<const T*>(p.x)[b * p.hidden + k0 + k]);
-        v = round_t<T>(to_float(norm[k0 + k]) * round_t<T>(xv * rstd[b]));
+    for (int b = 0; b < NB; ++b) {
+      for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
+        float v = 0.f;
+        if (b < p.batch) {
+          const float xv = to_float(static_cast<const T*>(p.x)[b * p.hidden + k0 + k]);
+          v = round_t<T>(to_float(norm[k0 + k]) * round_t<T>(xv * rstd[b]));
+        }
+        stage[b * in_ld + k] = v;
       }
-      stage[b * in_ld + k] = v;
     }
   } else {
-    for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
-      const int b = static_cast<int>(e / rows);
-      const int64_t k = e % rows;
-      stage[b * in_ld + k] = b < p.batch ? to_float(static_cast<const T*>(p.q_src)[b * p.q_in + k0 + k]) : 0.f;
+    for (int b = 0; b < NB; ++b) {
+      for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
+        stage[b * in_ld + k] = b < p.batch ? to_float(static_cast<const T*>(p.q_src)[b * p.q_in + k0 + k]) : 0.f;
+      }
     }
   }
   __syncthreads();
@@ -207,10 +209,11 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     // This tile's kv columns, rounded after their bias, to the workspace; the last tile to
     // arrive (a counter zeroed before the launch) finishes the row for all of them.
     const T* bias = static_cast<const T*>(p.kv_a_bias);
-    for (int e = threadIdx.x; e < p.batch * w; e += kMlaProjectThreads) {
-      const int b = e / w, c = e % w;
-      const int64_t col = tile * hc + c;
-      __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
+    for (int b = 0; b < p.batch; ++b) {
+      for (int c = threadIdx.x; c < w; c += kMlaProjectThreads) {
+        const int64_t col = tile * hc + c;
+        __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
+      }
     }
     __shared__ int last;
     __syncthreads();
@@ -251,39 +254,41 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   for (int e = threadIdx.x; e < NB * w; e += kMlaProjectThreads) full[e] = round_t<T>(full[e]);
   __syncthreads();
   if (rank == 0) {
-    for (int64_t e = threadIdx.x; e < p.batch * half; e += kMlaProjectThreads) {
-      const int b = static_cast<int>(e / half), i = static_cast<int>(e % half);
+    for (int b = 0; b < p.batch; ++b) {
+      for (int i = threadIdx.x; i < half; i += kMlaProjectThreads) {
       float cs, sn;
       mla_rope_angle(mla_position(p.lengths, b, p.capacity), inv_freq[i], p.rope_factor, &cs, &sn);
       const float a = full[b * w + p.nope + 2 * i], bb = full[b * w + p.nope + 2 * i + 1];
       float* out = p.q_full + (b * p.num_heads + h) * E + p.rank;
       out[2 * i] = round_t<T>(a * cs - bb * sn);
       out[2 * i + 1] = round_t<T>(a * sn + bb * cs);
+      }
     }
   }
   // Absorption of this rank's rows n of r: q_full[b, h, n] = q_nope . W_kv_b[n, h, :dn]. Items
   // (row, 8-column vector) spread over the threads, their loads issued together; per-item
   // partials through shared memory (reusing `red`), summed per row in vector order.
-  const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr), nrows = min(nr, p.rank - n0);
+  const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr);
+  const int nrows = static_cast<int>(min(nr, p.rank - n0));
   const int vecs = static_cast<int>(p.nope / 8);
   const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
   const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + h * (p.nope + p.v_dim);
-  const int64_t items = nrows * vecs;
+  const int items = nrows * vecs;
   constexpr int kBatchLoads = 4;
-  for (int64_t i0 = threadIdx.x; i0 < items; i0 += kBatchLoads * kMlaProjectThreads) {
+  for (int i0 = threadIdx.x; i0 < items; i0 += kBatchLoads * kMlaProjectThreads) {
     uint4 wv[kBatchLoads];
 #pragma unroll
     for (int u = 0; u < kBatchLoads; ++u) {
-      const int64_t i = i0 + u * kMlaProjectThreads;
+      const int i = i0 + u * kMlaProjectThreads;
       if (i < items) wv[u] = ptx::ldg_stream(Wk + (i / vecs) * ldb + 8 * (i % vecs));
     }
 #pragma unroll
     for (int u = 0; u < kBatchLoads; ++u) {
-      const int64_t i = i0 + u * kMlaProjectThreads;
+      const int i = i0 + u * kMlaProjectThreads;
       if (i < items) {
         float wf[8];
         unpack<T>(wv[u], wf);
-        const int v = static_cast<int>(i % vecs);
+        const int v = i % vecs;
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
           float s = 0.f;
@@ -295,12 +300,12 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < p.batch * nrows; e += kMlaProjectThreads) {
-    const int b = static_cast<int>(e / nrows);
-    const int64_t n = e % nrows;
-    float s = 0.f;
-    for (int v = 0; v < vecs; ++v) s += red[b * items + n * vecs + v];
-    p.q_full[(b * p.num_heads + h) * E + n0 + n] = s;
+  for (int b = 0; b < p.batch; ++b) {
+    for (int n = threadIdx.x; n < nrows; n += kMlaProjectThreads) {
+      float s = 0.f;
+      for (int v = 0; v < vecs; ++v) s += red[b * items + n * vecs + v];
+      p.q_full[(b * p.num_heads + h) * E + n0 + n] = s;
+    }
   }
 }
 
@@ -319,7 +324,8 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   const int64_t h = blockIdx.x / C;
   const int dv = static_cast<int>(p.v_dim);
   // o_h = o_lat[b, h] W_uv_h over this rank's chunk of the r rows.
-  const int64_t chunk = (p.rank + C - 1) / C, k0 = min(p.rank, rank * chunk), rows = min(chunk, p.rank - k0);
+  const int64_t chunk = (p.rank + C - 1) / C, k0 = min(p.rank, rank * chunk);
+  const int rows = static_cast<int>(min(chunk, p.rank - k0));
   const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
   const T* Wv = static_cast<const T*>(p.w_kv_b) + k0 * ldb + h * (p.nope + p.v_dim) + p.nope;
   // Then this rank's column slice of W_o's rows [h dv, (h + 1) dv).
@@ -331,11 +337,11 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
 
   const int in_ld = static_cast<int>(chunk);
-  for (int64_t e = threadIdx.x; e < NB * rows; e += kMlaProjectThreads) {
-    const int b = static_cast<int>(e / rows);
-    const int64_t k = e % rows;
-    stage[b * in_ld + k] =
-        b < p.batch ? to_float(static_cast<const T*>(p.o_lat)[(b * p.num_heads + h) * p.rank + k0 + k]) : 0.f;
+  for (int b = 0; b < NB; ++b) {
+    for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
+      stage[b * in_ld + k] =
+          b < p.batch ? to_float(static_cast<const T*>(p.o_lat)[(b * p.num_heads + h) * p.rank + k0 + k]) : 0.f;
+    }
   }
   __syncthreads();
   mla_gemv<T, NB, 4>(Wv, ldb, dv, static_cast<int>(rows), stage, in_ld, red, sums);
@@ -348,9 +354,10 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
 
   // This head's partial of y's slice; the slice's last head sums them all in head order.
   float* part = p.partial;
-  for (int e = threadIdx.x; e < p.batch * wo; e += kMlaProjectThreads) {
-    const int b = e / wo, c = e % wo;
-    __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
+  for (int b = 0; b < p.batch; ++b) {
+    for (int c = threadIdx.x; c < wo; c += kMlaProjectThreads) {
+      __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
+    }
   }
   __shared__ int last;
   __syncthreads();
@@ -366,7 +373,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   const T* res = static_cast<const T*>(p.residual);
   T* y = static_cast<T*>(p.y);
   for (int e = threadIdx.x; e < p.batch * wo; e += kMlaProjectThreads) {
-    const int b = e / wo;
+    const int b = e / wo;  // 32-bit
     const int64_t col = c0 + e % wo;
     float s = 0.f;
     for (int64_t g0 = 0; g0 < p.num_heads; g0 += 8) {  // eight heads' loads in flight, summed in order
