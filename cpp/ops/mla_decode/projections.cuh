@@ -30,7 +30,27 @@ __host__ __device__ constexpr int mla_gemv_groups(int w) { return kMlaProjectThr
 struct MlaSmem {
   int red, sums, full, stage;
   __host__ __device__ int total() const { return red + sums + full + stage; }
+  __device__ void carve(float* base, float** r, float** s, float** f, float** st) const {
+    *r = base;
+    *s = *r + red;
+    *f = *s + sums;
+    *st = *f + full;
+  }
 };
+
+// Whether this block is the last of `total` to arrive at `counter` (threadfence reduction:
+// what every thread of each block wrote before is visible to the last one afterwards).
+__device__ __forceinline__ bool mla_last_to_arrive(unsigned int* counter, unsigned int total) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's writes are visible before the count says so
+    last = atomicAdd(counter, 1u) == total - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  return last;
+}
 
 // sums[b * w + c] = sum over rows k < rows of in[b * in_ld + k] * W[k * ld + c] (c < w, a
 // multiple of 8; b < NB, rows past `batch` are zero in `in`). All threads call it.
@@ -135,11 +155,8 @@ __device__ __forceinline__ void mla_rope_angle(int pos, float inv_freq, float fa
 template <typename T, int NB>
 __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaProjectParams p, MlaSmem sm) {
   extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
-  float* red = smem;
-  float* sums = red + sm.red;
-  float* full = sums + sm.sums;
-  float* stage = full + sm.full;
+  float *red, *sums, *full, *stage;
+  sm.carve(reinterpret_cast<float*>(smem_f4), &red, &sums, &full, &stage);
   const int rank = static_cast<int>(ptx::cluster_rank());
   const int C = static_cast<int>(ptx::cluster_num_blocks());
   const int64_t unit = blockIdx.x / C;
@@ -215,15 +232,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
         __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
       }
     }
-    __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();  // the columns are visible before the count says so
-      last = atomicAdd(p.kv_counter, 1u) == static_cast<unsigned>(mla_project_latent_tiles(p) - 1);
-      __threadfence();
-    }
-    __syncthreads();
-    if (!last) return;
+    if (!mla_last_to_arrive(p.kv_counter, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
     // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= p.batch) return;
@@ -314,11 +323,8 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
 template <typename T, int NB>
 __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOutputParams p, MlaSmem sm) {
   extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
-  float* red = smem;
-  float* sums = red + sm.red;
-  float* full = sums + sm.sums;
-  float* stage = full + sm.full;
+  float *red, *sums, *full, *stage;
+  sm.carve(reinterpret_cast<float*>(smem_f4), &red, &sums, &full, &stage);
   const int rank = static_cast<int>(ptx::cluster_rank());
   const int C = static_cast<int>(ptx::cluster_num_blocks());
   const int64_t h = blockIdx.x / C;
@@ -359,16 +365,8 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
       __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
     }
   }
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int* counters = reinterpret_cast<unsigned int*>(part + p.num_heads * p.batch * p.hidden);
-    __threadfence();  // the partials are visible before the count says so
-    last = atomicAdd(counters + rank, 1u) == static_cast<unsigned>(p.num_heads - 1);
-    __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
+  unsigned int* counters = reinterpret_cast<unsigned int*>(part + p.num_heads * p.batch * p.hidden);
+  if (!mla_last_to_arrive(counters + rank, static_cast<unsigned>(p.num_heads))) return;
   const T* bias = static_cast<const T*>(p.o_bias);
   const T* res = static_cast<const T*>(p.residual);
   T* y = static_cast<T*>(p.y);
