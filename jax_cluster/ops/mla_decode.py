@@ -20,8 +20,8 @@ NaN and writes nothing; with concrete arguments that is a ValueError before anyt
 custom call (cache write, paged or contiguous reads, split-K over tokens with a fixed-order
 merge: cpp/ops/mla_decode) between the projection custom calls mla_project and mla_output
 (cluster GEMVs, up to 8 rows; cpp/ops/mla_decode/projections.h), or between XLA's dots
-(fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the absorbed formulation in jnp a JAX user
-writes (the page pool gathered into rows), "reference" the fp32 jnp reference, "auto" the
+(fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the
+absorbed formulation in jnp a JAX user writes (the page pool gathered into rows), "reference" the fp32 jnp reference, "auto" the
 CUDA kernels on a GPU where they take the shape, else "xla" (one warning).
 MlaDecodeConfig(splits=..., projections=...) fixes the token splits and the projections' form.
 """
@@ -182,10 +182,10 @@ def _project_kernel(x, w, d, lengths, inv_freq, capacity, eps, latent_eps, rope_
         h = _rms_norm(x, w["norm"], eps)
         q_src, w_q = _rms_norm(_dense(h, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], latent_eps), w["q_b"]
     bias = w.get("kv_a_bias")
-    q_full, new, _ = _PROJECT.bind(x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"],
-                         w["kv_b"], lengths, inv_freq, num_heads=d.heads, nope=d.nope, rope=d.rope, rank=d.rank,
-                         v_dim=d.v, capacity=int(capacity), eps=np.float32(eps), latent_eps=np.float32(latent_eps),
-                         rope_factor=np.float32(rope_factor))
+    q_full, new, _ = _PROJECT.bind(
+        x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"], w["kv_b"], lengths,
+        inv_freq, num_heads=d.heads, nope=d.nope, rope=d.rope, rank=d.rank, v_dim=d.v, capacity=int(capacity),
+        eps=np.float32(eps), latent_eps=np.float32(latent_eps), rope_factor=np.float32(rope_factor))
     return q_full, new
 
 
@@ -351,7 +351,7 @@ def _check(op, x, weights, cache, lengths, inv_freq, block_table, d: _Dims):
     return capacity, pages
 
 
-def _use_projection_kernels(op, impl, config, x, weights, d: _Dims) -> bool:
+def _use_projection_kernels(op, config, x, weights, d: _Dims) -> bool:
     """Whether the attention kernel's call runs its projections on mla_project / mla_output."""
     choice = config.projections if config is not None else None
     if choice == "xla":
@@ -418,7 +418,7 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
     if impl == "reference":
         return reference.mla_decode(x, weights, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
     w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
-    if splits is not None and _use_projection_kernels(op, impl, config, x, weights, d):
+    if splits is not None and _use_projection_kernels(op, config, x, weights, d):
         q_full, new = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps, rope_factor)
         o_lat, latent_cache = _attend_kernel(q_full, new, latent_cache, lengths, block_table, d, splits, scale)
         return _output_kernel(o_lat, weights, d, x if residual else None), latent_cache
