@@ -21,8 +21,9 @@ custom call (cache write, paged or contiguous reads, split-K over tokens with a 
 merge: cpp/ops/mla_decode) between the projection custom calls mla_project and mla_output
 (cluster GEMVs, up to 8 rows; cpp/ops/mla_decode/projections.h), or between XLA's dots
 (fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the
-absorbed formulation in jnp a JAX user writes (the page pool gathered into rows), "reference" the fp32 jnp reference, "auto" the
-CUDA kernels on a GPU where they take the shape, else "xla" (one warning).
+absorbed formulation in jnp a JAX user writes (the page pool gathered into rows),
+"reference" the fp32 jnp reference, "auto" the CUDA kernels on a GPU where they take the
+shape, else "xla" (one warning).
 MlaDecodeConfig(splits=..., projections=...) fixes the token splits and the projections' form.
 """
 
