@@ -1,7 +1,7 @@
 // The CUDA kernels of mla_decode's projections (projections.h has the dataflow).
 //
 // Both kernels are grids of clusters of kMlaClusterBlocks blocks; a cluster owns one head
-// (or the latent) and splits its GEMV's K rows between its blocks. A block's GEMV keeps
+// (or a column tile of the latent) and splits its GEMV's K rows between its blocks. A block's GEMV keeps
 // `U` 16-byte weight loads per thread in flight (registers, read-only path) and sums its
 // row groups through shared memory in group order; the cluster's blocks then read each
 // other's sums over DSMEM in rank order, so all hold the same bits. Two cluster barriers
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const int64_t ld = latent ? E : qc;
   const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld + tile * hc
                       : static_cast<const T*>(p.w_q) + k0 * ld + unit * hc;
-  mla_prefetch_rows(W, ld, w, static_cast<int>(rows));
+  mla_prefetch_rows(W, ld, w, rows);
   ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
 
   // Stage the input rows of the chunk in fp32: h = RMSNorm(x) (rounded as jnp rounds), or q_src.
