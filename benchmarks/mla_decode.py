@@ -1,8 +1,8 @@
 """mla_decode (absorbed MLA over a latent cache) vs jnp, DeepSeek-V2-Lite shapes, one GPU run.
 
 Rows per case (batch, context): ours = jax_cluster.mla_decode(impl="cuda") on a contiguous
-latent cache and on a paged one (64-token pages, shuffled pool), and up to 8 rows with its
-projections on XLA's dots instead of the projection kernels (ours_xla_proj); jnp_absorbed = the absorbed
+latent cache and on a paged one (64-token pages, shuffled pool), and where its projections
+run on the projection kernels by default, with them on XLA's dots instead (ours_xla_proj); jnp_absorbed = the absorbed
 formulation as flax_models writes it (flax_models.ops.mla_decode_xla); jnp_expanded = the
 non-absorbed form that caches expanded keys and values per head ([B, H, S, dn + dr] and
 [B, H, S, dv]: about 28x the latent cache's bytes). A call runs STEPS decode steps of LAYERS
@@ -22,6 +22,7 @@ import numpy as np
 
 import jax_cluster as jc
 from flax_models.ops import mla_decode_xla
+from jax_cluster.ops.mla_decode import DEFAULT_PROJECTION_ROWS
 from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 V2_LITE = dict(hidden=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -115,7 +116,7 @@ def bench_case(batch, ctx, dtype, bandwidth, rng):
         return jc.mla_decode(x, w, c, n, f, impl="cuda", block_table=table, **kw)
 
     out["ours_paged_us"] = timed(ours_paged, (fresh_x(), pools), ws, lengths, inv_freq)
-    if batch <= 8:  # where the projection kernels run by default: the same call on XLA's dots
+    if batch <= DEFAULT_PROJECTION_ROWS:  # the projection kernels run by default: the same call on XLA's dots
 
         def ours_xla_proj(x, w, c, n, f):
             return jc.mla_decode(x, w, c, n, f, impl="cuda", config=jc.MlaDecodeConfig(projections="xla"), **kw)
@@ -169,7 +170,7 @@ def main():
     write_results("mla_decode", rows, columns=COLUMNS, part=a.part,
                   notes="us per layer step (STEPS x LAYERS written out in one jit, state donated); "
                         "floor = (weights + latent cache + x, y) bytes / measured HBM bandwidth; "
-                        "ours = jax_cluster.mla_decode impl=cuda (up to 8 rows the projection kernels "
+                        "ours = jax_cluster.mla_decode impl=cuda (up to 4 rows the projection kernels "
                         "mla_project / mla_output around the latent-attention kernels, else XLA's dots); "
                         "ours_xla_proj = the same with MlaDecodeConfig(projections='xla'); paged = 64-token "
                         "pages in a shuffled pool.")

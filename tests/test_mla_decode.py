@@ -214,12 +214,15 @@ def test_projection_kernels_only_where_they_take_the_call(rng):
     def lowered(args, kw, **extra):
         return jax.jit(functools.partial(mla_decode, impl="cuda", **kw, **extra)).lower(**args).as_text()
 
-    args, kw = make_case(rng, batch=8)
+    args, kw = make_case(rng, batch=4)
     text = lowered(args, kw)
     assert "jax_cluster_mla_project" in text and "jax_cluster_mla_output" in text
     assert "jax_cluster_mla_project" not in lowered(args, kw, config=MlaDecodeConfig(projections="xla"))
+    eight, kw = make_case(rng, batch=8)  # past the default's rows; the kernels on request
+    assert "jax_cluster_mla_project" not in lowered(eight, kw)
+    assert "jax_cluster_mla_project" in lowered(eight, kw, config=MlaDecodeConfig(projections="kernels"))
     big, kw = make_case(rng, batch=9)
-    assert "jax_cluster_mla_project" not in lowered(big, kw)  # past the kernels' rows: XLA's dots
+    assert "jax_cluster_mla_project" not in lowered(big, kw)
     with pytest.raises(ValueError, match="projections='kernels': at most 8 rows"):
         lowered(big, kw, config=MlaDecodeConfig(projections="kernels"))
     with pytest.raises(ValueError, match="projections must be one of"):
@@ -317,7 +320,8 @@ def test_gpu_projection_kernels_match_xla_dots(rng, dtype, shape, lengths):
     tol = TOLERANCE[jnp.dtype(dtype).name]
     assert rel_l2(got[0], want[0]) <= tol, rel_l2(got[0], want[0])
     assert rel_l2(got[1], want[1]) <= tol, rel_l2(got[1], want[1])
-    text = jax.jit(functools.partial(mla_decode, impl="cuda", **kw)).lower(**args).as_text()
+    kernels = MlaDecodeConfig(projections="kernels")
+    text = jax.jit(functools.partial(mla_decode, impl="cuda", config=kernels, **kw)).lower(**args).as_text()
     assert "jax_cluster_mla_project" in text
 
 

@@ -19,8 +19,8 @@ NaN and writes nothing; with concrete arguments that is a ValueError before anyt
 `impl` has the meaning of every op (docs/architecture.md): "cuda" runs the latent-attention
 custom call (cache write, paged or contiguous reads, split-K over tokens with a fixed-order
 merge: cpp/ops/mla_decode) between the projection custom calls mla_project and mla_output
-(cluster GEMVs, up to 8 rows; cpp/ops/mla_decode/projections.h), or between XLA's dots
-(fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the
+(cluster GEMVs, up to 4 rows by default and 8 on request; cpp/ops/mla_decode/projections.h),
+or between XLA's dots (fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the
 absorbed formulation in jnp a JAX user writes (the page pool gathered into rows),
 "reference" the fp32 jnp reference, "auto" the CUDA kernels on a GPU where they take the
 shape, else "xla" (one warning).
@@ -45,6 +45,11 @@ from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primiti
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
 MIN_SPLIT_TOKENS = 64
+# The most rows projections=None sends to the projection kernels: they beat XLA's dots at 1 row
+# (H200: 55.9 against 75.0 us per V2-Lite layer) and, by the probe, at 3 (43 us for both
+# kernels); at 8 rows an earlier version of them took 85 us, more than XLA's dot chain at 1
+# row, and the two have not been timed side by side there (docs/mla_decode.md).
+DEFAULT_PROJECTION_ROWS = 4
 MAX_DEFAULT_SPLITS = 128
 _REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
 _OPTIONAL = ("q", "q_a", "q_a_norm", "q_b", "q_a_bias", "kv_a_bias", "o_bias")
@@ -65,7 +70,8 @@ class MlaDecodeConfig:
     splits       token splits per (row, 16-head tile), 1..256; None: default_splits.
     projections  "kernels": the projections around the attention as two cluster kernels
                  (up to 8 rows; cpp/ops/mla_decode/projections.h); "xla": XLA's dots; None:
-                 the kernels where they take the call, else XLA's dots.
+                 the kernels up to DEFAULT_PROJECTION_ROWS rows where they take the call,
+                 else XLA's dots.
     """
 
     splits: int | None = None
@@ -365,7 +371,7 @@ def _use_projection_kernels(op, config, x, weights, d: _Dims) -> bool:
         why_not = f"at most {_constants()['projection_max_rows']} rows, got {x.shape[0]}"
     if why_not and choice == "kernels":
         raise ValueError(f"{op}: projections='kernels': {why_not}")
-    return not why_not
+    return not why_not and (choice == "kernels" or x.shape[0] <= DEFAULT_PROJECTION_ROWS)
 
 
 def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
