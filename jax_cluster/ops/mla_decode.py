@@ -46,9 +46,9 @@ __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
 MIN_SPLIT_TOKENS = 64
 # The most rows projections=None sends to the projection kernels: they beat XLA's dots at 1 row
-# (H200: 55.9 against 75.0 us per V2-Lite layer) and, by the probe, at 3 (43 us for both
-# kernels); at 8 rows an earlier version of them took 85 us, more than XLA's dot chain at 1
-# row, and the two have not been timed side by side there (docs/mla_decode.md).
+# (H200: 55.9 against 75.0 us per V2-Lite layer); at 3 rows the probe's 43 us for both kernels
+# is under XLA's dot chain at 1 row (about 55 us); at 8 rows an earlier version took 85 us,
+# more than that. Past 1 row the two have not been timed side by side (docs/mla_decode.md).
 DEFAULT_PROJECTION_ROWS = 4
 MAX_DEFAULT_SPLITS = 128
 _REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
