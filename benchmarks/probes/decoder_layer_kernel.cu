@@ -7,6 +7,8 @@
 //   /tmp/dl family B D F Hq Hkv Dh S_max   (family: llama, neox (parallel residual) or
 //   neox_seq; row b's length is (b * 7919) % S_max; neox: biases, rotary_dim = Dh / 4)
 // Prints the relative L2 error of y and the largest cache difference; exits 1 above 1e-2 / 5e-2.
+// LAYER_TIME=n: then times n launches with every row's length S_max - 1 and prints the mean
+// launch, its bytes over the time, and the median block's time at each phase boundary.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -19,6 +21,44 @@
 #include "ops/decoder_layer/launch.cu"
 
 #include "probe_check.h"
+
+// Times n launches at full length (S_max - 1 cached tokens per row); prints the mean and,
+// from the last launch's timeline in the workspace, the median block's phase boundaries.
+void time_launches(jax_cluster::DecoderLayerParams d, int n, double bytes) {
+  using namespace jax_cluster;
+  std::vector<int32_t> full(d.batch, static_cast<int32_t>(d.max_seq - 1));
+  CHECK(cudaMemcpy(const_cast<int32_t*>(d.lengths), full.data(), full.size() * 4, cudaMemcpyHostToDevice));
+  for (int i = 0; i < 3; ++i) CHECK(launch_decoder_layer(d, static_cast<float*>(d.workspace), nullptr));
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  CHECK(cudaEventRecord(t0));
+  for (int i = 0; i < n; ++i) CHECK(launch_decoder_layer(d, static_cast<float*>(d.workspace), nullptr));
+  CHECK(cudaEventRecord(t1));
+  CHECK(cudaEventSynchronize(t1));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, t0, t1));
+  const double us = 1e3 * ms / n;
+  std::printf("timed: %.1f us per launch, %.1f MB, %.2f TB/s\n", us, bytes / 1e6, bytes / us / 1e6);
+  const DecoderLayerPlan pl = plan_decoder_layer(d, 1);  // the timeline's offset is grid-independent
+  std::vector<unsigned long long> tl(1 + kLayerTimelineMaxBlocks * kLayerTimelineMarks);
+  CHECK(cudaMemcpy(tl.data(), static_cast<float*>(d.workspace) + pl.timeline, tl.size() * 8, cudaMemcpyDeviceToHost));
+  const int64_t blocks = static_cast<int64_t>(tl[0]);
+  unsigned long long start = ~0ull;
+  for (int64_t b = 0; b < blocks; ++b) start = std::min(start, tl[1 + b * kLayerTimelineMarks]);
+  std::printf("timeline (median block, us from the first start):");
+  for (int m = 1; m < kLayerTimelineMarks - 1; ++m) {
+    std::vector<double> t;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const unsigned long long v = tl[1 + b * kLayerTimelineMarks + m];
+      if (v >= start) t.push_back((v - start) * 1e-3);
+    }
+    if (t.empty()) continue;
+    std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+    std::printf(" [%d] %.1f", m, t[t.size() / 2]);
+  }
+  std::printf("\n");
+}
 
 int main(int argc, char** argv) {
   using namespace jax_cluster;
@@ -52,6 +92,8 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < rot / 2; ++i) inv_freq[i] = std::pow(10000.f, -2.f * i / rot);
   std::vector<int32_t> lengths(B);
   for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>((b * 7919) % S);
+  const char* time_env = std::getenv("LAYER_TIME");
+  const int timed = time_env != nullptr ? std::atoi(time_env) : 0;
 
   DecoderLayerParams p{};
   p.dtype = DType::kBF16;
@@ -101,6 +143,8 @@ int main(int argc, char** argv) {
     cache_diff = std::max(cache_diff, std::fabs(cpu::bf16_to_float(vc[i]) - cpu::bf16_to_float(v_cache[i])));
   }
   const double rel = std::sqrt(num / std::max(den, 1e-30));
+  if (timed > 0) time_launches(d, timed, 2.0 * (w_qkv.size() + w_o.size() + w1.size() + w2.size() + w3.size()) +
+                                              4.0 * B * HKV * (S - 1) * DH);
   std::printf("decoder_layer %s B=%lld D=%lld F=%lld Hq=%lld Hkv=%lld Dh=%lld S=%lld: rel L2 %.3g, cache max diff %.3g\n",
               family.c_str(), (long long)B, (long long)D, (long long)F, (long long)HQ, (long long)HKV,
               (long long)DH, (long long)S, rel, cache_diff);
