@@ -9,7 +9,15 @@ bitwise equal to the XLA backend's (it should be: the same kernels on the same c
     python benchmarks/sp_attention_nvshmem.py [--lengths 16384,65536] [--shapes flux,cogvideox]
 
 starts itself as 2 processes (one GPU each, jax_cluster.parallel.launch); rank 0 writes
-results/sp_attention_nvshmem.{md,json} after every case.
+results/sp_attention_nvshmem.{md,json} after every case. It ends with a bare transfer sweep
+(``--sweep-mb``): ppermute, NVSHMEM put + wait + barrier, and a local copy of each size.
+
+    python benchmarks/sp_attention_nvshmem.py --predict results/sp_attention_nvshmem_h100.json
+
+(CPU) fits the simulator to such a table: each backend's link to its transfer sweep, the
+arena copy-out to the local copies, the kernel model to the one-GPU rows; then predicts ring
+and torus per backend, first on the measured 2 x 1 (against the measurements), then on 4
+and 8 machines x 8 GPUs (results/sp_attention_nvshmem_predicted.{md,json}).
 """
 from __future__ import annotations
 
@@ -34,6 +42,9 @@ def _args(argv=None):
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
     ap.add_argument("--sweep-mb", default="16,64,256",
                     help="bare transfers after the layers: MB each GPU sends per round, by ppermute and by put ('': none)")
+    ap.add_argument("--predict", default=None, metavar="JSON",
+                    help="no devices: fit the simulator to this measured table and predict (see above)")
+    ap.add_argument("--predict-machines", default="4,8", help="with --predict: machines of 8 GPUs")
     return ap.parse_args(argv)
 
 
@@ -177,7 +188,9 @@ def transfer_sweep(arena_bytes, sizes_mb, iters=10):
             return nb._barrier(nb._wait(nb._put(y, region="x", arena=arena, peers=[1, 0]), y, region="x",
                                         arena=arena), arena=arena)
 
-        for how, step in (("ppermute", lambda y: jax.lax.ppermute(y, "x", [(0, 1), (1, 0)])), ("nvshmem", by_put)):
+        steps = (("ppermute", lambda y: jax.lax.ppermute(y, "x", [(0, 1), (1, 0)])), ("nvshmem", by_put),
+                 ("copy", jnp.flip))  # copy: what the arena's copy-out costs locally
+        for how, step in steps:
             body = lambda y, step=step: jax.lax.fori_loop(0, iters, lambda i, z: step(z), y)  # noqa: E731
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
             try:
@@ -189,6 +202,77 @@ def transfer_sweep(arena_bytes, sizes_mb, iters=10):
                          "us": t * 1e6, "gbytes_per_s": nbytes / t / 1e9})
     return rows
 
+
+def predict(table: Path, machines) -> tuple[list[dict], dict]:
+    """The simulator fitted to a measured table (see the module docstring)."""
+    import json  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from jax_cluster import parallel as sp  # noqa: PLC0415
+
+    rows = json.loads(table.read_text())["rows"]
+    sweep = {}
+    for r in rows:
+        if r.get("schedule") == "transfer" and "us" in r:
+            mb = int(r["case"].split()[1].removesuffix("MB"))
+            sweep.setdefault(r["backend"], []).append((mb << 20, r["us"] * 1e-6))
+    missing = {"ppermute", "nvshmem", "copy"} - set(sweep)
+    if missing:
+        raise SystemExit(f"{table}: no transfer sweep rows for {sorted(missing)} (run the benchmark with --sweep-mb)")
+    xla_lat, xla_bw = sp.fit_link(sweep["ppermute"])
+    copy_lat, copy_bw = sp.fit_link(sweep["copy"])
+    nv_lat, nv_slope_bw = sp.fit_link(sweep["nvshmem"])
+    # a put + wait + barrier round = the put's link + the copy-out: the put's own bandwidth is
+    # what is left of the round's slope after the copy's
+    put_s_per_byte = 1.0 / nv_slope_bw - 1.0 / copy_bw
+    put_bw = 1.0 / put_s_per_byte if put_s_per_byte > 0 else float("inf")
+    links = {"xla": sp.Links(intra_bw=xla_bw, intra_latency=xla_lat),
+             "nvshmem": sp.Links(intra_bw=put_bw, intra_latency=max(0.0, nv_lat - copy_lat))}
+    transports = {"xla": sp.Transport(), "nvshmem": sp.Transport(copy_bw=copy_bw, per_slot_s=copy_lat)}
+    fit = {"xla_link": (xla_lat, xla_bw), "copy": (copy_lat, copy_bw), "nvshmem_put": (nv_lat - copy_lat, put_bw)}
+
+    one_gpu = {}  # (heads, head_dim) -> [(flops, s)]
+    measured = {}
+    for r in rows:
+        if r.get("schedule") in ("ring", "torus") and r.get("one_gpu_us"):
+            heads, hd = SHAPES[r["case"].split()[0]]
+            one_gpu.setdefault((heads, hd), set()).add((4.0 * r["seq_len"] ** 2 * heads * hd, r["one_gpu_us"] * 1e-6))
+            measured[(r["case"].split()[0], r["seq_len"], r["schedule"], r["backend"])] = r["us"]
+    models = {hd: sp.KernelModel.fit(sorted(v)) for (_, hd), v in one_gpu.items()}
+    kernel = lambda b, lq, lk, h, d, s: models[d].time(b, lq, lk, h, d, s)  # noqa: E731
+
+    out = []
+    for shape, (heads, hd) in SHAPES.items():
+        if hd not in models:
+            continue
+        lengths = sorted({l for (s, l, _, _) in measured if s == shape})
+        for n, m in [(2, 1)] + [(k, 8) for k in machines]:
+            for length in lengths:
+                for backend in ("xla", "nvshmem"):
+                    res = sp.simulate(n, m, length, heads, hd, "bf16", kernel=kernel, schedules=("ring", "torus"),
+                                      links=links[backend], transport=transports[backend])
+                    for name, r in res.items():
+                        row = {"case": f"{shape} l{length} {n}x{m} {name} {backend}", "machines": n,
+                               "gpus_per_machine": m, "seq_len": length, "schedule": name, "backend": backend}
+                        if isinstance(r, str):
+                            row["error"] = r
+                        else:
+                            row.update(predicted_us=r.latency_s * 1e6, exposed_comm_us=r.exposed_comm_s * 1e6)
+                            got = measured.get((shape, length, name, backend)) if (n, m) == (2, 1) else None
+                            if got:
+                                row.update(measured_us=got, predicted_over_measured=r.latency_s * 1e6 / got)
+                        out.append(row)
+    for row in out:  # each nvshmem row against the same schedule on the XLA backend
+        if row["backend"] == "nvshmem" and "predicted_us" in row:
+            twin = next(r for r in out if r["case"] == row["case"].removesuffix("nvshmem") + "xla")
+            row["nvshmem_over_xla_time"] = row["predicted_us"] / twin["predicted_us"]
+    print("fits: " + ", ".join(f"{k} {lat * 1e6:.1f} us + bytes / {bw / 1e9:.0f} GB/s" for k, (lat, bw) in fit.items()))
+    return out, fit
+
+
+PRED_COLUMNS = ["case", "predicted_us", "measured_us", "predicted_over_measured", "exposed_comm_us",
+                "nvshmem_over_xla_time"]
 
 COLUMNS = ["case", "us", "gbytes_per_s", "one_gpu_us", "speedup_vs_one_gpu", "vs_xla_backend", "bitwise_repeat", "equal_to_xla",
            "max_abs_diff_to_xla"]
@@ -202,6 +286,20 @@ NOTES = ("2 GPUs of one host as 2 processes (jax_cluster.parallel.launch), one G
 if __name__ == "__main__":
     ARGS = _args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    if ARGS.predict:
+        import common  # noqa: PLC0415
+
+        pred, fits = predict(Path(ARGS.predict), [int(x) for x in ARGS.predict_machines.split(",") if x])
+        for r in pred:
+            print(f"  {r['case']:40s} {r.get('predicted_us', float('nan')):10.1f} us  {r.get('measured_us', '')}")
+        common.write_results("sp_attention_nvshmem_predicted", pred, columns=PRED_COLUMNS, notes=(
+            f"Simulator (jax_cluster.parallel.simulator) fitted to {Path(ARGS.predict).name}, no devices: links "
+            + "; ".join(f"{k} {lat * 1e6:.1f} us + bytes / {bw / 1e9:.0f} GB/s" for k, (lat, bw) in fits.items())
+            + " (the NVSHMEM backend's copy-out of every received slot runs on the compute stream); kernel model "
+            "fitted per head_dim to the table's one-GPU rows. Between machines (4 and 8 x 8 GPUs) both backends "
+            "get the simulator's default NIC, 400 Gb/s per machine, which was not measured here: those rows "
+            "show what the transport (copy-out, barrier) costs on top of the same link."))
+        sys.exit(0)
     if "JAX_CLUSTER_RANK" not in os.environ:
         sys.exit(_launch_self(ARGS))
     main(ARGS)

@@ -119,3 +119,30 @@ def test_kernel_model_fit_and_callable():
     r = sp.simulate(2, 2, 4096, 8, 64, kernel=lambda b, lq, lk, h, d, s: 1e-3, schedules=("ring",))
     assert r["ring"].compute_s == pytest.approx(4e-3)  # P_r = 4 ring steps of 1 ms
     assert "divisible" in sp.simulate(2, 2, 4095, 8, 64, schedules=("tas",))["tas"]
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    samples = [(mb << 20, 30e-6 + (mb << 20) / 300e9) for mb in (16, 64, 256)]
+    lat, bw = sp.fit_link(samples)
+    assert lat == pytest.approx(30e-6) and bw == pytest.approx(300e9)
+    # a negative intercept is clipped: the fit goes through the origin
+    lat, bw = sp.fit_link([(1e6, 1e-6), (4e6, 5e-6)])
+    assert lat == 0.0 and bw > 0
+    with pytest.raises(ValueError, match="two sizes"):
+        sp.fit_link([(1e6, 1e-5)])
+
+
+def test_transport_copy_out_runs_on_the_compute_stream():
+    shape = sp.AttnShape(batch=1, seq_len=8192, heads=8, head_dim=64, itemsize=2)
+    km = sp.KernelModel(400, 0.0)
+    links = sp.Links(intra_bw=1e18, inter_bw=1e18, intra_latency=0.0, inter_latency=0.0)
+    for name in ("ring", "torus"):
+        sched = sp.schedule_for(name, 2, 1, shape)
+        base = sp.simulate_schedule(sched, km, links)
+        assert sp.simulate_schedule(sched, km, links, transport=sp.Transport()).latency_s == base.latency_s
+        copy = sp.Transport(copy_bw=1e9, per_slot_s=5e-6, per_call_s=7e-6)
+        slow = sp.simulate_schedule(sched, km, links, transport=copy)
+        # free links: every received slot's copy-out and the barrier are on the critical path
+        received = [t for t in sched.transfers() if t.dst == 0]
+        want = sum(t.bytes / 1e9 + 5e-6 for t in received) + 7e-6
+        assert slow.latency_s == pytest.approx(base.latency_s + want, rel=1e-6), name

@@ -23,7 +23,7 @@ from .planner import Plan, check_shape, plan, sp_attention
 from .description import AttnShape, Schedule, Step, Transfer, Work
 from .schedules import SCHEDULES, build_schedule, default_degrees, schedule_for
 from .topology import Topology, find_topology
-from .simulator import GBPS, KernelModel, Links, SimResult, simulate, simulate_schedule
+from .simulator import GBPS, KernelModel, Links, SimResult, Transport, fit_link, simulate, simulate_schedule
 from .volumes import (counted_inter_volume, lemma_f, paper_v_sfu, paper_v_usp, physical_v_sfu,
                       physical_v_usp)
 from .flags import NO_OVERLAP_FLAGS, OVERLAP_FLAGS, overlap_flags, set_overlap_flags

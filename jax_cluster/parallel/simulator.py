@@ -13,7 +13,12 @@ an event timeline, device by device:
   own NIC of that speed);
 * data dependencies come from slot names, so a transfer overlaps whatever attention does not
   need its result. With ``overlap=False`` communication and compute share one stream per
-  device (blocking collectives).
+  device (blocking collectives);
+* a :class:`Transport` adds what a backend does around a ``Shift`` besides the link: the
+  NVSHMEM backend copies each received slot out of its arena on the receiver's compute
+  stream before the slot's first use, and ends the call with a barrier.
+
+:func:`fit_link` fits a link's latency and bandwidth to a bare transfer sweep.
 
 Local re-layouts (head splits, concatenations, finalization) are taken as free.
 """
@@ -74,6 +79,36 @@ class Links:
     nic_per_gpu: bool = False
 
 
+@dataclass(frozen=True)
+class Transport:
+    """What a backend adds around each ``Shift`` besides the link (the XLA backend: nothing).
+
+    ``copy_bw``: bytes/s of copying a received slot out of a staging buffer on the receiver's
+    compute stream, before the slot's first use (None: the transfer lands in place);
+    ``per_slot_s``: a fixed cost per received slot on that stream (the signal wait and the
+    copy's launch); ``per_call_s``: added once at the end (the NVSHMEM backend's barrier)."""
+
+    copy_bw: float | None = None
+    per_slot_s: float = 0.0
+    per_call_s: float = 0.0
+
+
+def fit_link(samples) -> tuple[float, float]:
+    """Least-squares ``seconds = latency + bytes / bandwidth`` over measured ``(bytes,
+    seconds)`` pairs of bare transfers (one size at least twice the other); returns
+    ``(latency_s, bytes_per_s)``, the latency clipped at 0 (then refitted through the origin)."""
+    a = np.array([[1.0, float(b)] for b, _ in samples])
+    t = np.array([float(s) for _, s in samples])
+    if len(samples) < 2 or a[:, 1].max() < 2 * a[:, 1].min():
+        raise ValueError("fit_link needs transfers of at least two sizes, the largest at least twice the smallest")
+    (c0, c1), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if c0 < 0:
+        c0, c1 = 0.0, float(np.dot(a[:, 1], t) / np.dot(a[:, 1], a[:, 1]))
+    if c1 <= 0:
+        raise ValueError(f"fit_link: times do not grow with bytes ({samples})")
+    return float(c0), 1.0 / float(c1)
+
+
 @dataclass
 class SimResult:
     schedule: str
@@ -100,10 +135,11 @@ def _link_channels(lay, links: Links, src: int, dst: int):
 
 
 def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, links: Links | None = None,
-                      overlap: bool = True) -> SimResult:
+                      overlap: bool = True, transport: Transport | None = None) -> SimResult:
     """Replay ``schedule`` and return its predicted latency (see module docstring)."""
     kernel = kernel or KernelModel()
     links = links or Links()
+    transport = transport or Transport()
     lay = schedule.layout
     sh = schedule.shape
     p = lay.num_devices
@@ -113,8 +149,18 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
     busy = [0.0] * p
     chan: dict = {}
     launches = 0
+    staged = [dict() for _ in range(p)]  # slot -> bytes still to copy out (Transport.copy_bw)
 
-    def communicate(items):
+    def settle(r, names):
+        """Copies device r's staged slots among ``names`` out on its compute stream."""
+        for n in names:
+            if n in staged[r]:
+                start = max(stream[r], ready[r][n])
+                stream[r] = start + transport.per_slot_s + staged[r].pop(n) / transport.copy_bw
+                busy[r] += stream[r] - start
+                ready[r][n] = stream[r]
+
+    def communicate(items, one_sided=False):
         """items: (src, dst, src_slot, dst_slot, nbytes) of one op, all issued together.
         Each channel carries its share of the op back to back at full bandwidth (bandwidth
         is shared among concurrent transfers); a transfer lands when both its channels are done."""
@@ -135,10 +181,13 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             ends[c] = max(t0, chan.get(c, 0.0)) + lat + nbytes / bw
             chan[c] = ends[c]
         arrivals = [dict() for _ in range(p)]
-        for src, dst, slot, dslot, _ in items:
+        for src, dst, slot, dslot, nbytes in items:
+            settle(src, [slot])
             if src == dst:
                 t = ready[src][slot]
             else:
+                if one_sided and transport.copy_bw:
+                    staged[dst][dslot] = staged[dst].get(dslot, 0) + nbytes
                 out_c, in_c, _, _ = _link_channels(lay, links, src, dst)
                 t = max(ends[out_c], ends[in_c])
                 if not overlap:
@@ -159,16 +208,19 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             communicate(items)
         elif isinstance(op, Shift):
             communicate([(src, lay.shifted(src, op.axis, op.shift), s, d, schedule.slot_bytes(s))
-                         for s, d in zip(op.src, op.dst) for src in range(p)])
+                         for s, d in zip(op.src, op.dst) for src in range(p)], one_sided=True)
         elif isinstance(op, SplitHeads):
             for r in range(p):
+                settle(r, [op.src])
                 for d in op.dst:
                     ready[r][d] = ready[r][op.src]
         elif isinstance(op, JoinHeads):
             for r in range(p):
+                settle(r, op.src)
                 ready[r][op.dst] = max(ready[r][s] for s in op.src)
         elif isinstance(op, Finalize):
             for r in range(p):
+                settle(r, op.src)
                 for s, d in zip(op.src, op.dst):
                     ready[r][d] = max(ready[r][s], state[r].get(s, 0.0))
         elif isinstance(op, Attend) and op.kv:
@@ -179,12 +231,15 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             launches += 1
             names = list(op.q) + [x for kv in op.kv for x in kv]
             for r in range(p):
+                settle(r, names)
                 start = max([stream[r]] + [ready[r][n] for n in names] + [state[r].get(q, 0.0) for q in op.q])
                 stream[r] = start + dt
                 busy[r] += dt
                 for q in op.q:
                     state[r][q] = stream[r]
-    latency = max(ready[r][schedule.output] for r in range(p))
+    for r in range(p):
+        settle(r, [schedule.output])
+    latency = max(ready[r][schedule.output] for r in range(p)) + transport.per_call_s
     inter, intra = {}, {}
     for t in schedule.transfers():
         if t.link == "inter":
@@ -210,7 +265,7 @@ def simulate(machines: int, gpus_per_machine: int, seq_len: int, heads: int, hea
              dtype: str = "bf16", *, batch: int = 1, intra_bw: float = 450e9,
              inter_bw: float = 400 * GBPS, kernel=None, schedules=SCHEDULES, overlap: bool = True,
              ulysses_degree: int | None = None, ring_degree: int | None = None,
-             links: Links | None = None) -> dict:
+             links: Links | None = None, transport: Transport | None = None) -> dict:
     """Predicted per-layer attention latency of each schedule on N machines x M GPUs.
 
     ``kernel``: a :class:`KernelModel`, a TFLOP/s figure, or a callable
@@ -234,11 +289,11 @@ def simulate(machines: int, gpus_per_machine: int, seq_len: int, heads: int, hea
             if heads % sched.layout.ulysses_degree:
                 raise ValueError(f"{name}: heads H={heads} must be divisible by the Ulysses degree "
                                  f"P_u={sched.layout.ulysses_degree}")
-            out[name] = simulate_schedule(sched, km, links, overlap)
+            out[name] = simulate_schedule(sched, km, links, overlap, transport)
         except ValueError as e:
             out[name] = str(e)
     return out
 
 
-__all__ = ["KernelModel", "Links", "SimResult", "simulate", "simulate_schedule",
+__all__ = ["KernelModel", "Links", "SimResult", "Transport", "fit_link", "simulate", "simulate_schedule",
            "GBPS"]
