@@ -177,7 +177,10 @@ def transfer_sweep(arena_bytes, sizes_mb, iters=10):
     rows = []
     for mb in sizes_mb:
         nbytes = mb << 20
-        if nvshmem.SIGNAL_BLOCK + nbytes > arena_bytes:
+        try:  # collective: every rank sweeps the same sizes in the same order
+            arena_bytes = nvshmem.grow(nvshmem.SIGNAL_BLOCK + nbytes)
+        except Exception as e:  # noqa: BLE001 - e.g. the symmetric heap is too small
+            rows.append({"case": f"transfer {mb}MB nvshmem", "backend": "nvshmem", "error": str(e)[:200]})
             continue
         arena = nvshmem.ArenaLayout({"x": (nvshmem.SIGNAL_BLOCK, nbytes)}, {"x": 1}, nvshmem.SIGNAL_BLOCK + nbytes)
         # bf16: nbytes / 2 elements = nbytes bytes on each of the 2 devices
