@@ -86,11 +86,14 @@ class Transport:
     ``copy_bw``: bytes/s of copying a received slot out of a staging buffer on the receiver's
     compute stream, before the slot's first use (None: the transfer lands in place);
     ``per_slot_s``: a fixed cost per received slot on that stream (the signal wait and the
-    copy's launch); ``per_call_s``: added once at the end (the NVSHMEM backend's barrier)."""
+    copy's launch); ``per_call_s``: added once at the end (the NVSHMEM backend's barrier);
+    ``shift_links``: the links a ``Shift`` travels (the puts'), where they differ from the
+    collectives' (the all-to-alls stay XLA collectives)."""
 
     copy_bw: float | None = None
     per_slot_s: float = 0.0
     per_call_s: float = 0.0
+    shift_links: Links | None = None
 
 
 def fit_link(samples) -> tuple[float, float]:
@@ -164,11 +167,12 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
         """items: (src, dst, src_slot, dst_slot, nbytes) of one op, all issued together.
         Each channel carries its share of the op back to back at full bandwidth (bandwidth
         is shared among concurrent transfers); a transfer lands when both its channels are done."""
+        lk = transport.shift_links if one_sided and transport.shift_links else links
         loads: dict = {}
         for src, dst, slot, _, nbytes in items:
             if src == dst:
                 continue
-            out_c, in_c, bw, lat = _link_channels(lay, links, src, dst)
+            out_c, in_c, bw, lat = _link_channels(lay, lk, src, dst)
             t0 = ready[src][slot]
             if not overlap:
                 t0 = max(t0, stream[src], stream[dst])
@@ -188,7 +192,7 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             else:
                 if one_sided and transport.copy_bw:
                     staged[dst][dslot] = staged[dst].get(dslot, 0) + nbytes
-                out_c, in_c, _, _ = _link_channels(lay, links, src, dst)
+                out_c, in_c, _, _ = _link_channels(lay, lk, src, dst)
                 t = max(ends[out_c], ends[in_c])
                 if not overlap:
                     stream[src] = max(stream[src], t)
