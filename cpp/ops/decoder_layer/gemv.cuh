@@ -84,16 +84,17 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   }
   const bool live = col < g.n;
   // Thread rows rg + groups i, i < mine; step s holds i in [s * kLayerStepRows, + kLayerStepRows).
-  const int64_t mine = live && rg < rows ? (rows - rg + groups - 1) / groups : 0;
-  const int64_t steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
-  auto issue = [&](int64_t step) {
+  const int mine = live && rg < rows ? static_cast<int>((rows - rg + groups - 1) / groups) : 0;
+  const int steps = (mine + kLayerStepRows - 1) / kLayerStepRows;
+  // Step `step` into ring slot `ring_slot` (a running index: no modulo in the loop).
+  auto issue = [&](int step, int ring_slot) {
     if (step < steps) {
-      uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
+      uint4* slot = ring + ring_slot * kLayerStepRows * kLayerThreads + tid;
 #pragma unroll
       for (int u = 0; u < kLayerStepRows; ++u) {
-        const int64_t i = step * kLayerStepRows + u;
+        const int i = step * kLayerStepRows + u;
         if (i < mine) {
-          const int64_t k = k0 + rg + groups * static_cast<int64_t>(i);
+          const int64_t k = k0 + rg + static_cast<int64_t>(groups) * i;
           const T* row = k < w.split ? base_a : base_b;
           cp_async_16(ptx::smem_addr(slot + u * kLayerThreads), row + k * w.ld, 16);
         }
@@ -102,7 +103,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     cp_async_commit();  // empty groups keep the count uniform
   };
 #pragma unroll
-  for (int s0 = 0; s0 < kLayerRingSteps - 1; ++s0) issue(s0);
+  for (int s0 = 0; s0 < kLayerRingSteps - 1; ++s0) issue(s0, s0);
 
   for (int64_t e = tid; e < NB * rows; e += kLayerThreads) {
     const int b = static_cast<int>(e / rows);
@@ -116,22 +117,34 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
   }
   __syncthreads();
-  for (int64_t step = 0; step < steps; ++step) {
-    issue(step + kLayerRingSteps - 1);
+  int read_slot = 0;  // step's ring slot; step + kLayerRingSteps - 1 refills the one before it
+  for (int step = 0; step < steps; ++step) {
+    issue(step + kLayerRingSteps - 1, read_slot == 0 ? kLayerRingSteps - 1 : read_slot - 1);
     cp_async_wait<kLayerRingSteps - 1>();  // this thread's copies of `step` landed
-    const uint4* slot = ring + (step % kLayerRingSteps) * kLayerStepRows * kLayerThreads + tid;
+    const uint4* slot = ring + read_slot * kLayerStepRows * kLayerThreads + tid;
+    read_slot = read_slot + 1 == kLayerRingSteps ? 0 : read_slot + 1;
+    // The step's weight vectors and inputs first, then the FMAs. lds128: one 16-byte load per
+    // vector (unpack on a shared-memory reference compiled to eight 2-byte loads). Rows past
+    // `mine` multiply zeros.
+    const int i0 = step * kLayerStepRows;
+    uint4 raw[kLayerStepRows];
+    float xin[kLayerStepRows][NB];
 #pragma unroll
     for (int u = 0; u < kLayerStepRows; ++u) {
-      const int64_t i = step * kLayerStepRows + u;
-      if (i >= mine) break;
-      const int64_t r = rg + groups * static_cast<int64_t>(i);
+      const bool on = i0 + u < mine;
+      const int64_t r = rg + static_cast<int64_t>(groups) * (i0 + u);
+      raw[u] = on ? ptx::lds128(slot + u * kLayerThreads) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) xin[u][b] = on ? stage[b * cr + r] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kLayerStepRows; ++u) {
       float wf[8];
-      unpack<T>(slot[u * kLayerThreads], wf);
+      unpack<T>(raw[u], wf);
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
-        const float xin = stage[b * cr + r];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin, wf[j], acc[b][j]);
+        for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xin[u][b], wf[j], acc[b][j]);
       }
     }
   }
