@@ -168,6 +168,8 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
         Each channel carries its share of the op back to back at full bandwidth (bandwidth
         is shared among concurrent transfers); a transfer lands when both its channels are done."""
         lk = transport.shift_links if one_sided and transport.shift_links else links
+        for src, _, slot, _, _ in items:  # a staged source is copied out before it is sent on
+            settle(src, [slot])
         loads: dict = {}
         for src, dst, slot, _, nbytes in items:
             if src == dst:
@@ -186,7 +188,6 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             chan[c] = ends[c]
         arrivals = [dict() for _ in range(p)]
         for src, dst, slot, dslot, nbytes in items:
-            settle(src, [slot])
             if src == dst:
                 t = ready[src][slot]
             else:
