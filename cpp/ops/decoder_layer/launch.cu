@@ -83,7 +83,7 @@ cudaError_t launch_decoder_layer(const DecoderLayerParams& p, float* workspace, 
   if (!decoder_layer_check(p).empty() || !decoder_layer_cuda_check(p).empty()) return cudaErrorInvalidValue;
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    const int64_t nb = p.batch <= 1 ? 1 : p.batch <= 4 ? 4 : 8;
+    const int64_t nb = layer_staged_rows(p.batch);
     return dispatch_int<1, 4, 8>(nb, [&](auto rows) {
       return dispatch_int<64, 80, 96, 128>(p.head_dim, [&](auto dh) {
         return launch<T, decltype(rows)::value, decltype(dh)::value>(p, workspace, stream);

@@ -45,6 +45,7 @@ nb::dict layout(const DecoderLayerParams& p, int64_t grid, int64_t tile_cols) {
   for (const auto& [name, off] : regions) out[name] = off;
   out["counter_words"] = pl.counter_words;
   out["stage_floats"] = kLayerStageFloats;
+  out["staged_rows"] = layer_staged_rows(p.batch);
   out["max_chunks"] = kLayerMaxChunks;
   out["max_splits"] = kLayerMaxSplits;
   return out;

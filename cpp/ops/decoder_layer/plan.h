@@ -63,7 +63,8 @@ inline constexpr int kLayerTimelineMarks = 12;
 inline constexpr int64_t kLayerTimelineMaxBlocks = 1024;
 
 // K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
-// units over the grid best (a unit's time ~ its rows), within the staging limit.
+// units over the grid best (a unit's time ~ its rows), within the staging limit of `batch`
+// staged rows (layer_staged_rows: the kernel stages all of its NB rows, zeros past the batch).
 inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_units) {
   const int64_t min_chunks = std::max<int64_t>(1, (batch * g.k + kLayerStageFloats - 1) / kLayerStageFloats);
   double best = 1e30;
@@ -83,6 +84,9 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   }
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
+
+// The input rows the kernel stages per unit: the batch rounded up to 1, 4 or 8 (its NB).
+inline int64_t layer_staged_rows(int64_t batch) { return batch <= 1 ? 1 : batch <= 4 ? 4 : 8; }
 
 // tile_cols: 256, 512, 1024 or 2048 (narrower GEMVs take one tile of their width rounded up
 // to 256).
@@ -109,15 +113,15 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
   pl.gemv[kGemvO] = gemv(hq * dh + (p.parallel_residual ? f : 0), d, false);
   pl.gemv[kGemvDown] = gemv(f, d, false);
   if (p.parallel_residual) {  // QKV and MLP up share the first phase
-    plan_gemv(pl.gemv[kGemvQkv], b, grid, 0);
-    plan_gemv(pl.gemv[kGemvUp], b, grid, pl.gemv[kGemvQkv].units());
+    plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
+    plan_gemv(pl.gemv[kGemvUp], layer_staged_rows(b), grid, pl.gemv[kGemvQkv].units());
     pl.gemv[kGemvDown] = {};
   } else {
-    plan_gemv(pl.gemv[kGemvQkv], b, grid, 0);
-    plan_gemv(pl.gemv[kGemvUp], b, grid, 0);
-    plan_gemv(pl.gemv[kGemvDown], b, grid, 0);
+    plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
+    plan_gemv(pl.gemv[kGemvUp], layer_staged_rows(b), grid, 0);
+    plan_gemv(pl.gemv[kGemvDown], layer_staged_rows(b), grid, 0);
   }
-  plan_gemv(pl.gemv[kGemvO], b, grid, 0);
+  plan_gemv(pl.gemv[kGemvO], layer_staged_rows(b), grid, 0);
   const int64_t items = b * hkv;
   const int64_t by_grid = std::max<int64_t>(1, grid / items);
   const int64_t by_len = std::max<int64_t>(1, (p.max_seq + kLayerMinSplitTokens - 1) / kLayerMinSplitTokens);
