@@ -240,6 +240,17 @@ def test_cpu_handler_invalid_rows_and_vmap(rng):
 
 
 # ----------------------------------------------------------------------------- the kernel's plan
+def test_kernel_refuses_inputs_its_chunks_cannot_stage():
+    """A GEMV input longer than K chunks x staging buffer over the staged rows (a 405B-class MLP
+    at batch 5-8) is named before any launch, not planned into chunks past the partials."""
+    from jax_cluster import _extension
+
+    wide = dict(_extension.plans().decoder_layer(8, 16384, 128, 16, 128, 4096, 53248, 0, False, "bfloat16"))
+    assert wide["error"] == "" and "53248" in wide["cuda_error"] and "staged rows" in wide["cuda_error"]
+    one_row = dict(_extension.plans().decoder_layer(1, 16384, 128, 16, 128, 4096, 53248, 0, False, "bfloat16"))
+    assert one_row["cuda_error"] == ""
+
+
 @pytest.mark.parametrize("shape", [
     # d, f, hq, hkv, dh, mlp (0 SwiGLU, 1 GeLU), parallel
     (4096, 11008, 32, 32, 128, 0, False),   # llama-2-7b

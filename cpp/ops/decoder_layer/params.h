@@ -10,6 +10,7 @@
 // one-launch CUDA kernel (kernel.cuh) runs what decoder_layer_cuda_check allows. No XLA includes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -59,6 +60,12 @@ inline std::string decoder_layer_check(const DecoderLayerParams& p) {
 
 inline constexpr int64_t kDecoderLayerMaxBatch = 8;  // rows: B x 8 fp32 accumulators per thread (gemv.cuh)
 inline constexpr int64_t kDecoderLayerMaxGroup = 8;  // decode_attention's query heads per KV head
+// Inputs a GEMV may stage over all of its K chunks: staged rows (the batch rounded up to 1, 4
+// or 8) x K <= kLayerMaxChunks x kLayerStageFloats (plan.h asserts the product).
+inline constexpr int64_t kDecoderLayerMaxStagedInputs = 32 * 8192;
+
+// The input rows the kernel stages per GEMV unit: the batch rounded up to 1, 4 or 8 (its NB).
+inline int64_t layer_staged_rows(int64_t batch) { return batch <= 1 ? 1 : batch <= 4 ? 4 : 8; }
 
 // Why the one-launch CUDA kernel cannot run p, or "" (the per-op path can: auto falls back).
 inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
@@ -71,6 +78,13 @@ inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
   }
   if (p.num_q_heads / p.num_kv_heads > kDecoderLayerMaxGroup) {
     return "more than " + std::to_string(kDecoderLayerMaxGroup) + " query heads per KV head";
+  }
+  const int64_t staged = layer_staged_rows(p.batch);
+  const int64_t widest = std::max({p.hidden, p.inter, p.num_q_heads * p.head_dim + (p.parallel_residual ? p.inter : 0)});
+  if (staged * widest > kDecoderLayerMaxStagedInputs) {
+    return "a GEMV input of " + std::to_string(widest) + " values x " + std::to_string(staged) +
+           " staged rows exceeds the kernel's " + std::to_string(kDecoderLayerMaxStagedInputs) +
+           " (K chunks x staging buffer)";
   }
   if (p.hidden % 8 || p.inter % 8) {
     return "hidden (" + std::to_string(p.hidden) + ") and the MLP width (" + std::to_string(p.inter) +

@@ -85,8 +85,8 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
 
-// The input rows the kernel stages per unit: the batch rounded up to 1, 4 or 8 (its NB).
-inline int64_t layer_staged_rows(int64_t batch) { return batch <= 1 ? 1 : batch <= 4 ? 4 : 8; }
+static_assert(kLayerMaxChunks * kLayerStageFloats == kDecoderLayerMaxStagedInputs,
+              "decoder_layer_cuda_check bounds the staged inputs by the plan's chunks x staging");
 
 // tile_cols: 256, 512, 1024 or 2048 (narrower GEMVs take one tile of their width rounded up
 // to 256).
