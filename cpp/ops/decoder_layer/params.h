@@ -80,7 +80,8 @@ inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
     return "more than " + std::to_string(kDecoderLayerMaxGroup) + " query heads per KV head";
   }
   const int64_t staged = layer_staged_rows(p.batch);
-  const int64_t widest = std::max({p.hidden, p.inter, p.num_q_heads * p.head_dim + (p.parallel_residual ? p.inter : 0)});
+  const int64_t o_in = p.num_q_heads * p.head_dim + (p.parallel_residual ? p.inter : 0);  // [attn | act]
+  const int64_t widest = std::max({p.hidden, p.inter, o_in});
   if (staged * widest > kDecoderLayerMaxStagedInputs) {
     return "a GEMV input of " + std::to_string(widest) + " values x " + std::to_string(staged) +
            " staged rows exceeds the kernel's " + std::to_string(kDecoderLayerMaxStagedInputs) +
