@@ -1,7 +1,7 @@
 """moe_decode (DeepSeek-V2's MoE layer at decode) vs jnp, DeepSeek-V2-Lite and DeepSeek-V2 shapes.
 
 Rows per case (model, batch): ours = jax_cluster.moe_decode(impl="cuda") (router in XLA, the
-routed-experts custom call, the shared experts through jax_cluster.swiglu); gather = flax_models'
+custom call with the routed and the shared experts); gather = flax_models'
 decode formulation (flax_models.moe.route + experts_gather: the chosen experts' weights gathered
 per (row, slot)); ragged = its prefill formulation (route + experts_grouped: pairs sorted by
 expert, jax.lax.ragged_dot). Both jnp peers add the residual and run the shared experts as

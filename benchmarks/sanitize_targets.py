@@ -190,7 +190,8 @@ def flash_attention(dtypes=(jnp.float16, jnp.bfloat16), kernel=None):
 def moe_decode(dtypes):
     """The MoE decode kernels: one pass per expert (N = 1, 3) and several (N = 70 rows over
     4 experts), every column tile, tile remainders (I = 72, H = 136), duplicate ids, an
-    invalid id (a NaN row, nothing read or written for it), PDL off; vs the jnp reference."""
+    invalid id (a NaN row, nothing read or written for it), PDL off, shared experts in
+    chunks; vs the jnp reference."""
     from jax_cluster.ops.moe_decode import moe_experts
 
     rng = np.random.default_rng(0)
@@ -213,6 +214,17 @@ def moe_decode(dtypes):
                 if n > 1:
                     err = _rel_err(y[1:], ref[1:])
                     assert err < 1e-2, (n, config, err)
+        # the whole layer: router, the shared experts as 3 chunks of I (72, 72, 56) in the kernels
+        router = f(h, e, sc=h ** -0.5)
+        shared = dict(w_gate=f(h, 200, sc=h ** -0.5), w_up=f(h, 200, sc=h ** -0.5), w_down=f(200, h, sc=200 ** -0.5))
+        for n in (1, 70):
+            x = f(n, h)
+            print("moe_decode shared", jnp.dtype(dtype).name, n, flush=True)
+            ref = np.asarray(jc.reference.moe_decode(x, router, wg, wu, wd, top_k=2, shared=shared, residual=x))
+            y = np.asarray(jax.jit(lambda x, *w: jc.moe_decode(x, *w, top_k=2, shared=shared, residual=x, impl="cuda"))(
+                x, router, wg, wu, wd))
+            err = _rel_err(y, ref)
+            assert err < 1e-2, (n, err)
     print("moe_decode ok")
 
 

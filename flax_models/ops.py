@@ -12,8 +12,8 @@ whole block at once:
                          :func:`whole_layer_impl` says when a model runs it)
 :func:`mla_decode`       DeepSeek's MLA decode step: ``jax_cluster.mla_decode``
 :func:`moe`              DeepSeek-V2's MoE layer: router -> routed SwiGLU experts (+ residual) ->
-                         shared experts: ``jax_cluster.moe_decode`` (its shared experts through
-                         ``jax_cluster.swiglu``); prefill-sized calls under "auto" stay on XLA
+                         shared experts: ``jax_cluster.moe_decode`` (its shared experts in the
+                         same kernels); prefill-sized calls under "auto" stay on XLA
 =====================  ==========================================================================
 
 Model-level ``impl`` (a string, or a dict per component ``{"attention": ..., "mlp": ...}``):
@@ -444,16 +444,14 @@ def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="au
 
     On ``jax_cluster.moe_decode`` (impl "fused" for any N; "auto" on a GPU for 16-bit x and at
     most :data:`MOE_DECODE_MAX_ROWS` rows): the op routes (the same router), runs the routed
-    experts in its custom call, adds residual and runs the shared experts through
-    ``jax_cluster.swiglu`` with the same impl. Rounding differs from :func:`moe_xla` only in
-    that the op keeps the routed sum in fp32 until the residual is added (one rounding, not two).
-    Under "fused" a call the op or its swiglu cannot take is an error naming why: float32
-    (jax_cluster.swiglu has no float32 path, on CPU neither), or a shared width that is not a
-    multiple of 64.
+    and the shared experts in its custom call and adds the residual. Rounding differs from
+    :func:`moe_xla` only in that the op keeps the routed sum in fp32 until the residual is added
+    (one rounding, not two). A shared width that is not a multiple of 8 runs through
+    ``jax_cluster.swiglu`` after the call; under "fused" a call the op or that swiglu cannot take
+    is an error naming why (swiglu's kernels need multiples of 64 and 16-bit dtypes).
 
     shared_impl: None runs the shared experts with the routed ones (inside the op when it runs);
-    an impl runs them afterwards as their own swiglu block (:func:`swiglu_mlp`) with that impl,
-    e.g. "xla" for the float32 routed experts on the op's C++ CPU handler.
+    an impl runs them afterwards as their own swiglu block (:func:`swiglu_mlp`) with that impl.
     """
     n = x.shape[0]
     too_many = impl == "auto" and n > MOE_DECODE_MAX_ROWS

@@ -118,8 +118,6 @@ def test_cpu_impls_agree(rng, dtype, method):
     """reference vs xla vs the custom call (CPU handler) vs auto, with and without shared
     experts and residual, k = 2 and 3, N = 1 and 16."""
     for n, k, shared, residual in ((1, 2, None, False), (16, 3, 64, True)):
-        if dtype == "float32" and shared:
-            shared = None  # swiglu's custom call (the shared experts) takes 16-bit dtypes only
         args, extra = _inputs(rng, n, 64, 32, 8, dtype, shared=shared, residual=residual)
         kw = dict(top_k=k, norm_topk_prob=n == 16, routed_scaling_factor=1.0 if n == 16 else 2.0, **method)
         ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
@@ -127,6 +125,23 @@ def test_cpu_impls_agree(rng, dtype, method):
         impls = ("xla", "cuda") + (("auto",) if dtype != "float32" and n > 1 else ())
         for impl in impls:
             _check(_run(dict(impl=impl, **kw), args, extra, _cpu()), ref, dtype, factor)
+
+
+@pytest.mark.parametrize("shared", [8, 48, 200, 36], ids=str)
+def test_cpu_shared_widths(rng, shared):
+    """Shared experts of any width in the call (chunks of I = 32: one narrower, one
+    wider than I, several with a narrower last); a width that is not a multiple of 8 runs
+    through swiglu outside the call (impl "auto": swiglu's kernels need multiples of 64)."""
+    args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=shared, residual=True)
+    kw = dict(top_k=2, **GREEDY)
+    impl = "cuda" if shared % 8 == 0 else "auto"
+    ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
+    _check(_run(dict(impl=impl, **kw), args, extra, _cpu()), ref, "bfloat16")
+    names = list(args)
+    hlo = jax.jit(lambda a, ex: jc.moe_decode(**dict(zip(names, a)), **ex, **kw, impl=impl)).lower(
+        list(args.values()), extra).as_text()
+    assert hlo.count("jax_cluster_moe_decode") == 1
+    assert ("jax_cluster_swiglu" in hlo or "dot" in hlo) if shared % 8 else "jax_cluster_swiglu" not in hlo
 
 
 def test_cpu_handler_matches_reference_closely(rng):
@@ -141,11 +156,11 @@ def test_cpu_handler_matches_reference_closely(rng):
 
 
 def test_impl_values(rng):
-    """"xla" runs no custom call; "cuda" and "auto" (float16 / bfloat16) run one for the
-    routed experts (plus swiglu's for the shared experts); "reference" is the reference."""
+    """"xla" runs no custom call; "cuda" and "auto" (float16 / bfloat16) run one, the shared
+    experts in it; "reference" is the reference."""
     args, extra = _inputs(rng, 5, 64, 32, 8, "float16", shared=64, residual=True)
     names = list(args)
-    for impl, calls, swiglu_calls in (("xla", 0, 0), ("cuda", 1, 1), ("auto", 1, 1), ("reference", 0, 0)):
+    for impl, calls, swiglu_calls in (("xla", 0, 0), ("cuda", 1, 0), ("auto", 1, 0), ("reference", 0, 0)):
         fn = jax.jit(lambda a, ex, impl=impl: jc.moe_decode(**dict(zip(names, a)), **ex, top_k=2, impl=impl))
         hlo = fn.lower(list(args.values()), extra).as_text()
         assert hlo.count("jax_cluster_moe_decode") == calls, impl
@@ -372,13 +387,22 @@ def test_ffi_validation_errors():
     for change, message in cases:
         with pytest.raises(Exception, match=re.escape(message)):
             jax.jit(lambda *a: md._PRIM.bind(*a, **{**good, **change})[0])(
-                x, weights, ids, wg, wg, wd, empty).block_until_ready()
+                x, weights, ids, wg, wg, wd, empty, empty, empty, empty).block_until_ready()
     with pytest.raises(Exception, match=re.escape("ids must be int32 [N, k]")):
         jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(
-            x, weights, ids.astype(jnp.float32), wg, wg, wd, empty).block_until_ready()
+            x, weights, ids.astype(jnp.float32), wg, wg, wd, empty, empty, empty, empty).block_until_ready()
     with pytest.raises(Exception, match=re.escape("k (slots per row) must be in 1..E")):
         w9, i9 = jnp.ones((2, 9), jnp.float32), jnp.zeros((2, 9), jnp.int32)
-        jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(x, w9, i9, wg, wg, wd, empty).block_until_ready()
+        jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(
+            x, w9, i9, wg, wg, wd, empty, empty, empty, empty).block_until_ready()
+    sg, sd = jnp.ones((64, 40), jnp.float16), jnp.ones((40, 64), jnp.float16)
+    for shared, message in (((empty, sg, sd), "given together or not at all"),
+                            ((sg, sg[:, :32], sd), "s_up must have s_gate's shape [H, Is]"),
+                            ((sg, sg, sd[:, :32]), "s_down must be [Is, H]"),
+                            ((sg[:, :36], sg[:, :36], sd[:36]), "must be a multiple of 8")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            jax.jit(lambda *a: md._PRIM.bind(*a, **good)[0])(
+                x, weights, ids, wg, wg, wd, *shared, empty).block_until_ready()
 
 
 # ---------------------------------------------------------------- GPU
@@ -429,10 +453,12 @@ def test_gpu_vs_reference(rng, dtype, method, shared, residual):
 def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
     """Every column tile on H, I multiples of 8 only (tile remainders of 8 columns), one
     expert (k = E = 1), more rows than a pass holds (N = 9, 70: several passes per expert),
+    shared experts narrower than I, wider with a narrower last chunk, or several chunks,
     duplicate ids through moe_experts."""
     cfg = MoeDecodeConfig(**config)
-    for n, h, i, e, k in ((1, 136, 72, 4, 2), (9, 264, 200, 1, 1), (70, 136, 72, 4, 3), (3, 64, 8, 6, 6)):
-        args, extra = _inputs(rng, n, h, i, e, dtype, residual=n % 2 == 1)
+    for n, h, i, e, k, shared in ((1, 136, 72, 4, 2, 200), (9, 264, 200, 1, 1, 8), (70, 136, 72, 4, 3, 144),
+                                  (3, 64, 8, 6, 6, 40), (2, 64, 64, 4, 2, None)):
+        args, extra = _inputs(rng, n, h, i, e, dtype, shared=shared, residual=n % 2 == 1)
         kw = dict(top_k=k)
         weights, ids = _route_on_gpu(args, kw)
         ref = _ref_experts(args, extra, weights, ids)

@@ -7,13 +7,14 @@
 
 x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
 [E, I, H]. The router is tiny and runs in XLA in every impl
-(:func:`jax_cluster.reference.moe_route`); the shared experts run through
-:func:`jax_cluster.swiglu` with the same impl. `impl` decides the routed experts:
+(:func:`jax_cluster.reference.moe_route`). `impl` decides the experts:
 
   "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
                down GEMV, combine; cpp/ops/moe_decode/params.h) that read ONLY the chosen
                experts' weights, each chosen expert once per call however many rows chose
-               it; on CPU the C++ handler (same math, also float32).
+               it, and the shared experts in the same kernels (as Is / I pseudo-experts
+               every row chooses); on CPU the C++ handler (same math, also float32). Shared
+               experts whose width is not a multiple of 8 run through jax_cluster.swiglu.
   "auto"       "cuda" where the kernels take the shape and dtype (float16 / bfloat16, H and
                I multiples of 8), else "xla" with a one-time warning.
   "xla"        the gather formulation a JAX user writes (flax_models' experts_gather): the
@@ -83,38 +84,44 @@ def _plans():
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(n: int, h: int, i: int, e: int, k: int, dtype: str, cols_up: int, cols_down: int) -> dict:
-    return dict(_plans().moe_decode(n, h, i, e, k, dtype, cols_up, cols_down))
+def _plan(n: int, h: int, i: int, e: int, k: int, dtype: str, cols_up: int, cols_down: int, i_s: int) -> dict:
+    return dict(_plans().moe_decode(n, h, i, e, k, dtype, cols_up, cols_down, i_s))
 
 
-def launch_plan(config: MoeDecodeConfig | None, n: int, h: int, i: int, e: int, k: int, dtype) -> dict:
+def launch_plan(config: MoeDecodeConfig | None, n: int, h: int, i: int, e: int, k: int, dtype,
+                shared_width: int = 0) -> dict:
     """The C++ plan of one call (cpp/ops/moe_decode/plan.cc): 'error' (why no handler takes
     it, '' if they do), 'cuda_error' (why the CUDA kernels cannot), the resolved column
-    tiles and the workspace bytes."""
+    tiles and the workspace bytes. shared_width: the shared experts' Is run in the call (0:
+    none)."""
     config = config or MoeDecodeConfig()
-    return _plan(n, h, i, e, k, jnp.dtype(dtype).name, config.cols_up or 0, config.cols_down or 0)
+    return _plan(n, h, i, e, k, jnp.dtype(dtype).name, config.cols_up or 0, config.cols_down or 0, shared_width)
 
 
 # ----------------------------------------------------------------------------- primitive
-def _abstract(x, weights, ids, w_gate, w_up, w_down, residual, *, cols_up, cols_down, pdl, has_residual):
-    del weights, w_up, w_down, residual, cols_up, cols_down, pdl, has_residual
+def _abstract(x, weights, ids, w_gate, w_up, w_down, s_gate, s_up, s_down, residual, *, cols_up, cols_down, pdl,
+              has_residual):
+    del weights, w_up, w_down, s_up, s_down, residual, cols_up, cols_down, pdl, has_residual
     n, h = x.shape
     k = ids.shape[1]
-    ws = _plans().moe_decode_workspace_bytes(n, k, h, w_gate.shape[2], jnp.dtype(x.dtype).name)
+    i_s = s_gate.shape[1] if s_gate.ndim == 2 else 0
+    ws = _plans().moe_decode_workspace_bytes(n, k, h, w_gate.shape[2], jnp.dtype(x.dtype).name, i_s)
     return ShapedArray((n, h), x.dtype), ShapedArray((ws,), np.uint8)
 
 
 def _batching(args, dims, **params):
     """vmap: the mapped axis folds into the rows (one call over B * N rows) when the expert
-    weights are shared; mapped expert weights run the calls one after another."""
-    x, weights, ids, w_gate, w_up, w_down, residual = args
+    weights (routed and shared) are the same for every instance; mapped weights run the
+    calls one after another."""
+    x, weights, ids = args[:3]
+    weights_and_shared, residual = args[3:9], args[9]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if all(d is None for d in dims[3:6]):
+    if all(d is None for d in dims[3:9]):
         rows = [fold_batch_axis(a, d, size) for a, d in zip(args[:3], dims[:3])]
         b, n = rows[0].shape[:2]
         flat = lambda a: a.reshape((b * n,) + a.shape[2:])  # noqa: E731
-        res = flat(fold_batch_axis(residual, dims[6], size)) if params["has_residual"] else residual
-        out, ws = _PRIM.bind(*(flat(a) for a in rows), w_gate, w_up, w_down, res, **params)
+        res = flat(fold_batch_axis(residual, dims[9], size)) if params["has_residual"] else residual
+        out, ws = _PRIM.bind(*(flat(a) for a in rows), *weights_and_shared, res, **params)
         return (out.reshape(b, n, -1), ws), (0, None)
     moved = [fold_batch_axis(a, d, size) if d is not None else a for a, d in zip(args, dims)]
 
@@ -150,24 +157,34 @@ def _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual):
     return jnp.where(valid[:, None], y, jnp.nan).astype(x.dtype)
 
 
-def _custom_call(x, weights, ids, w_gate, w_up, w_down, residual, plan: dict, pdl: bool):
+def _custom_call(x, weights, ids, w_gate, w_up, w_down, shared, residual, plan: dict, pdl: bool):
     has_res = residual is not None
-    out, _ = _PRIM.bind(x, weights, ids, w_gate, w_up, w_down,
-                        residual if has_res else jnp.zeros((0,), x.dtype),
+    none = jnp.zeros((0,), x.dtype)
+    s = [none] * 3 if shared is None else [shared[key] for key in ("w_gate", "w_up", "w_down")]
+    out, _ = _PRIM.bind(x, weights, ids, w_gate, w_up, w_down, *s,
+                        residual if has_res else none,
                         cols_up=int(plan["cols_up"]), cols_down=int(plan["cols_down"]), pdl=pdl,
                         has_residual=has_res)
     return out
 
 
-def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config):
-    """The routed experts (+ residual) by impl (validated arguments)."""
+def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared=None):
+    """The routed experts (+ residual) by impl (validated arguments), and whether the
+    shared experts (None, or swiglu's weights) ran in the same call: then y includes them."""
     if impl == "reference":
-        return reference.moe_experts(x, weights, ids, w_gate, w_up, w_down, residual)
+        return reference.moe_experts(x, weights, ids, w_gate, w_up, w_down, residual), False
     n, h = x.shape
     e, _, i = w_gate.shape
     k = ids.shape[1]
     if impl in ("auto", "cuda"):
-        plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype)
+        plan = None
+        if shared is not None:  # in the same kernels where the call takes them (Is % 8 == 0)
+            plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype, shared["w_gate"].shape[1])
+            if plan["error"]:
+                plan, shared = None, None
+        else:
+            shared = None
+        plan = plan or launch_plan(config, max(n, 1), h, i, e, k, x.dtype)
         why_not = plan["error"] or (plan["cuda_error"] if on_gpu() else "")
         if impl == "auto" and jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
             why_not = why_not or "dtype float32 (the kernels take float16 or bfloat16)"
@@ -178,10 +195,11 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config):
                       "running impl='xla'")
             impl = "xla"
     if impl == "xla":
-        return _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual)
+        return _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual), False
     if n == 0:
-        return jnp.zeros((0, h), x.dtype)
-    return _custom_call(x, weights, ids, w_gate, w_up, w_down, residual, plan, (config or MoeDecodeConfig()).pdl)
+        return jnp.zeros((0, h), x.dtype), False
+    pdl = (config or MoeDecodeConfig()).pdl
+    return _custom_call(x, weights, ids, w_gate, w_up, w_down, shared, residual, plan, pdl), shared is not None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -283,7 +301,7 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, impl: s
         vals = np.asarray(ids)
         if vals.size and (vals.min() < 0 or vals.max() >= e):
             raise ValueError(f"{op}: ids must be in [0, E={e}); got min {vals.min()}, max {vals.max()}")
-    return _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)
+    return _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)[0]
 
 
 def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
@@ -298,8 +316,8 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     "group_limited_greedy" (n_group groups of E / n_group experts, the topk_group best
     groups kept), norm_topk_prob (renormalise the top_k weights to sum 1, when top_k > 1)
     else routed_scaling_factor. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
-    [Is, H]), the always-on shared experts (one SwiGLU, run by jax_cluster.swiglu with the
-    same impl). residual: None or [N, H], added to the routed sum before the shared
+    [Is, H]), the always-on shared experts (one SwiGLU: in the custom call's kernels with
+    impl "cuda" / "auto", else by jax_cluster.swiglu with the same impl). residual: None or [N, H], added to the routed sum before the shared
     experts' output. config: a MoeDecodeConfig (impl "auto" or "cuda").
     """
     op = "moe_decode"
@@ -318,7 +336,7 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     if impl == "reference":
         return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
     weights, ids = reference.moe_route(x, router, **route)
-    y = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)
-    if shared is not None:
+    y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
+    if shared is not None and not shared_done:
         y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
     return y

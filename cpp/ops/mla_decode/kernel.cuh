@@ -342,9 +342,20 @@ __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodePa
   }
   __syncthreads();
   if (c >= R) return;
+  // Eight splits' loads in flight before their adds (one dependent L2 round trip per split
+  // had made the merge latency-bound); a split of weight 0 is skipped by a select, so its
+  // unwritten state never reaches o, and the sum keeps its index order.
+  constexpr int kInFlight = 8;
   float o = 0.f;
-  for (int s = 0; s < S; ++s) {
-    if (weight[s] != 0.f) o = fmaf(st[s * (R + 2) + c], weight[s], o);
+  for (int s0 = 0; s0 < S; s0 += kInFlight) {
+    float v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) v[j] = s0 + j < S ? __ldcg(st + (s0 + j) * (R + 2) + c) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const float w = s0 + j < S ? weight[s0 + j] : 0.f;
+      o = w != 0.f ? fmaf(v[j], w, o) : o;
+    }
   }
   out[c] = T(o);
 }

@@ -174,6 +174,13 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld + tile * hc
                       : static_cast<const T*>(p.w_q) + k0 * ld + unit * hc;
   mla_prefetch_rows(W, ld, w, rows);
+  // A head's rank also absorbs rows [n0, n0 + nrows) of r through W_uk (after the GEMV):
+  // its slice is asked for now too, so the absorption does not wait on HBM at the end.
+  const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr);
+  const int nrows = static_cast<int>(min(nr, p.rank - n0));
+  const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
+  const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + unit * (p.nope + p.v_dim);
+  if (!latent) mla_prefetch_rows(Wk, ldb, static_cast<int>(p.nope), nrows);
   ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
 
   // Stage the input rows of the chunk in fp32: h = RMSNorm(x) (rounded as jnp rounds), or q_src.
@@ -277,11 +284,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   // Absorption of this rank's rows n of r: q_full[b, h, n] = q_nope . W_kv_b[n, h, :dn]. Items
   // (row, 8-column vector) spread over the threads, their loads issued together; per-item
   // partials through shared memory (reusing `red`), summed per row in vector order.
-  const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr);
-  const int nrows = static_cast<int>(min(nr, p.rank - n0));
   const int vecs = static_cast<int>(p.nope / 8);
-  const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
-  const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + h * (p.nope + p.v_dim);
   const int items = nrows * vecs;
   constexpr int kBatchLoads = 4;
   for (int i0 = threadIdx.x; i0 < items; i0 += kBatchLoads * kMlaProjectThreads) {

@@ -47,10 +47,19 @@ void moe_decode(const MoeDecodeParams& p) {
       for (int64_t c = 0; c < h; ++c) acc[c] += w * y[c];
     }
     for (int64_t c = 0; c < h; ++c) {
-      float v = acc[c];
-      if (p.has_residual) v += load(p.dtype, p.residual, n * h + c);
-      if (!valid) v = std::numeric_limits<float>::quiet_NaN();
-      store(p.dtype, p.out, n * h + c, v);
+      if (p.has_residual) acc[c] += load(p.dtype, p.residual, n * h + c);
+    }
+    if (p.i_s > 0) {  // the shared experts: one SwiGLU, added to the rounded routed sum
+      std::vector<float> sg(p.i_s, 0.f), su(p.i_s, 0.f);
+      gemv_accumulate(p.dtype, x.data(), h, p.s_gate, 0, p.i_s, sg.data());
+      gemv_accumulate(p.dtype, x.data(), h, p.s_up, 0, p.i_s, su.data());
+      for (int64_t c = 0; c < p.i_s; ++c) sg[c] = round_to(p.dtype, sg[c] / (1.f + std::exp(-sg[c])) * su[c]);
+      std::fill(y.begin(), y.end(), 0.f);
+      gemv_accumulate(p.dtype, sg.data(), p.i_s, p.s_down, 0, h, y.data());
+      for (int64_t c = 0; c < h; ++c) acc[c] = round_to(p.dtype, acc[c]) + y[c];
+    }
+    for (int64_t c = 0; c < h; ++c) {
+      store(p.dtype, p.out, n * h + c, valid ? acc[c] : std::numeric_limits<float>::quiet_NaN());
     }
   }
 }

@@ -4,8 +4,9 @@
 // through the same C++ check (plan.cc).
 //
 // Operands: x [N, H], weights float32 [N, k], ids int32 [N, k], w_gate, w_up [E, H, I],
-// w_down [E, I, H], residual [N, H] (or empty). Results: y [N, H] (x's dtype), workspace
-// (uint8). Attributes: MoeDecodeAttrs.
+// w_down [E, I, H], the shared experts s_gate, s_up [H, Is], s_down [Is, H] (or all three
+// empty), residual [N, H] (or empty). Results: y [N, H] (x's dtype), workspace (uint8).
+// Attributes: MoeDecodeAttrs.
 #pragma once
 
 #include <string>
@@ -36,7 +37,8 @@ namespace ffi = xla::ffi;
 
 inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
     ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer ids, ffi::AnyBuffer w_gate,
-    ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer residual,
+    ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer s_gate, ffi::AnyBuffer s_up,
+    ffi::AnyBuffer s_down, ffi::AnyBuffer residual,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, MoeDecodeAttrs a) {
   auto fail = [](const std::string& m) {
     return ffi::Unexpected(ffi_util::invalid("moe_decode: " + m));
@@ -74,6 +76,18 @@ inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
   for (const ffi::AnyBuffer* b : {&w_gate, &w_up, &w_down}) {
     if (b->element_type() != x.element_type()) return fail("expert weights must have x's dtype");
   }
+  if (s_gate.element_count() > 0) {
+    auto sg = s_gate.dimensions(), su = s_up.dimensions(), sd = s_down.dimensions();
+    if (sg.size() != 2 || sg[0] != p.h) return fail("s_gate must be [H, Is], got " + ffi_util::dims_str(sg));
+    p.i_s = sg[1];
+    if (su.size() != 2 || su[0] != p.h || su[1] != p.i_s) return fail("s_up must have s_gate's shape [H, Is]");
+    if (sd.size() != 2 || sd[0] != p.i_s || sd[1] != p.h) return fail("s_down must be [Is, H], got " + ffi_util::dims_str(sd));
+    for (const ffi::AnyBuffer* b : {&s_gate, &s_up, &s_down}) {
+      if (b->element_type() != x.element_type()) return fail("shared expert weights must have x's dtype");
+    }
+  } else if (s_up.element_count() > 0 || s_down.element_count() > 0) {
+    return fail("s_gate, s_up and s_down are given together or not at all");
+  }
   if (out->element_type() != x.element_type() || static_cast<int64_t>(out->element_count()) != p.n * p.h) {
     return fail("output must be [N, H] of x's dtype");
   }
@@ -82,7 +96,7 @@ inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
     return fail("residual must be [N, H] of x's dtype");
   }
   if (const std::string why = moe_decode_check(p); !why.empty()) return fail(why);
-  if (static_cast<int64_t>(workspace->size_bytes()) < moe_decode_workspace_bytes(p.n, p.k, p.h, p.i, p.dtype)) {
+  if (static_cast<int64_t>(workspace->size_bytes()) < moe_decode_workspace_bytes(p.n, p.k, p.h, p.i, p.i_s, p.dtype)) {
     return fail("workspace too small");
   }
   p.x = x.untyped_data();
@@ -91,6 +105,11 @@ inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
   p.w_gate = w_gate.untyped_data();
   p.w_up = w_up.untyped_data();
   p.w_down = w_down.untyped_data();
+  if (p.i_s > 0) {
+    p.s_gate = s_gate.untyped_data();
+    p.s_up = s_up.untyped_data();
+    p.s_down = s_down.untyped_data();
+  }
   p.residual = residual.untyped_data();
   p.out = out->untyped_data();
   p.workspace = workspace->untyped_data();

@@ -1,7 +1,8 @@
 // The MoE decode kernels (params.h has the algorithm): two expert-grouped GEMVs and a
 // combine.
 //
-// GEMV block = (column tile of `cols` columns, expert), 256 threads. It first lists the
+// GEMV block = (column tile of `cols` columns, j-th chosen expert), 256 threads. It first
+// finds its expert (nth_chosen_expert: the distinct ids as a bit set) and lists the
 // (row, slot) pairs whose id is its expert (scan_pairs: a ballot per warp and a prefix over
 // the warps, in pair order) and exits when there are none. Otherwise, per pass of up to MR
 // pairs: the pairs' input rows (x for gate/up, h for down) are staged in shared memory as
@@ -45,6 +46,13 @@ struct GemvArgs {
   int64_t row_div;       // input row of pair p: p / row_div (k for gate/up, 1 for down)
   int64_t k;             // K: H (gate/up) or I (down)
   int64_t n;             // output columns: I (gate/up) or H (down)
+  int experts;           // E
+  int routed_rows;       // grid rows of routed experts: min(E, pairs); then the shared chunks
+  int64_t rows;          // N
+  int64_t inter;         // I (a shared chunk's width)
+  int64_t shared_width;  // Is (0: no shared experts)
+  const void* s0;        // s_gate (gate/up) or s_down (down)
+  const void* s1;        // s_up (gate/up) or null
   int cols;              // column tile: 32, 64 or 128
   bool wait_prior;       // PDL: wait for the previous kernel before reading `a`
 };
@@ -56,6 +64,7 @@ struct CombineArgs {
   const void* residual;  // [N, H] or null
   void* out;             // [N, H]
   int64_t n, h, k, e;
+  int64_t shared_chunks;  // shared pseudo-experts, their pairs after the routed N k
 };
 
 // Ranks [first, first + MR) of the pairs whose id is `expert` (in pair order) -> list;
@@ -85,6 +94,55 @@ __device__ __forceinline__ int scan_pairs(const int32_t* ids, int64_t pairs, int
     __syncthreads();  // warp_counts is rewritten by the next chunk
   }
   return base;
+}
+
+// The j-th smallest expert id some pair chose, or -1 when fewer than j + 1 distinct
+// experts were chosen. The grid's y dimension counts chosen experts, not all E: a block
+// whose expert nobody chose would still be scheduled (and at batch 1, 58 of V2-Lite's 64
+// experts' blocks queued ahead of the working ones). `bits` holds ceil(E / 32) words of
+// shared memory; ids outside [0, E) choose nothing. Called by every thread of the block.
+__device__ int nth_chosen_expert(const int32_t* ids, int64_t pairs, int experts, int j, unsigned* bits,
+                                 int* warp_counts) {
+  __shared__ int found;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int words = (experts + 31) / 32;
+  for (int w = tid; w < words; w += kThreads) bits[w] = 0u;
+  if (tid == 0) found = -1;
+  __syncthreads();
+  for (int64_t p = tid; p < pairs; p += kThreads) {
+    const int id = __ldg(ids + p);
+    if (id >= 0 && id < experts) atomicOr(bits + (id >> 5), 1u << (id & 31));  // order-free: a set
+  }
+  __syncthreads();
+  // Thread t counts the chosen experts of its words [w0, w1); an exclusive prefix over the
+  // threads gives the rank of its first one.
+  const int per = (words + kThreads - 1) / kThreads, w0 = min(words, tid * per), w1 = min(words, w0 + per);
+  int count = 0;
+  for (int w = w0; w < w1; ++w) count += __popc(bits[w]);
+  int incl = count;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) warp_counts[warp] = incl;
+  __syncthreads();
+  int before = incl - count;
+  for (int w = 0; w < warp; ++w) before += warp_counts[w];
+  if (j >= before && j < before + count) {
+    int r = j - before;
+    for (int w = w0; w < w1; ++w) {
+      unsigned m = bits[w];
+      const int c = __popc(m);
+      if (r < c) {
+        for (; r > 0; --r) m &= m - 1u;  // drop the r lowest chosen
+        found = w * 32 + __ffs(m) - 1;
+        break;
+      }
+      r -= c;
+    }
+  }
+  __syncthreads();
+  return found;
 }
 
 // The MR staged inputs of K row r (fp32 [r][MR] in shared memory).
@@ -126,9 +184,34 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
   int* const list = scan_smem + kWarps;
   ptx::griddep_launch_dependents();  // the next kernel may launch; it waits for our results
 
-  const int expert = blockIdx.y;
-  const int total = scan_pairs<MR>(a.ids, a.pairs, expert, 0, list, warp_counts);
-  if (total == 0) return;  // no row chose this expert: its weights are never read
+  // This block's weights: a routed expert's [K][n] tile, or a shared chunk c: columns
+  // [c I, c I + I) of s_gate / s_up (row stride Is), or rows [c I, c I + I) of s_down.
+  const int row = blockIdx.y;
+  const bool shared = row >= a.routed_rows;
+  const int chunk = row - a.routed_rows;
+  int expert = -1, total = a.rows;  // a shared chunk: every row once
+  int64_t ld = a.n, ncols = a.n, krows = a.k;
+  const T *w0, *w1 = nullptr;
+  if (!shared) {
+    expert = nth_chosen_expert(a.ids, a.pairs, a.experts, row, reinterpret_cast<unsigned*>(smem), warp_counts);
+    if (expert < 0) return;  // fewer experts chosen than the grid has rows
+    total = scan_pairs<MR>(a.ids, a.pairs, expert, 0, list, warp_counts);
+    if (total == 0) return;
+    const int64_t off = static_cast<int64_t>(expert) * a.k * a.n;
+    w0 = static_cast<const T*>(a.w0) + off;
+    if constexpr (kUp) w1 = static_cast<const T*>(a.w1) + off;
+  } else {
+    const int64_t c0 = static_cast<int64_t>(chunk) * a.inter, width = min(a.inter, a.shared_width - c0);
+    if constexpr (kUp) {
+      ld = a.shared_width;
+      ncols = width;
+      w0 = static_cast<const T*>(a.s0) + c0;
+      w1 = static_cast<const T*>(a.s1) + c0;
+    } else {
+      krows = width;
+      w0 = static_cast<const T*>(a.s0) + c0 * a.n;
+    }
+  }
   if (a.wait_prior) ptx::griddep_wait();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -137,25 +220,35 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
   const int slices = kWarps * rows_per_warp;  // K rows the block covers per step
   const int cg = lane % groups, ks = warp * rows_per_warp + lane / groups;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * a.cols + cg * 8;
-  const bool col_ok = col < a.n;  // n % 8 == 0: a group is all in or all out
-  const int64_t expert_off = static_cast<int64_t>(expert) * a.k * a.n + col;
-  const T* w0 = static_cast<const T*>(a.w0) + expert_off;
-  const T* w1 = kUp ? static_cast<const T*>(a.w1) + expert_off : nullptr;
+  const bool col_ok = col < ncols;  // widths % 8 == 0: a group is all in or all out
+  w0 += col;
+  if constexpr (kUp) w1 += col;
   const T* in = static_cast<const T*>(a.a);
   const int64_t chunk_rows = moe_decode_chunk_rows(MR);
+  // A shared chunk's pairs: a.pairs + chunk N + n; its gate/up input row is n.
+  const int64_t shared_base = a.pairs + static_cast<int64_t>(chunk) * a.rows;
 
   for (int first = 0; first < total; first += MR) {
-    if (first > 0) scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
+    if (shared) {
+      __syncthreads();  // the previous pass's readers of `list` are done
+      if (tid < MR) list[tid] = static_cast<int>(shared_base + first + tid);
+    } else if (first > 0) {
+      scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
+    }
     const int count = min(MR, total - first);
     float acc[kMat][MR][8];
     zero(acc);
-    for (int64_t r0 = 0; r0 < a.k; r0 += chunk_rows) {
-      const int rows = static_cast<int>(min(chunk_rows, a.k - r0));
+    for (int64_t r0 = 0; r0 < krows; r0 += chunk_rows) {
+      const int rows = static_cast<int>(min(chunk_rows, krows - r0));
       __syncthreads();  // the previous chunk's (or pass's) readers are done
       for (int e = tid; e < MR * rows; e += kThreads) {
         const int j = e / rows, q = e - j * rows;
         float v = 0.f;
-        if (j < count) v = to_float(in[(list[j] / a.row_div) * a.k + r0 + q]);
+        if (j < count) {
+          const int64_t pair = list[j];
+          const int64_t in_row = kUp && shared ? first + j : pair / a.row_div;
+          v = to_float(in[in_row * a.k + r0 + q]);
+        }
         smem[q * MR + j] = v;
       }
       __syncthreads();
@@ -165,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
         for (int u = 0; u < kUnroll; ++u) {
           const int rr = r + u * slices;
           const bool ok = col_ok && rr < rows;
-          const int64_t off = (r0 + rr) * a.n;
+          const int64_t off = (r0 + rr) * ld;
           v0[u] = ok ? ptx::ldg_stream(w0 + off) : make_uint4(0, 0, 0, 0);
           if constexpr (kUp) v1[u] = ok ? ptx::ldg_stream(w1 + off) : make_uint4(0, 0, 0, 0);
         }
@@ -216,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
     for (int e = tid; e < count * a.cols; e += kThreads) {
       const int j = e / a.cols, c = e - j * a.cols;
       const int64_t out_col = static_cast<int64_t>(blockIdx.x) * a.cols + c;
-      if (out_col >= a.n) continue;
+      if (out_col >= ncols) continue;
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -263,6 +356,17 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const CombineArgs
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] += to_float(r[i]);
     }
+    if (a.shared_chunks > 0) {  // the routed sum rounded, the shared chunks added in chunk order
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = to_float(from_float<T>(s[i]));
+      for (int64_t ch = 0; ch < a.shared_chunks; ++ch) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.y + (a.n * a.k + ch * a.n + row) * a.h + c));
+        s[0] += v.x;
+        s[1] += v.y;
+        s[2] += v.z;
+        s[3] += v.w;
+      }
+    }
     T out[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) out[i] = from_float<T>(valid ? s[i] : __int_as_float(0x7fc00000));
@@ -272,10 +376,14 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const CombineArgs
 
 template <typename T, int MR>
 cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
-  const MoeDecodeLayout l = moe_decode_layout(p.n, p.k, p.h, p.i, p.dtype);
+  const MoeDecodeLayout l = moe_decode_layout(p.n, p.k, p.h, p.i, p.i_s, p.dtype);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   float* y = reinterpret_cast<float*>(ws + l.y_offset);
-  const unsigned experts = static_cast<unsigned>(p.e);
+  // One grid row per expert some pair may choose (at most min(E, N k) are), then one per
+  // shared chunk.
+  const int64_t chunks = moe_decode_shared_chunks(p.i_s, p.i);
+  const int routed_rows = static_cast<int>(std::min(p.e, p.n * p.k));
+  const unsigned grid_rows = static_cast<unsigned>(routed_rows + chunks);
 
   GemvArgs up{};
   up.a = p.x;
@@ -284,19 +392,28 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   up.ids = p.ids;
   up.out = ws;
   up.pairs = p.n * p.k;
+  up.experts = static_cast<int>(p.e);
+  up.routed_rows = routed_rows;
+  up.rows = p.n;
+  up.inter = p.i;
+  up.shared_width = p.i_s;
+  up.s0 = p.s_gate;
+  up.s1 = p.s_up;
   up.row_div = p.k;
   up.k = p.h;
   up.n = p.i;
   up.cols = p.cols_up;
   up.wait_prior = false;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
-      moe_gemv_kernel<T, MR, true>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), experts),
-      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_up, p.h, 2), false, stream, up));
+      moe_gemv_kernel<T, MR, true>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), grid_rows),
+      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_up, p.h, 2, p.e), false, stream, up));
 
   GemvArgs down = up;
   down.a = ws;
   down.w0 = p.w_down;
   down.w1 = nullptr;
+  down.s0 = p.s_down;
+  down.s1 = nullptr;
   down.out = y;
   down.row_div = 1;
   down.k = p.i;
@@ -304,8 +421,8 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   down.cols = p.cols_down;
   down.wait_prior = p.pdl;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
-      moe_gemv_kernel<T, MR, false>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.h, p.cols_down)), experts),
-      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_down, p.i, 1), p.pdl, stream, down));
+      moe_gemv_kernel<T, MR, false>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.h, p.cols_down)), grid_rows),
+      dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_down, p.i, 1, p.e), p.pdl, stream, down));
 
   CombineArgs c{};
   c.y = y;
@@ -317,6 +434,7 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   c.h = p.h;
   c.k = p.k;
   c.e = p.e;
+  c.shared_chunks = chunks;
   const int64_t blocks = std::min<int64_t>(moe_decode_ceil_div(p.n * p.h / 4, kThreads), int64_t{1} << 20);
   return launch_programmatic(moe_combine_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
                              p.pdl, stream, c);

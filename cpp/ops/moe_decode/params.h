@@ -10,15 +10,26 @@
 // outputs stay fp32 and y is rounded once, after the weighted sum and the residual.
 //
 // Kernels (launch.cu; docs/moe_decode.md):
-//  1. gate/up: grid (I column tiles of cols_up, E). A block lists the (row, slot) pairs
-//     whose id is its expert (a scan of ids, in pair order) and exits at once if there are
-//     none; otherwise it streams its expert's w_gate / w_up column tile ONCE for all those
+//  1. gate/up: grid (I column tiles of cols_up, min(E, N k)): grid row j is the j-th
+//     smallest expert id chosen (rows past the distinct count exit at once). A block lists
+//     the (row, slot) pairs whose id is its expert (a scan of ids, in pair order), then streams its expert's w_gate / w_up column tile ONCE for all those
 //     pairs (passes of kMoeDecodeMaxPassRows pairs) and writes h [pair][I] (x's dtype) to
 //     the workspace. Only the chosen experts' weights are read, each once per call.
-//  2. down: grid (H column tiles of cols_down, E), the same scheme over w_down: the fp32
+//  2. down: grid (H column tiles of cols_down, min(E, N k)), the same scheme over w_down: the fp32
 //     expert outputs y_e [pair][H] to the workspace.
 //  3. combine: y[n] = sum over s = 0..k-1 in order of weights[n, s] * y_e[n * k + s]
 //     (+ residual), one thread per 4 outputs. No atomics anywhere: bitwise deterministic.
+//
+// Shared experts (optional, DeepSeek-V2's always-on SwiGLU of width Is: s_gate, s_up
+// [H, Is], s_down [Is, H]) run in the same kernels: a SwiGLU's output is the sum of the
+// SwiGLUs of its column chunks, so the shared expert is ceil(Is / I) pseudo-experts of width
+// at most I (chunk c: columns [c I, c I + I) of s_gate / s_up, the same rows of s_down), each
+// chosen by every row with weight 1. They take the grid rows after the routed ones; their
+// pairs follow the routed pairs (pair N k + c N + n), and the combine adds them after the
+// routed sum:
+//   y[n] = round( round(routed[n] + residual[n]) + sum_c y_e[N k + c N + n] )
+// (what swiglu(x, shared, residual = routed) computes: the routed sum rounded, the shared
+// output added in fp32 and rounded once).
 //  Kernels 2 and 3 launch programmatically (PDL) behind the previous one.
 //
 // ids outside [0, E) (possible only when the caller passes ids under jit: the Python
@@ -45,6 +56,7 @@ inline constexpr int kMoeDecodeThreads = 256;
 struct MoeDecodeParams {
   DType dtype;             // x, expert weights, residual, y
   int64_t n, h, i, e, k;   // rows, hidden, expert intermediate, experts, slots per row
+  int64_t i_s = 0;         // shared experts' width Is (0: none)
   int cols_up;             // I columns per gate/up block: 32, 64 or 128
   int cols_down;           // H columns per down block: 32, 64 or 128
   bool has_residual;
@@ -55,6 +67,9 @@ struct MoeDecodeParams {
   const void* w_gate;      // [E, H, I]
   const void* w_up;        // [E, H, I]
   const void* w_down;      // [E, I, H]
+  const void* s_gate = nullptr;  // [H, Is] (i_s > 0)
+  const void* s_up = nullptr;    // [H, Is]
+  const void* s_down = nullptr;  // [Is, H]
   const void* residual;    // [N, H] or unused
   void* out;               // [N, H]
   void* workspace;         // MoeDecodeLayout
@@ -71,32 +86,39 @@ inline int moe_decode_pass_rows(int64_t n) {
   return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : kMoeDecodeMaxPassRows;
 }
 
-// Workspace: h [N k][I] in x's dtype, then the fp32 expert outputs [N k][H].
+// The shared experts' pseudo-experts: chunks of width at most I.
+inline int64_t moe_decode_shared_chunks(int64_t i_s, int64_t i) { return i_s > 0 ? moe_decode_ceil_div(i_s, i) : 0; }
+
+// Workspace: h [pairs][I] in x's dtype, then the fp32 expert outputs [pairs][H]; pairs = the
+// routed N k, then N per shared chunk.
 struct MoeDecodeLayout {
-  int64_t h_bytes, y_offset, total;
+  int64_t pairs, h_bytes, y_offset, total;
 };
 
-inline MoeDecodeLayout moe_decode_layout(int64_t n, int64_t k, int64_t h, int64_t i, DType dtype) {
+inline MoeDecodeLayout moe_decode_layout(int64_t n, int64_t k, int64_t h, int64_t i, int64_t i_s, DType dtype) {
   MoeDecodeLayout l;
-  l.h_bytes = n * k * i * dtype_size(dtype);
+  l.pairs = n * k + n * moe_decode_shared_chunks(i_s, i);
+  l.h_bytes = l.pairs * i * dtype_size(dtype);
   l.y_offset = moe_decode_align16(l.h_bytes);
-  l.total = l.y_offset + n * k * h * 4;
+  l.total = l.y_offset + l.pairs * h * 4;
   return l;
 }
 
-inline int64_t moe_decode_workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, DType dtype) {
-  return moe_decode_layout(n, k, h, i, dtype).total;
+inline int64_t moe_decode_workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, int64_t i_s, DType dtype) {
+  return moe_decode_layout(n, k, h, i, i_s, dtype).total;
 }
 
 // K rows of one staged chunk of a pass (mr rows of fp32 each).
 JAX_CLUSTER_HOST_DEVICE inline int64_t moe_decode_chunk_rows(int mr) { return kMoeDecodeStageFloats / mr; }
 
-// Dynamic shared memory of a GEMV block: the staged chunk, later overlaid by the 8 warps'
-// partials [warp][matrices][mr][cols] (fp32).
-inline int64_t moe_decode_smem_bytes(int mr, int cols, int64_t k_rows, int matrices) {
+// Dynamic shared memory of a GEMV block: first the chosen experts as a bit set (E bits),
+// then the staged chunk, later overlaid by the 8 warps' partials [warp][matrices][mr][cols]
+// (fp32).
+inline int64_t moe_decode_smem_bytes(int mr, int cols, int64_t k_rows, int matrices, int64_t experts) {
+  const int64_t bits = (experts + 31) / 32 * 4;
   const int64_t stage = std::min(k_rows, moe_decode_chunk_rows(mr)) * mr * 4;
   const int64_t red = int64_t{kMoeDecodeThreads / 32} * matrices * mr * cols * 4;
-  return std::max(stage, red);
+  return std::max({bits, stage, red});
 }
 
 // Why p's sizes and launch fields are not a valid call (of either handler); empty when
@@ -107,9 +129,17 @@ inline std::string moe_decode_check(const MoeDecodeParams& p) {
   if (p.h < 1 || p.i < 1 || p.h % kMoeDecodeAlign || p.i % kMoeDecodeAlign) {
     return "H (" + s(p.h) + ") and I (" + s(p.i) + ") must be positive multiples of " + s(kMoeDecodeAlign);
   }
+  if (p.i_s < 0 || p.i_s % kMoeDecodeAlign) {
+    return "the shared experts' width Is (" + s(p.i_s) + ") must be a multiple of " + s(kMoeDecodeAlign);
+  }
   if (p.e < 1 || p.e > kMoeDecodeMaxExperts) return "E must be in 1.." + s(kMoeDecodeMaxExperts) + ", got " + s(p.e);
   if (p.k < 1 || p.k > p.e) return "k (slots per row) must be in 1..E, got " + s(p.k);
   if (p.n * p.k > int64_t{1} << 30) return "N * k must be at most 2^30";
+  if (p.n * moe_decode_shared_chunks(p.i_s, p.i) > int64_t{1} << 30 ||
+      std::min(p.e, p.n * p.k) + moe_decode_shared_chunks(p.i_s, p.i) > kMoeDecodeMaxExperts) {
+    return "the shared experts' width Is (" + s(p.i_s) + ") must be at most " +
+           s(kMoeDecodeMaxExperts - std::min(p.e, p.n * p.k)) + " times I";
+  }
   if (!moe_decode_valid_cols(p.cols_up)) return "cols_up must be 32, 64 or 128, got " + s(p.cols_up);
   if (!moe_decode_valid_cols(p.cols_down)) return "cols_down must be 32, 64 or 128, got " + s(p.cols_down);
   return "";

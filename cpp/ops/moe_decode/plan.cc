@@ -16,7 +16,7 @@ namespace jax_cluster {
 namespace {
 
 nb::dict plan(int64_t n, int64_t h, int64_t i, int64_t e, int64_t k, const std::string& dtype,
-              int64_t cols_up, int64_t cols_down) {
+              int64_t cols_up, int64_t cols_down, int64_t i_s) {
   MoeDecodeParams p{};
   const bool known_dtype = dtype_from_name(dtype, &p.dtype);
   p.n = n;
@@ -24,6 +24,7 @@ nb::dict plan(int64_t n, int64_t h, int64_t i, int64_t e, int64_t k, const std::
   p.i = i;
   p.e = e;
   p.k = k;
+  p.i_s = i_s;
   // 0: the default; other values reach the check as given (out of int range: -1)
   const auto knob = [](int64_t v) { return v == 0 ? kMoeDecodeDefaultCols : v > 0 && v <= 1024 ? static_cast<int>(v) : -1; };
   p.cols_up = knob(cols_up);
@@ -34,14 +35,14 @@ nb::dict plan(int64_t n, int64_t h, int64_t i, int64_t e, int64_t k, const std::
   out["cuda_error"] = known_dtype ? moe_decode_cuda_check(p) : error;
   out["cols_up"] = int64_t{p.cols_up};
   out["cols_down"] = int64_t{p.cols_down};
-  out["workspace_bytes"] = error.empty() ? moe_decode_workspace_bytes(n, k, h, i, p.dtype) : int64_t{0};
+  out["workspace_bytes"] = error.empty() ? moe_decode_workspace_bytes(n, k, h, i, i_s, p.dtype) : int64_t{0};
   return out;
 }
 
-int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::string& dtype) {
+int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::string& dtype, int64_t i_s) {
   DType t;
-  if (!dtype_from_name(dtype, &t) || n < 0 || k < 0 || h < 0 || i < 0) return 0;
-  return moe_decode_workspace_bytes(n, k, h, i, t);
+  if (!dtype_from_name(dtype, &t) || n < 0 || k < 0 || h < 0 || i < 1 || i_s < 0) return 0;
+  return moe_decode_workspace_bytes(n, k, h, i, i_s, t);
 }
 
 }  // namespace
@@ -53,10 +54,11 @@ void bind_moe_decode_plan(nb::module_& m) {
   m.attr("MOE_DECODE_MAX_EXPERTS") = kMoeDecodeMaxExperts;
   m.attr("MOE_DECODE_DEFAULT_COLS") = kMoeDecodeDefaultCols;
   m.def("moe_decode", &plan, "n"_a, "h"_a, "i"_a, "e"_a, "k"_a, "dtype"_a, "cols_up"_a = 0,
-        "cols_down"_a = 0,
+        "cols_down"_a = 0, "i_s"_a = 0,
         "moe_decode's checks for one call: 'error' (why neither handler takes it, '' if both "
         "do), 'cuda_error' (why the CUDA kernels cannot run it), the resolved column tiles "
-        "(0: the default) and the workspace bytes");
-  m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a,
-        "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I.");
+        "(0: the default) and the workspace bytes (i_s: the shared experts' width, 0: none)");
+  m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a, "i_s"_a = 0,
+        "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I, shared "
+        "experts of width i_s (0: none).");
 }
