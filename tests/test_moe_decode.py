@@ -144,6 +144,49 @@ def test_cpu_shared_widths(rng, shared):
     assert ("jax_cluster_swiglu" in hlo or "dot" in hlo) if shared % 8 else "jax_cluster_swiglu" not in hlo
 
 
+def _route_both(x, router, device, **route):
+    """(weights, ids) of the router custom call and of XLA's reference, under jit on `device`."""
+    kw = dict(top_k=2, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+              routed_scaling_factor=1.0)
+    kw.update(route)
+    x, router = jax.device_put((x, router), device)
+    ours = jax.jit(lambda x, r: md._route(x, r, kw, "cuda"))(x, router)
+    ref = jax.jit(lambda x, r: reference.moe_route(x, r, **kw))(x, router)
+    return [np.asarray(a) for a in ours], [np.asarray(a) for a in ref]
+
+
+ROUTES = [dict(top_k=2), dict(top_k=6, routed_scaling_factor=2.5), dict(top_k=3, norm_topk_prob=True),
+          dict(top_k=3, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+          dict(top_k=6, topk_method="group_limited_greedy", n_group=8, topk_group=3, norm_topk_prob=True)]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=str)
+def test_cpu_router_custom_call(rng, route):
+    """The router's custom call (CPU handler) picks XLA's experts and weights: N = 1, 5, 70
+    (past the kernel's 64 rows: the handler takes any), router float32 and bfloat16."""
+    for n, dtype, rdtype in ((1, "bfloat16", "float32"), (5, "float16", "bfloat16"), (70, "float32", "float32")):
+        x, router = _arr(rng, (n, 64), dtype), _arr(rng, (64, 32), rdtype, 64 ** -0.5)
+        (w, i), (rw, ri) = _route_both(x, router, _cpu(), **route)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_allclose(w, rw, rtol=2e-6, atol=1e-7)
+    args, _ = _inputs(rng, 3, 64, 32, 8, "bfloat16")
+    names = list(args)
+    hlo = jax.jit(lambda a: jc.moe_decode(**dict(zip(names, a)), top_k=2, impl="cuda")).lower(
+        list(args.values())).as_text()
+    assert hlo.count("jax_cluster_moe_route") == 1
+
+
+def test_router_vmap(rng):
+    x, router = _arr(rng, (3, 5, 64), "bfloat16"), _arr(rng, (64, 16), "bfloat16", 0.125)
+    kw = dict(top_k=3, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=True,
+              routed_scaling_factor=1.0)
+    w, i = jax.vmap(lambda v: md._route(v, router, kw, "cuda"))(x)
+    for b in range(3):
+        rw, ri = reference.moe_route(x[b], router, **kw)
+        np.testing.assert_array_equal(np.asarray(i[b]), np.asarray(ri))
+        np.testing.assert_allclose(np.asarray(w[b]), np.asarray(rw), rtol=2e-6, atol=1e-7)
+
+
 def test_cpu_handler_matches_reference_closely(rng):
     """The CPU handler computes the reference's math (fp32, h rounded): nearly every
     element bitwise equal, and eager calls equal jitted ones."""
@@ -499,6 +542,22 @@ def test_gpu_deepseek_shapes(dtype):
                 out = jax.jit(lambda x, a, ex: jc.moe_decode(x, **a, **ex, **kw, impl="cuda"))(x, args, ex)
                 _check(out, ref, dtype)
             del args, extra
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ROUTES, ids=str)
+def test_gpu_router_kernel(rng, route):
+    """The router kernel picks XLA's experts and weights: N = 1, 16, 64, E = 64 (V2-Lite) and
+    160 (V2, H 5120: many K chunks), router bfloat16 and float32."""
+    for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (16, 2048, 64, "float16", "float32"),
+                                   (64, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32")):
+        groups = route.get("n_group", 1)
+        if route["top_k"] > e or groups > e or route["top_k"] > route.get("topk_group", 1) * e // groups:
+            continue  # not a routing of this E
+        x, router = _arr(rng, (n, h), dtype), _arr(rng, (h, e), rdtype, h ** -0.5)
+        (w, i), (rw, ri) = _route_both(x, router, _gpu(), **route)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,10 @@
     y      = swiglu(x, shared experts, residual=routed)  (without shared experts: routed)
 
 x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
-[E, I, H]. The router is tiny and runs in XLA in every impl
-(:func:`jax_cluster.reference.moe_route`). `impl` decides the experts:
+[E, I, H]. The router (:func:`jax_cluster.reference.moe_route` is its contract) runs as
+the custom call jax_cluster_moe_route under "cuda" / "auto" where it takes the call (one
+kernel on a GPU: up to 64 rows and 512 experts; the C++ handler on CPU), else in XLA.
+`impl` decides the experts:
 
   "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
                down GEMV, combine; cpp/ops/moe_decode/params.h) that read ONLY the chosen
@@ -132,6 +134,64 @@ def _batching(args, dims, **params):
 
 
 _PRIM = ffi_primitive("moe_decode", abstract_eval=_abstract, batching_rule=_batching)
+
+
+def _route_abstract(x, router, *, top_k, group_limited, n_group, topk_group, norm_topk_prob,
+                    routed_scaling_factor):
+    del group_limited, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+    n, h = x.shape
+    ws = _plans().moe_route(n, h, router.shape[1], top_k, jnp.dtype(x.dtype).name, jnp.dtype(router.dtype).name,
+                            False, 1, 1)["workspace_bytes"]
+    return (ShapedArray((n, top_k), jnp.float32), ShapedArray((n, top_k), jnp.int32),
+            ShapedArray((ws,), np.uint8))
+
+
+def _route_batching(args, dims, **params):
+    """vmap: one call over all instances' rows (a shared router), or one call per instance."""
+    x, router = args
+    size = x.shape[dims[0]] if dims[0] is not None else router.shape[dims[1]]
+    if dims[1] is None:
+        xs = fold_batch_axis(x, dims[0], size)
+        b, n = xs.shape[:2]
+        if _route_plan(b * n, xs.shape[2], router.shape[1], params, xs.dtype, router.dtype)["usable"]:
+            w, i, ws = _ROUTE.bind(xs.reshape(b * n, -1), router, **params)
+            return (w.reshape(b, n, -1), i.reshape(b, n, -1), ws), (0, 0, None)
+    moved = [fold_batch_axis(a, d, size) if d is not None else a for a, d in zip(args, dims)]
+
+    def one(j):
+        return tuple(_ROUTE.bind(*[a[j] if d is not None else a for a, d in zip(moved, dims)], **params)[:2])
+
+    w, i = jax.lax.map(one, jnp.arange(size))
+    return (w, i, jnp.zeros((0,), np.uint8)), (0, 0, None)
+
+
+_ROUTE = ffi_primitive("moe_route", abstract_eval=_route_abstract, batching_rule=_route_batching)
+
+
+def _route_plan(n, h, e, params, dtype, router_dtype) -> dict:
+    """The C++ plan of a router call, and whether the custom call runs it here (the CPU
+    handler takes any call its checks pass; the kernel 16-bit x, <= 64 rows, <= 512 experts)."""
+    plan = dict(_plans().moe_route(n, h, e, params["top_k"], jnp.dtype(dtype).name, jnp.dtype(router_dtype).name,
+                                   params["group_limited"], params["n_group"], params["topk_group"]))
+    plan["usable"] = not plan["error"] and not (on_gpu() and plan["cuda_error"])
+    return plan
+
+
+def _route(x, router, route: dict, impl: str):
+    """(weights, ids) of the router: the custom call under "cuda" / "auto" where it takes the
+    call, else XLA (jax_cluster.reference.moe_route)."""
+    grouped = route["topk_method"] == "group_limited_greedy"
+    params = dict(top_k=route["top_k"], group_limited=grouped, n_group=int(route["n_group"] or 1) if grouped else 1,
+                  topk_group=int(route["topk_group"] or 1) if grouped else 1,
+                  norm_topk_prob=route["norm_topk_prob"],
+                  routed_scaling_factor=np.float32(route["routed_scaling_factor"]))
+    n, h = x.shape
+    wide = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)  # "auto" keeps float32 on XLA, as for the experts
+    if (impl == "cuda" or (impl == "auto" and not wide)) and \
+            _route_plan(n, h, router.shape[1], params, x.dtype, router.dtype)["usable"]:
+        weights, ids, _ = _ROUTE.bind(x, router, **params)
+        return weights, ids
+    return reference.moe_route(x, router, **route)
 
 
 # ----------------------------------------------------------------------------- the paths
@@ -335,7 +395,7 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
                  norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor))
     if impl == "reference":
         return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
-    weights, ids = reference.moe_route(x, router, **route)
+    weights, ids = _route(x, router, route, impl)
     y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
     if shared is not None and not shared_done:
         y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)

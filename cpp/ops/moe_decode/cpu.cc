@@ -64,4 +64,49 @@ void moe_decode(const MoeDecodeParams& p) {
   }
 }
 
+void moe_route(const MoeRouteParams& p) {
+  const int64_t h = p.h, e = p.e, k = p.k;
+  const int64_t per = p.group_limited ? e / p.n_group : e;
+  std::vector<float> sc(e), best(p.group_limited ? p.n_group : 0);
+  for (int64_t n = 0; n < p.n; ++n) {
+    std::fill(sc.begin(), sc.end(), 0.f);
+    for (int64_t r = 0; r < h; ++r) {
+      const float xv = load(p.dtype, p.x, n * h + r);
+      for (int64_t c = 0; c < e; ++c) sc[c] += xv * load(p.router_dtype, p.router, r * e + c);
+    }
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    for (float v : sc) m = std::max(m, v);
+    for (float& v : sc) z += (v = std::exp(v - m));
+    for (float& v : sc) v /= z;
+    if (p.group_limited) {
+      for (int64_t g = 0; g < p.n_group; ++g) {
+        best[g] = -std::numeric_limits<float>::infinity();
+        for (int64_t c = g * per; c < (g + 1) * per; ++c) best[g] = std::max(best[g], sc[c]);
+      }
+      for (int64_t c = 0; c < e; ++c) {
+        const int64_t g = c / per;
+        int64_t above = 0;
+        for (int64_t o = 0; o < p.n_group; ++o) above += best[o] > best[g] || (best[o] == best[g] && o < g);
+        if (above >= p.topk_group) sc[c] = 0.f;
+      }
+    }
+    float sum = 0.f;
+    for (int64_t s = 0; s < k; ++s) {
+      int64_t bi = -1;
+      float bv = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < e; ++c) {
+        if (sc[c] > bv || (sc[c] == bv && bi < 0)) bv = sc[c], bi = c;
+      }
+      p.ids[n * k + s] = static_cast<int32_t>(bi);
+      p.weights[n * k + s] = bv;
+      sum += bv;
+      if (bi >= 0) sc[bi] = std::numeric_limits<float>::quiet_NaN();
+    }
+    for (int64_t s = 0; s < k; ++s) {
+      float& w = p.weights[n * k + s];
+      w = p.norm_topk_prob && k > 1 ? w / (sum + 1e-20f) : w * p.scaling;
+    }
+  }
+}
+
 }  // namespace jax_cluster::cpu

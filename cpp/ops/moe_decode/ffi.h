@@ -13,8 +13,18 @@
 
 #include "ffi/common.h"
 #include "ops/moe_decode/params.h"
+#include "ops/moe_decode/route.h"
 
 namespace jax_cluster {
+
+struct MoeRouteAttrs {
+  int64_t top_k;
+  bool group_limited;
+  int64_t n_group;
+  int64_t topk_group;
+  bool norm_topk_prob;
+  float routed_scaling_factor;
+};
 
 struct MoeDecodeAttrs {
   int64_t cols_up;
@@ -31,9 +41,60 @@ JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeDecodeAttrs,
                       xla::ffi::StructMember<bool>("pdl"),
                       xla::ffi::StructMember<bool>("has_residual"));
 
+JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeRouteAttrs,
+                      xla::ffi::StructMember<int64_t>("top_k"),
+                      xla::ffi::StructMember<bool>("group_limited"),
+                      xla::ffi::StructMember<int64_t>("n_group"),
+                      xla::ffi::StructMember<int64_t>("topk_group"),
+                      xla::ffi::StructMember<bool>("norm_topk_prob"),
+                      xla::ffi::StructMember<float>("routed_scaling_factor"));
+
 namespace jax_cluster {
 
 namespace ffi = xla::ffi;
+
+// moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (any float dtype) -> weights
+// float32 [N, k], ids int32 [N, k], workspace (uint8). Attributes: MoeRouteAttrs.
+inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyBuffer router,
+                                                     ffi::Result<ffi::AnyBuffer> weights,
+                                                     ffi::Result<ffi::AnyBuffer> ids,
+                                                     ffi::Result<ffi::AnyBuffer> workspace, MoeRouteAttrs a) {
+  auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("moe_route: " + m)); };
+  auto xd = x.dimensions(), rd = router.dimensions();
+  if (xd.size() != 2) return fail("x must be [N, H], got " + ffi_util::dims_str(xd));
+  if (rd.size() != 2 || rd[0] != xd[1]) return fail("router must be [H, E] with H = x.shape[1], got " + ffi_util::dims_str(rd));
+  auto dtype = ffi_util::to_dtype(x.element_type(), "x");
+  if (!dtype) return ffi::Unexpected(dtype.error());
+  auto rdtype = ffi_util::to_dtype(router.element_type(), "router");
+  if (!rdtype) return ffi::Unexpected(rdtype.error());
+  MoeRouteParams p{};
+  p.dtype = *dtype;
+  p.router_dtype = *rdtype;
+  p.n = xd[0];
+  p.h = xd[1];
+  p.e = rd[1];
+  p.k = a.top_k;
+  p.group_limited = a.group_limited;
+  p.n_group = a.n_group;
+  p.topk_group = a.topk_group;
+  p.norm_topk_prob = a.norm_topk_prob;
+  p.scaling = a.routed_scaling_factor;
+  if (const std::string why = moe_route_check(p); !why.empty()) return fail(why);
+  auto wd = weights->dimensions(), id = ids->dimensions();
+  if (weights->element_type() != ffi::DataType::F32 || wd.size() != 2 || wd[0] != p.n || wd[1] != p.k ||
+      ids->element_type() != ffi::DataType::S32 || id.size() != 2 || id[0] != p.n || id[1] != p.k) {
+    return fail("weights must be float32 [N, k] and ids int32 [N, k]");
+  }
+  if (static_cast<int64_t>(workspace->size_bytes()) < moe_route_workspace_bytes(p.n, p.h, p.e, p.router_dtype)) {
+    return fail("workspace too small");
+  }
+  p.x = x.untyped_data();
+  p.router = router.untyped_data();
+  p.weights = static_cast<float*>(weights->untyped_data());
+  p.ids = static_cast<int32_t*>(ids->untyped_data());
+  p.workspace = workspace->untyped_data();
+  return p;
+}
 
 inline ffi::ErrorOr<MoeDecodeParams> decode_moe_decode(
     ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer ids, ffi::AnyBuffer w_gate,

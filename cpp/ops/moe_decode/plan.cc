@@ -8,6 +8,7 @@
 
 #include "ffi/plan_util.h"
 #include "ops/moe_decode/params.h"
+#include "ops/moe_decode/route.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -45,6 +46,25 @@ int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::s
   return moe_decode_workspace_bytes(n, k, h, i, i_s, t);
 }
 
+nb::dict route_plan(int64_t n, int64_t h, int64_t e, int64_t k, const std::string& dtype,
+                    const std::string& router_dtype, bool group_limited, int64_t n_group, int64_t topk_group) {
+  MoeRouteParams p{};
+  const bool known = dtype_from_name(dtype, &p.dtype) && dtype_from_name(router_dtype, &p.router_dtype);
+  p.n = n;
+  p.h = h;
+  p.e = e;
+  p.k = k;
+  p.group_limited = group_limited;
+  p.n_group = n_group;
+  p.topk_group = topk_group;
+  nb::dict out;
+  const std::string error = known ? moe_route_check(p) : "dtypes must be float32, float16 or bfloat16";
+  out["error"] = error;
+  out["cuda_error"] = known ? moe_route_cuda_check(p) : error;
+  out["workspace_bytes"] = error.empty() ? moe_route_workspace_bytes(n, h, e, p.router_dtype) : int64_t{0};
+  return out;
+}
+
 }  // namespace
 }  // namespace jax_cluster
 
@@ -58,6 +78,9 @@ void bind_moe_decode_plan(nb::module_& m) {
         "moe_decode's checks for one call: 'error' (why neither handler takes it, '' if both "
         "do), 'cuda_error' (why the CUDA kernels cannot run it), the resolved column tiles "
         "(0: the default) and the workspace bytes (i_s: the shared experts' width, 0: none)");
+  m.def("moe_route", &route_plan, "n"_a, "h"_a, "e"_a, "k"_a, "dtype"_a, "router_dtype"_a, "group_limited"_a,
+        "n_group"_a, "topk_group"_a,
+        "moe_route's checks for one call: 'error', 'cuda_error' and the workspace bytes");
   m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a, "i_s"_a = 0,
         "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I, shared "
         "experts of width i_s (0: none).");

@@ -1,0 +1,192 @@
+// The router kernel of moe_decode (route.h has the algorithm and its contract).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cmath>
+
+#include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/launch.cuh"
+#include "jax_cluster/ptx.cuh"
+#include "jax_cluster/vec.cuh"
+#include "ops/moe_decode/launch.h"
+
+namespace jax_cluster {
+namespace {
+
+constexpr int kThreads = kMoeRouteThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowGroup = 8;  // rows per pass over a chunk's router columns
+
+// Shared memory of a block, in floats: the staged x chunk [N][kc] and the K-slice partials
+// [subs][kRowGroup][cols], later (the last block) each warp's scores [E] and group bests [E].
+inline int64_t route_smem_floats(int64_t n, int64_t kc, int64_t e) {
+  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e);
+}
+
+// (value, index) of the larger score, the lower index on ties; NaN never wins.
+__device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
+  if (v > *bv || (v == *bv && i < *bi)) {
+    *bv = v;
+    *bi = i;
+  }
+}
+
+template <typename T, typename R>
+__global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParams p, int kc, int chunks) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ bool last;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
+  const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
+  const R* router = static_cast<const R*>(p.router);
+  float* partial = static_cast<float*>(p.workspace);
+  unsigned* counter = reinterpret_cast<unsigned*>(static_cast<char*>(p.workspace) +
+                                                   (int64_t{chunks} * N * E * 4 + 15) / 16 * 16);
+  ptx::griddep_wait();  // x is the previous kernel's
+
+  // This chunk's partial logits: x[:, chunk] staged in fp32; column e's K rows split over
+  // `subs` thread slices, the slices summed in order.
+  float* sx = smem;
+  float* red = smem + N * kc;
+  const T* x = static_cast<const T*>(p.x);
+  for (int i = tid; i < N * rows; i += kThreads) {
+    const int n = i / rows, kk = i - n * rows;
+    sx[n * kc + kk] = to_float(x[static_cast<int64_t>(n) * H + k0 + kk]);
+  }
+  __syncthreads();
+  const int cols = min(E, kThreads), subs = kThreads / cols;
+  const int s = tid / cols, el = tid - s * cols;
+  for (int e0 = 0; e0 < E; e0 += cols) {
+    const int e = e0 + el;
+    const bool active = s < subs && e < E;
+    for (int n0 = 0; n0 < N; n0 += kRowGroup) {
+      float acc[kRowGroup];
+#pragma unroll
+      for (int j = 0; j < kRowGroup; ++j) acc[j] = 0.f;
+      if (active) {
+        for (int kk = s; kk < rows; kk += subs) {
+          const float w = to_float(router[static_cast<int64_t>(k0 + kk) * E + e]);
+#pragma unroll
+          for (int j = 0; j < kRowGroup; ++j) {
+            if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w, acc[j]);
+          }
+        }
+      }
+      if (s < subs) {
+#pragma unroll
+        for (int j = 0; j < kRowGroup; ++j) red[(s * kRowGroup + j) * cols + el] = acc[j];
+      }
+      __syncthreads();
+      for (int i = tid; i < kRowGroup * cols; i += kThreads) {
+        const int j = i / cols, l = i - j * cols;
+        if (n0 + j >= N || e0 + l >= E) continue;
+        float v = 0.f;
+        for (int t = 0; t < subs; ++t) v += red[(t * kRowGroup + j) * cols + l];
+        __stcg(partial + (static_cast<int64_t>(c) * N + n0 + j) * E + e0 + l, v);
+      }
+      __syncthreads();
+    }
+  }
+  ptx::griddep_launch_dependents();
+
+  // The last chunk to arrive selects (threadfence reduction).
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(chunks - 1);
+    __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  float* sc = smem + warp * E;               // this warp's row: scores
+  float* gb = smem + (kWarps + warp) * E;    // group bests, then the chosen weights
+  const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
+  const int K = static_cast<int>(p.k);
+  for (int n = warp; n < N; n += kWarps) {
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32) {
+      float v = 0.f;
+      for (int cc = 0; cc < chunks; ++cc) v += __ldcg(partial + (static_cast<int64_t>(cc) * N + n) * E + e);
+      sc[e] = v;
+      m = fmaxf(m, v);
+    }
+    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float z = 0.f;
+    for (int e = lane; e < E; e += 32) {
+      const float ex = expf(sc[e] - m);
+      sc[e] = ex;
+      z += ex;
+    }
+    for (int off = 16; off; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+    for (int e = lane; e < E; e += 32) sc[e] = sc[e] / z;
+    __syncwarp();
+    if (p.group_limited) {
+      const int groups = static_cast<int>(p.n_group);
+      for (int g = lane; g < groups; g += 32) {
+        float b = -INFINITY;
+        for (int e = g * G; e < (g + 1) * G; ++e) b = fmaxf(b, sc[e]);
+        gb[g] = b;
+      }
+      __syncwarp();
+      // group g is kept when fewer than topk_group groups rank above it
+      for (int e = lane; e < E; e += 32) {
+        const int g = e / G;
+        int above = 0;
+        for (int h = 0; h < groups; ++h) above += gb[h] > gb[g] || (gb[h] == gb[g] && h < g);
+        if (above >= p.topk_group) sc[e] = 0.f;
+      }
+      __syncwarp();
+    }
+    // top_k rounds of a warp argmax; a chosen score becomes NaN (never chosen again)
+    float sum = 0.f;
+    for (int r = 0; r < K; ++r) {
+      float bv = -INFINITY;
+      int bi = INT_MAX;
+      for (int e = lane; e < E; e += 32) better(sc[e], e, &bv, &bi);
+      for (int off = 16; off; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        better(ov, oi, &bv, &bi);
+      }
+      __syncwarp();
+      if (bi != INT_MAX && lane == (bi & 31)) sc[bi] = NAN;
+      if (lane == 0) {
+        p.ids[static_cast<int64_t>(n) * K + r] = bi == INT_MAX ? -1 : bi;
+        gb[r] = bv;
+      }
+      sum += bv;  // the same on every lane, in rank order
+      __syncwarp();
+    }
+    const bool norm = p.norm_topk_prob && K > 1;
+    for (int r = lane; r < K; r += 32) {
+      p.weights[static_cast<int64_t>(n) * K + r] = norm ? gb[r] / (sum + 1e-20f) : gb[r] * p.scaling;
+    }
+    __syncwarp();
+  }
+}
+
+template <typename T, typename R>
+cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
+  const int kc = static_cast<int>(moe_route_chunk_rows(p.n, p.h, p.e, p.router_dtype));
+  const int chunks = static_cast<int>(moe_route_chunks(p.n, p.h, p.e, p.router_dtype));
+  char* counter = static_cast<char*>(p.workspace) + (int64_t{chunks} * p.n * p.e * 4 + 15) / 16 * 16;
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
+  const size_t smem = route_smem_floats(p.n, kc, p.e) * sizeof(float);
+  return launch_programmatic(moe_route_kernel<T, R>, dim3(static_cast<unsigned>(chunks)), dim3(kThreads), smem,
+                             true, stream, p, kc, chunks);
+}
+
+}  // namespace
+
+cudaError_t launch_moe_route(const MoeRouteParams& p, cudaStream_t stream) {
+  if (!moe_route_check(p).empty() || !moe_route_cuda_check(p).empty()) return cudaErrorInvalidValue;
+  return dispatch_half(p.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return dispatch_float(p.router_dtype, [&](auto r) {
+      using R = typename decltype(r)::type;
+      return launch_typed<T, R>(p, stream);
+    });
+  });
+}
+
+}  // namespace jax_cluster

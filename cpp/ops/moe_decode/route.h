@@ -1,0 +1,89 @@
+// DeepSeek-V2's router at decode, as one custom call (jax_cluster_moe_route) ahead of the
+// expert kernels:
+//
+//   scores = softmax(x @ router)              fp32 products and sums, x [N, H], router [H, E]
+//   group-limited greedy: keep the topk_group groups (of E / n_group experts) whose best
+//                         score is highest, the other scores become 0
+//   ids    = the top_k scores' experts         (equal scores: the lower expert first)
+//   weights = the top_k scores / (their sum + 1e-20)   when norm_topk_prob and top_k > 1,
+//             else times routed_scaling_factor
+//
+// jax_cluster.reference.moe_route is the contract (XLA's softmax and lax.top_k); the kernel
+// sums in a fixed order, so its logits may differ from XLA's in the last bits and a pair of
+// scores within an ulp may rank the other way.
+//
+// CUDA: one kernel, grid (K chunks of H). Block c stages x[:, chunk c] in fp32 and writes
+// the chunk's fp32 partial logits [N][E] (each column's K rows split over the block's
+// threads, summed in a fixed order) to the workspace; the last block to arrive (a counter
+// the launcher zeroes) sums the chunks in chunk order per row and selects: one warp per row.
+// No float atomics: bitwise deterministic. Up to kMoeRouteMaxRows rows and
+// kMoeRouteMaxExperts experts (larger calls route in XLA).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "jax_cluster/types.h"
+
+namespace jax_cluster {
+
+inline constexpr int64_t kMoeRouteMaxRows = 64;
+inline constexpr int64_t kMoeRouteMaxExperts = 512;  // per warp: the scores and group bests in shared memory
+inline constexpr int kMoeRouteThreads = 256;
+// Router bytes one block reads (its K chunk), and the staged x floats it may hold.
+inline constexpr int64_t kMoeRouteChunkBytes = 16384;
+inline constexpr int64_t kMoeRouteStageFloats = 8192;
+
+struct MoeRouteParams {
+  DType dtype;           // x's: fp16, bf16 (fp32: the CPU handler)
+  DType router_dtype;    // fp32, fp16 or bf16
+  int64_t n, h, e, k;    // rows, hidden, experts, top_k
+  bool group_limited;
+  int64_t n_group, topk_group;
+  bool norm_topk_prob;
+  float scaling;         // routed_scaling_factor
+  const void* x;         // [N, H]
+  const void* router;    // [H, E]
+  float* weights;        // [N, k]
+  int32_t* ids;          // [N, k]
+  void* workspace;       // moe_route_workspace_bytes
+};
+
+// K rows of one block's chunk: about kMoeRouteChunkBytes of router, x's chunk stageable.
+inline int64_t moe_route_chunk_rows(int64_t n, int64_t h, int64_t e, DType router_dtype) {
+  const int64_t rows = std::max<int64_t>(8, kMoeRouteChunkBytes / std::max<int64_t>(1, e * dtype_size(router_dtype)));
+  return std::min({rows, h, std::max<int64_t>(1, kMoeRouteStageFloats / std::max<int64_t>(1, n))});
+}
+
+inline int64_t moe_route_chunks(int64_t n, int64_t h, int64_t e, DType router_dtype) {
+  return (h + moe_route_chunk_rows(n, h, e, router_dtype) - 1) / moe_route_chunk_rows(n, h, e, router_dtype);
+}
+
+// Partial logits [chunks][N][E] fp32, then the counter (16-byte aligned).
+inline int64_t moe_route_workspace_bytes(int64_t n, int64_t h, int64_t e, DType router_dtype) {
+  return (moe_route_chunks(n, h, e, router_dtype) * n * e * 4 + 15) / 16 * 16 + 16;
+}
+
+// Why p is not a valid call of either handler, or "".
+inline std::string moe_route_check(const MoeRouteParams& p) {
+  const auto s = [](int64_t v) { return std::to_string(v); };
+  if (p.n < 1 || p.h < 1 || p.e < 1) return "x must be [N >= 1, H >= 1] and router [H, E >= 1]";
+  if (p.k < 1 || p.k > p.e) return "top_k must be in 1..E (" + s(p.e) + "), got " + s(p.k);
+  if (p.group_limited) {
+    if (p.n_group < 1 || p.e % p.n_group) return "n_group (" + s(p.n_group) + ") must divide E (" + s(p.e) + ")";
+    if (p.topk_group < 1 || p.topk_group > p.n_group) return "topk_group must be in 1..n_group";
+    if (p.k > p.topk_group * (p.e / p.n_group)) return "top_k exceeds the experts the kept groups hold";
+  }
+  return "";
+}
+
+// Why the CUDA kernel cannot run p (beyond moe_route_check), or "".
+inline std::string moe_route_cuda_check(const MoeRouteParams& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return "x must be float16 or bfloat16 on the GPU";
+  if (p.n > kMoeRouteMaxRows) return "at most " + std::to_string(kMoeRouteMaxRows) + " rows";
+  if (p.e > kMoeRouteMaxExperts) return "at most " + std::to_string(kMoeRouteMaxExperts) + " experts";
+  return "";
+}
+
+}  // namespace jax_cluster
