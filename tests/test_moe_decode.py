@@ -496,11 +496,11 @@ def test_gpu_vs_reference(rng, dtype, method, shared, residual):
 def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
     """Every column tile on H, I multiples of 8 only (tile remainders of 8 columns), one
     expert (k = E = 1), more rows than a pass holds (N = 9, 70: several passes per expert),
-    shared experts narrower than I, wider with a narrower last chunk, or several chunks,
-    duplicate ids through moe_experts."""
+    shared experts in the call (up to 8 rows) narrower than I, wider with a narrower last
+    chunk, or several chunks, duplicate ids through moe_experts."""
     cfg = MoeDecodeConfig(**config)
-    for n, h, i, e, k, shared in ((1, 136, 72, 4, 2, 200), (9, 264, 200, 1, 1, 8), (70, 136, 72, 4, 3, 144),
-                                  (3, 64, 8, 6, 6, 40), (2, 64, 64, 4, 2, None)):
+    for n, h, i, e, k, shared in ((1, 136, 72, 4, 2, 200), (9, 264, 200, 1, 1, None), (5, 264, 200, 1, 1, 8),
+                                  (70, 136, 72, 4, 3, None), (8, 136, 72, 4, 3, 144), (3, 64, 8, 6, 6, 40)):
         args, extra = _inputs(rng, n, h, i, e, dtype, shared=shared, residual=n % 2 == 1)
         kw = dict(top_k=k)
         weights, ids = _route_on_gpu(args, kw)
@@ -547,10 +547,12 @@ def test_gpu_deepseek_shapes(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ROUTES, ids=str)
 def test_gpu_router_kernel(rng, route):
-    """The router kernel picks XLA's experts and weights: N = 1, 16, 64, E = 64 (V2-Lite) and
-    160 (V2, H 5120: many K chunks), router bfloat16 and float32."""
-    for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (16, 2048, 64, "float16", "float32"),
-                                   (64, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32")):
+    """The router kernel picks XLA's experts and weights: N = 1, 3, 8 (its most rows; more
+    route in XLA), E = 64 (V2-Lite) and 160 (V2, H 5120: many K chunks), router bfloat16 and
+    float32."""
+    for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (8, 2048, 64, "float16", "float32"),
+                                   (8, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32"),
+                                   (16, 256, 16, "bfloat16", "bfloat16")):
         groups = route.get("n_group", 1)
         if route["top_k"] > e or groups > e or route["top_k"] > route.get("topk_group", 1) * e // groups:
             continue  # not a routing of this E

@@ -8,7 +8,7 @@
 x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
 [E, I, H]. The router (:func:`jax_cluster.reference.moe_route` is its contract) runs as
 the custom call jax_cluster_moe_route under "cuda" / "auto" where it takes the call (one
-kernel on a GPU: up to 64 rows and 512 experts; the C++ handler on CPU), else in XLA.
+kernel on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in XLA.
 `impl` decides the experts:
 
   "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
@@ -100,6 +100,11 @@ def launch_plan(config: MoeDecodeConfig | None, n: int, h: int, i: int, e: int, 
     return _plan(n, h, i, e, k, jnp.dtype(dtype).name, config.cols_up or 0, config.cols_down or 0, shared_width)
 
 
+# The most rows whose shared experts run in the GPU call (params.h kMoeDecodeMaxPassRows): every
+# shared chunk is then one pass of the kernels. Past it a chunk streams its weights once per
+# 8 rows, and jax_cluster.swiglu, which reads them once, is faster (docs/moe_decode.md).
+_SHARED_IN_CALL_ROWS = 8
+
 # ----------------------------------------------------------------------------- primitive
 def _abstract(x, weights, ids, w_gate, w_up, w_down, s_gate, s_up, s_down, residual, *, cols_up, cols_down, pdl,
               has_residual):
@@ -170,7 +175,7 @@ _ROUTE = ffi_primitive("moe_route", abstract_eval=_route_abstract, batching_rule
 
 def _route_plan(n, h, e, params, dtype, router_dtype) -> dict:
     """The C++ plan of a router call, and whether the custom call runs it here (the CPU
-    handler takes any call its checks pass; the kernel 16-bit x, <= 64 rows, <= 512 experts)."""
+    handler takes any call its checks pass; the kernel 16-bit x, <= 8 rows, <= 512 experts)."""
     plan = dict(_plans().moe_route(n, h, e, params["top_k"], jnp.dtype(dtype).name, jnp.dtype(router_dtype).name,
                                    params["group_limited"], params["n_group"], params["topk_group"]))
     plan["usable"] = not plan["error"] and not (on_gpu() and plan["cuda_error"])
@@ -238,7 +243,9 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
     k = ids.shape[1]
     if impl in ("auto", "cuda"):
         plan = None
-        if shared is not None:  # in the same kernels where the call takes them (Is % 8 == 0)
+        # the shared experts in the call where it takes them (Is % 8 == 0); on a GPU up to
+        # _SHARED_IN_CALL_ROWS rows (the CPU handler: any)
+        if shared is not None and (n <= _SHARED_IN_CALL_ROWS or not on_gpu()):
             plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype, shared["w_gate"].shape[1])
             if plan["error"]:
                 plan, shared = None, None
