@@ -14,9 +14,10 @@ kernel on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in 
   "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
                down GEMV, combine; cpp/ops/moe_decode/params.h) that read ONLY the chosen
                experts' weights, each chosen expert once per call however many rows chose
-               it, and the shared experts in the same kernels (as Is / I pseudo-experts
-               every row chooses); on CPU the C++ handler (same math, also float32). Shared
-               experts whose width is not a multiple of 8 run through jax_cluster.swiglu.
+               it, and up to 8 rows the shared experts in the same kernels (as Is / I
+               pseudo-experts every row chooses); on CPU the C++ handler (same math, also
+               float32; shared experts at any N). Otherwise, and for a shared width that is
+               not a multiple of 8, the shared experts run through jax_cluster.swiglu.
   "auto"       "cuda" where the kernels take the shape and dtype (float16 / bfloat16, H and
                I multiples of 8), else "xla" with a one-time warning.
   "xla"        the gather formulation a JAX user writes (flax_models' experts_gather): the
@@ -143,10 +144,10 @@ _PRIM = ffi_primitive("moe_decode", abstract_eval=_abstract, batching_rule=_batc
 
 def _route_abstract(x, router, *, top_k, group_limited, n_group, topk_group, norm_topk_prob,
                     routed_scaling_factor):
-    del group_limited, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+    del norm_topk_prob, routed_scaling_factor
     n, h = x.shape
     ws = _plans().moe_route(n, h, router.shape[1], top_k, jnp.dtype(x.dtype).name, jnp.dtype(router.dtype).name,
-                            False, 1, 1)["workspace_bytes"]
+                            group_limited, n_group, topk_group)["workspace_bytes"]
     return (ShapedArray((n, top_k), jnp.float32), ShapedArray((n, top_k), jnp.int32),
             ShapedArray((ws,), np.uint8))
 
@@ -383,9 +384,10 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     "group_limited_greedy" (n_group groups of E / n_group experts, the topk_group best
     groups kept), norm_topk_prob (renormalise the top_k weights to sum 1, when top_k > 1)
     else routed_scaling_factor. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
-    [Is, H]), the always-on shared experts (one SwiGLU: in the custom call's kernels with
-    impl "cuda" / "auto", else by jax_cluster.swiglu with the same impl). residual: None or [N, H], added to the routed sum before the shared
-    experts' output. config: a MoeDecodeConfig (impl "auto" or "cuda").
+    [Is, H]), the always-on shared experts (one SwiGLU: in the custom call's kernels under
+    impl "cuda" / "auto" up to 8 rows on a GPU, else by jax_cluster.swiglu with the same
+    impl). residual: None or [N, H], added to the routed sum before the shared experts'
+    output. config: a MoeDecodeConfig (impl "auto" or "cuda").
     """
     op = "moe_decode"
     _check_call(op, impl, config)
