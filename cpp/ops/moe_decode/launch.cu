@@ -1,10 +1,11 @@
 // The MoE decode kernels (params.h has the algorithm): two expert-grouped GEMVs and a
 // combine.
 //
-// GEMV block = (column tile of `cols` columns, j-th chosen expert), 256 threads. It first
-// finds its expert (nth_chosen_expert: the distinct ids as a bit set) and lists the
-// (row, slot) pairs whose id is its expert (scan_pairs: a ballot per warp and a prefix over
-// the warps, in pair order) and exits when there are none. Otherwise, per pass of up to MR
+// GEMV block = (column tile of `cols` columns, grid row), 256 threads. Grid row j < min(E,
+// N k) is the j-th chosen expert (nth_chosen_expert: the distinct ids as a bit set; none:
+// the block exits), whose (row, slot) pairs the block lists (scan_pairs: a ballot per warp
+// and a prefix over the warps, in pair order); the rows after them are the shared experts'
+// chunks (params.h), chosen by every row. Then, per pass of up to MR
 // pairs: the pairs' input rows (x for gate/up, h for down) are staged in shared memory as
 // fp32 [K row][pair] in chunks; each thread owns 8 columns (one 16-byte weight load per
 // matrix per K row) and a K slice (K rows ks, ks + S, ...; S = 256 / (cols / 8) slices),
@@ -15,7 +16,8 @@
 // tree inside the warp, then the 8 warps in index order through shared memory.
 //   gate/up: two matrices; h = round(silu(g) * u) to T, written to h [pair][I].
 //   down:    one matrix; the fp32 sums written to y_e [pair][H].
-// The combine kernel sums the k slots of each row in slot order (+ residual), NaN for a
+// The combine kernel sums the k slots of each row in slot order (+ residual), then adds
+// the shared chunks to the rounded sum in chunk order; NaN for a
 // row with an invalid id.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -403,7 +405,7 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   up.k = p.h;
   up.n = p.i;
   up.cols = p.cols_up;
-  up.wait_prior = false;
+  up.wait_prior = false;  // a plain launch: its blocks read ids (the router's) before any wait
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
       moe_gemv_kernel<T, MR, true>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), grid_rows),
       dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_up, p.h, 2, p.e), false, stream, up));
