@@ -168,7 +168,7 @@ def test_cpu_router_custom_call(rng, route):
         x, router = _arr(rng, (n, 64), dtype), _arr(rng, (64, 32), rdtype, 64 ** -0.5)
         (w, i), (rw, ri) = _route_both(x, router, _cpu(), **route)
         np.testing.assert_array_equal(i, ri)
-        np.testing.assert_allclose(w, rw, rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
     args, _ = _inputs(rng, 3, 64, 32, 8, "bfloat16")
     names = list(args)
     hlo = jax.jit(lambda a: jc.moe_decode(**dict(zip(names, a)), top_k=2, impl="cuda")).lower(
@@ -184,7 +184,7 @@ def test_router_vmap(rng):
     for b in range(3):
         rw, ri = reference.moe_route(x[b], router, **kw)
         np.testing.assert_array_equal(np.asarray(i[b]), np.asarray(ri))
-        np.testing.assert_allclose(np.asarray(w[b]), np.asarray(rw), rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(w[b]), np.asarray(rw), rtol=1e-5, atol=1e-7)
 
 
 def test_cpu_handler_matches_reference_closely(rng):
@@ -559,7 +559,7 @@ def test_gpu_router_kernel(rng, route):
         x, router = _arr(rng, (n, h), dtype), _arr(rng, (h, e), rdtype, h ** -0.5)
         (w, i), (rw, ri) = _route_both(x, router, _gpu(), **route)
         np.testing.assert_array_equal(i, ri)
-        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(w, rw, rtol=3e-5, atol=1e-7)  # logits summed in another order (H up to 5120)
 
 
 @pytest.mark.gpu
