@@ -3,22 +3,24 @@
 //   y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n])  (+ residual[n])
 //   SwiGLU_e(x) = (round(silu(x @ w_gate[e]) * (x @ w_up[e]))) @ w_down[e]
 //
-// x [N, H]; weights float32 [N, k] and ids int32 [N, k] (the router's output, computed in
-// XLA); w_gate, w_up [E, H, I]; w_down [E, I, H]; residual [N, H] or none. fp16 / bf16
-// (the CPU handler also float32), fp32 accumulation; the activation h = silu(g) * u is
+// x [N, H]; weights float32 [N, k] and ids int32 [N, k] (the router's output: route.h's
+// kernel or XLA); w_gate, w_up [E, H, I]; w_down [E, I, H]; residual [N, H] or none. fp16 /
+// bf16 (the CPU handler also float32), fp32 accumulation; the activation h = silu(g) * u is
 // rounded to x's dtype (as a 16-bit implementation stores it); the per-(row, slot) expert
 // outputs stay fp32 and y is rounded once, after the weighted sum and the residual.
 //
 // Kernels (launch.cu; docs/moe_decode.md):
 //  1. gate/up: grid (I column tiles of cols_up, min(E, N k)): grid row j is the j-th
 //     smallest expert id chosen (rows past the distinct count exit at once). A block lists
-//     the (row, slot) pairs whose id is its expert (a scan of ids, in pair order), then streams its expert's w_gate / w_up column tile ONCE for all those
-//     pairs (passes of kMoeDecodeMaxPassRows pairs) and writes h [pair][I] (x's dtype) to
-//     the workspace. Only the chosen experts' weights are read, each once per call.
-//  2. down: grid (H column tiles of cols_down, min(E, N k)), the same scheme over w_down: the fp32
-//     expert outputs y_e [pair][H] to the workspace.
+//     the (row, slot) pairs whose id is its expert (a scan of ids, in pair order), then
+//     streams its expert's w_gate / w_up column tile ONCE for all those pairs (passes of
+//     kMoeDecodeMaxPassRows pairs) and writes h [pair][I] (x's dtype) to the workspace.
+//     Only the chosen experts' weights are read, each once per call.
+//  2. down: grid (H column tiles of cols_down, min(E, N k)), the same scheme over w_down:
+//     the fp32 expert outputs y_e [pair][H] to the workspace.
 //  3. combine: y[n] = sum over s = 0..k-1 in order of weights[n, s] * y_e[n * k + s]
 //     (+ residual), one thread per 4 outputs. No atomics anywhere: bitwise deterministic.
+//  Kernels 2 and 3 launch programmatically (PDL) behind the previous one.
 //
 // Shared experts (optional, DeepSeek-V2's always-on SwiGLU of width Is: s_gate, s_up
 // [H, Is], s_down [Is, H]) run in the same kernels: a SwiGLU's output is the sum of the
@@ -30,7 +32,6 @@
 //   y[n] = round( round(routed[n] + residual[n]) + sum_c y_e[N k + c N + n] )
 // (what swiglu(x, shared, residual = routed) computes: the routed sum rounded, the shared
 // output added in fp32 and rounded once).
-//  Kernels 2 and 3 launch programmatically (PDL) behind the previous one.
 //
 // ids outside [0, E) (possible only when the caller passes ids under jit: the Python
 // wrapper rejects concrete ones) give an all-NaN output row; no block reads or writes for
@@ -135,7 +136,7 @@ inline std::string moe_decode_check(const MoeDecodeParams& p) {
   if (p.e < 1 || p.e > kMoeDecodeMaxExperts) return "E must be in 1.." + s(kMoeDecodeMaxExperts) + ", got " + s(p.e);
   if (p.k < 1 || p.k > p.e) return "k (slots per row) must be in 1..E, got " + s(p.k);
   if (p.n * p.k > int64_t{1} << 30) return "N * k must be at most 2^30";
-  if (p.n * moe_decode_shared_chunks(p.i_s, p.i) > int64_t{1} << 30 ||
+  if (p.n * p.k + p.n * moe_decode_shared_chunks(p.i_s, p.i) > int64_t{1} << 30 ||
       std::min(p.e, p.n * p.k) + moe_decode_shared_chunks(p.i_s, p.i) > kMoeDecodeMaxExperts) {
     return "the shared experts' width Is (" + s(p.i_s) + ") must be at most " +
            s(kMoeDecodeMaxExperts - std::min(p.e, p.n * p.k)) + " times I";
