@@ -53,7 +53,7 @@ namespace jax_cluster {
 
 namespace ffi = xla::ffi;
 
-// moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (any float dtype) -> weights
+// moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (fp32 / fp16 / bf16) -> weights
 // float32 [N, k], ids int32 [N, k], workspace (uint8). Attributes: MoeRouteAttrs.
 inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyBuffer router,
                                                      ffi::Result<ffi::AnyBuffer> weights,
