@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "jax_cluster/arrival.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
 #include "ops/mla_decode/projections.h"
@@ -37,20 +38,6 @@ struct MlaSmem {
     *st = *f + full;
   }
 };
-
-// Whether this block is the last of `total` to arrive at `counter` (threadfence reduction:
-// what every thread of each block wrote before is visible to the last one afterwards).
-__device__ __forceinline__ bool mla_last_to_arrive(unsigned int* counter, unsigned int total) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // the block's writes are visible before the count says so
-    last = atomicAdd(counter, 1u) == total - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  return last;
-}
 
 // sums[b * w + c] = sum over rows k < rows of in[b * in_ld + k] * W[k * ld + c] (c < w, a
 // multiple of 8; b < NB, rows past `batch` are zero in `in`). All threads call it.
@@ -239,7 +226,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
         __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
       }
     }
-    if (!mla_last_to_arrive(p.kv_counter, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
+    if (!last_block_to_arrive(p.kv_counter, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
     // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= p.batch) return;
@@ -369,7 +356,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
     }
   }
   unsigned int* counters = reinterpret_cast<unsigned int*>(part + p.num_heads * p.batch * p.hidden);
-  if (!mla_last_to_arrive(counters + rank, static_cast<unsigned>(p.num_heads))) return;
+  if (!last_block_to_arrive(counters + rank, static_cast<unsigned>(p.num_heads))) return;
   const T* bias = static_cast<const T*>(p.o_bias);
   const T* res = static_cast<const T*>(p.residual);
   T* y = static_cast<T*>(p.y);

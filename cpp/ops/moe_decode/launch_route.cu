@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 
+#include "jax_cluster/arrival.cuh"
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
 #include "jax_cluster/ptx.cuh"
@@ -35,7 +36,6 @@ __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
 template <typename T, typename R>
 __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParams p, int kc, int chunks) {
   extern __shared__ __align__(16) float smem[];
-  __shared__ bool last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
   const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
@@ -90,14 +90,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
   }
   ptx::griddep_launch_dependents();
 
-  // The last chunk to arrive selects (threadfence reduction).
-  if (tid == 0) {
-    __threadfence();
-    last = atomicAdd(counter, 1u) == static_cast<unsigned>(chunks - 1);
-    __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
+  if (!last_block_to_arrive(counter, static_cast<unsigned>(chunks))) return;  // the last selects
   float* sc = smem + warp * E;               // this warp's row: scores
   float* gb = smem + (kWarps + warp) * E;    // group bests, then the chosen weights
   const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
