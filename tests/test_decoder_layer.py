@@ -262,9 +262,9 @@ def test_kernel_refuses_inputs_its_chunks_cannot_stage():
 ])
 @pytest.mark.parametrize("batch", [1, 3, 5, 8])
 def test_kernel_plan_stays_inside_its_workspace(shape, batch):
-    """The one-launch kernel writes exactly the regions its plan names; for every grid and tile
-    width those fit the workspace the op declares from the shapes alone (a partials region
-    too small once let one GEMV's partials run into the activations)."""
+    """The one-launch kernel writes exactly the regions its plan names; for every grid those fit
+    the workspace the op declares from the shapes alone (a partials region too small once let
+    one GEMV's partials run into the activations)."""
     from jax_cluster import _extension
 
     d, f, hq, hkv, dh, mlp, parallel = shape
@@ -272,35 +272,34 @@ def test_kernel_plan_stays_inside_its_workspace(shape, batch):
         base = dict(_extension.plans().decoder_layer(batch, d, hq, hkv, dh, s_max, f, mlp, parallel, "bfloat16"))
         assert base["error"] == "" and base["cuda_error"] == ""
         for grid in (1, 66, 132, 264, 1024):
-            for tile in (256, 512, 1024):
-                lay = dict(_extension.plans().decoder_layer(batch, d, hq, hkv, dh, s_max, f, mlp, parallel,
-                                                            "bfloat16", grid=grid, tile_cols=tile)["layout"])
-                names = ["counters", "partials", "qkv", "attn_partial", "attn", "h", "h_stats", "act", "timeline",
-                         "floats"]
-                offs = [lay[n] for n in names]
-                assert offs == sorted(offs) and lay["floats"] == base["workspace_floats"]
-                size = {n: offs[i + 1] - offs[i] for i, n in enumerate(names[:-1])}
-                assert lay["counter_words"] <= size["counters"]
-                used = []
-                for i, g in enumerate(lay["gemvs"]):
-                    if g["n"] == 0:
-                        continue  # the parallel residual has no separate MLP down
-                    virt = 2 * g["n"] if g["paired"] else g["n"]
-                    assert g["tiles"] * g["tile_cols"] >= virt and g["tile_cols"] <= tile
-                    assert 1 <= g["chunks"] <= lay["max_chunks"]
-                    assert (g["chunks"] - 1) * g["chunk_rows"] < g["k"] <= g["chunks"] * g["chunk_rows"]
-                    # the kernel stages its NB >= batch rows: batch 3 stages 4, batch 5 stages 8
-                    assert lay["staged_rows"] * g["chunk_rows"] <= lay["stage_floats"] and g["chunk_rows"] % 32 == 0
-                    assert g["tile_counter_off"] >= 8 and g["tile_counter_off"] + g["tiles"] <= lay["counter_words"]
-                    end = g["partial_off"] + g["chunks"] * batch * g["tiles"] * g["tile_cols"]
-                    assert end <= size["partials"], (i, grid, tile)
-                    used.append((i, g["partial_off"], end))
-                if parallel:  # QKV and MLP up run in the same phase: disjoint partials
-                    (_, _, qkv_end), (_, up_off, _) = used[0], used[1]
-                    assert up_off >= qkv_end
-                assert 1 <= lay["splits"] <= lay["max_splits"]
-                group = hq // hkv
-                assert size["attn_partial"] >= batch * hkv * (lay["splits"] * group * (dh + 2) + 2 * dh)
-                assert size["qkv"] >= batch * (hq + 2 * hkv) * dh and size["attn"] >= batch * hq * dh
-                assert size["h_stats"] >= lay["gemvs"][2]["tiles"] * batch * 2 and size["act"] >= batch * f
-                assert size["timeline"] * 4 >= 8 * (1 + 1024 * base["timeline_marks"])
+            lay = dict(_extension.plans().decoder_layer(batch, d, hq, hkv, dh, s_max, f, mlp, parallel,
+                                                        "bfloat16", grid=grid)["layout"])
+            names = ["counters", "partials", "qkv", "attn_partial", "attn", "h", "h_stats", "act", "timeline",
+                     "floats"]
+            offs = [lay[n] for n in names]
+            assert offs == sorted(offs) and lay["floats"] == base["workspace_floats"]
+            size = {n: offs[i + 1] - offs[i] for i, n in enumerate(names[:-1])}
+            assert lay["counter_words"] <= size["counters"]
+            used = []
+            for i, g in enumerate(lay["gemvs"]):
+                if g["n"] == 0:
+                    continue  # the parallel residual has no separate MLP down
+                virt = 2 * g["n"] if g["paired"] else g["n"]
+                assert g["tiles"] * g["tile_cols"] >= virt and g["tile_cols"] == 256
+                assert 1 <= g["chunks"] <= lay["max_chunks"]
+                assert (g["chunks"] - 1) * g["chunk_rows"] < g["k"] <= g["chunks"] * g["chunk_rows"]
+                # the kernel stages its NB >= batch rows: batch 3 stages 4, batch 5 stages 8
+                assert lay["staged_rows"] * g["chunk_rows"] <= lay["stage_floats"] and g["chunk_rows"] % 32 == 0
+                assert g["tile_counter_off"] >= 8 and g["tile_counter_off"] + g["tiles"] <= lay["counter_words"]
+                end = g["partial_off"] + g["chunks"] * batch * g["tiles"] * g["tile_cols"]
+                assert end <= size["partials"], (i, grid)
+                used.append((i, g["partial_off"], end))
+            if parallel:  # QKV and MLP up run in the same phase: disjoint partials
+                (_, _, qkv_end), (_, up_off, _) = used[0], used[1]
+                assert up_off >= qkv_end
+            assert 1 <= lay["splits"] <= lay["max_splits"]
+            group = hq // hkv
+            assert size["attn_partial"] >= batch * hkv * (lay["splits"] * group * (dh + 2) + 2 * dh)
+            assert size["qkv"] >= batch * (hq + 2 * hkv) * dh and size["attn"] >= batch * hq * dh
+            assert size["h_stats"] >= lay["gemvs"][2]["tiles"] * batch * 2 and size["act"] >= batch * f
+            assert size["timeline"] * 4 >= 8 * (1 + 1024 * base["timeline_marks"])

@@ -38,8 +38,7 @@ DecodeAttentionParams attention_params(const DecoderLayerParams& p, const Decode
 
 // Tuning knobs read once from the environment, for measuring what they buy:
 // JAX_CLUSTER_LAYER_PREFETCH: bytes of its next GEMV units' weights a block pulls into L2
-// before each grid barrier (default 0: the pulls cost more at the barrier than they saved);
-// JAX_CLUSTER_LAYER_TILE: the GEMV tile width (256, 512, 1024 or 2048 columns).
+// before each grid barrier (default 0: the pulls cost more at the barrier than they saved).
 int64_t env_int(const char* name, int64_t fallback) {
   const char* env = std::getenv(name);
   return env == nullptr ? fallback : static_cast<int64_t>(std::atoll(env));
@@ -48,14 +47,6 @@ int64_t prefetch_bytes() {
   static const int64_t bytes = env_int("JAX_CLUSTER_LAYER_PREFETCH", 0);
   return bytes;
 }
-int64_t tile_cols() {
-  static const int64_t cols = [] {
-    const int64_t v = env_int("JAX_CLUSTER_LAYER_TILE", kLayerTileColsDefault);
-    return v == 256 || v == 512 || v == 1024 || v == 2048 ? v : int64_t{kLayerTileColsDefault};
-  }();
-  return cols;
-}
-
 template <typename T, int NB, int DH>
 cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) {
   auto* kernel = decoder_layer_kernel<T, NB, DH>;
@@ -65,7 +56,7 @@ cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) 
       resident_blocks(reinterpret_cast<const void*>(kernel), kLayerThreads, smem, &grid));
   DecoderLayerArgs args{};
   args.p = p;
-  args.pl = plan_decoder_layer(p, grid, tile_cols());
+  args.pl = plan_decoder_layer(p, grid);
   args.pl.prefetch_bytes = prefetch_bytes();
   args.dp = attention_params(p, args.pl, ws);
   args.ws = ws;

@@ -16,10 +16,10 @@ using namespace nb::literals;
 namespace jax_cluster {
 namespace {
 
-// The kernel's schedule for a grid of `grid` blocks and tiles of `tile_cols` columns: what the
+// The kernel's schedule for a grid of `grid` blocks: what the
 // tests check against the workspace's bounds (the kernel writes exactly these regions).
-nb::dict layout(const DecoderLayerParams& p, int64_t grid, int64_t tile_cols) {
-  const DecoderLayerPlan pl = plan_decoder_layer(p, grid, tile_cols);
+nb::dict layout(const DecoderLayerParams& p, int64_t grid) {
+  const DecoderLayerPlan pl = plan_decoder_layer(p, grid);
   nb::dict out;
   nb::list gemvs;
   for (int i = 0; i < kLayerGemvs; ++i) {
@@ -53,7 +53,7 @@ nb::dict layout(const DecoderLayerParams& p, int64_t grid, int64_t tile_cols) {
 
 nb::dict plan(int64_t batch, int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t max_seq, int64_t inter, int64_t mlp, bool parallel_residual, const std::string& dtype,
-              int64_t grid, int64_t tile_cols) {
+              int64_t grid) {
   DecoderLayerParams p{};
   const bool known_dtype = dtype_from_name(dtype, &p.dtype);
   p.batch = batch;
@@ -74,7 +74,7 @@ nb::dict plan(int64_t batch, int64_t hidden, int64_t num_q_heads, int64_t num_kv
   out["workspace_floats"] = error.empty() ? decoder_layer_workspace_floats(p) : int64_t{0};
   out["timeline_offset"] = error.empty() ? plan_decoder_layer(p, 1).timeline : int64_t{0};
   out["timeline_marks"] = kLayerTimelineMarks;
-  if (error.empty() && grid > 0) out["layout"] = layout(p, grid, tile_cols);
+  if (error.empty() && grid > 0) out["layout"] = layout(p, grid);
   return out;
 }
 
@@ -84,7 +84,6 @@ nb::dict plan(int64_t batch, int64_t hidden, int64_t num_q_heads, int64_t num_kv
 void bind_decoder_layer_plan(nb::module_& m) {
   m.def("decoder_layer", &jax_cluster::plan, "batch"_a, "hidden"_a, "num_q_heads"_a, "num_kv_heads"_a,
         "head_dim"_a, "max_seq"_a, "inter"_a, "mlp"_a, "parallel_residual"_a, "dtype"_a, "grid"_a = 0,
-        "tile_cols"_a = jax_cluster::kLayerTileColsDefault,
         "decoder_layer's checks for one call: 'error' (sizes out of range, '' if valid), 'cuda_error' (why "
         "the one-launch kernel cannot run it), the workspace, and with grid > 0 the kernel's 'layout' for a "
         "grid of that many blocks");

@@ -8,7 +8,7 @@
 //                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
 //   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
 //                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
-// A GEMV unit multiplies a K chunk of its B input rows by a tile of 256..2048 columns;
+// A GEMV unit multiplies a K chunk of its B input rows by a tile of 256 columns;
 // with several chunks per tile the units write fp32 partials and the last one to arrive
 // (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
 #pragma once
@@ -22,9 +22,7 @@
 namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
-inline constexpr int kLayerMinTileCols = 256;        // GEMV tiles: 256..2048 columns (lanes x 8)
-inline constexpr int kLayerMaxTileCols = 2048;
-inline constexpr int kLayerTileColsDefault = 256;    // a warp reads 512 B of a row (wider: worse balance)
+inline constexpr int kLayerTileCols = 256;           // GEMV tiles (a warp's 32 lanes x 8 columns)
 inline constexpr int kLayerMaxChunks = 32;           // K chunks per tile
 inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
 inline constexpr int kLayerMaxSplits = 64;           // attention token splits per (row, KV head)
@@ -32,8 +30,8 @@ inline constexpr int kLayerMinSplitTokens = 256;     // cache slots per split at
 
 // One GEMV of the layer: out[b, n] = sum_k in[b, k] W[k, n], split into tiles x chunks units.
 // Paired (SwiGLU's gate and up): a tile is tile_cols / 2 columns of w_gate and the same
-// ones of w_up. Wide tiles: each row step of a tile reads tile_cols contiguous weights (DRAM
-// pages are used whole; 64-column tiles streamed at ~45% of HBM).
+// ones of w_up. A tile's row is 512 contiguous bytes (64-column tiles streamed at ~45% of
+// HBM; 512- to 2048-column ones balanced the grid worse and were no faster).
 struct LayerGemv {
   int64_t k, n;        // input width, output columns (paired: F, read as 2F virtual columns)
   int64_t tile_cols, tiles, chunks, chunk_rows;  // chunk_rows: a multiple of 32
@@ -88,10 +86,7 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
 static_assert(kLayerMaxChunks * kLayerStageFloats == kDecoderLayerMaxStagedInputs,
               "decoder_layer_cuda_check bounds the staged inputs by the plan's chunks x staging");
 
-// tile_cols: 256, 512, 1024 or 2048 (narrower GEMVs take one tile of their width rounded up
-// to 256).
-inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid,
-                                           int64_t tile_cols = kLayerTileColsDefault) {
+inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t grid) {
   DecoderLayerPlan pl{};
   pl.grid = grid;
   const int64_t b = p.batch, d = p.hidden, f = p.inter, dh = p.head_dim;
@@ -103,7 +98,7 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     g.k = k;
     g.n = n;
     g.paired = paired;
-    g.tile_cols = std::min(tile_cols, (virt + kLayerMinTileCols - 1) / kLayerMinTileCols * kLayerMinTileCols);
+    g.tile_cols = kLayerTileCols;
     g.tiles = (virt + g.tile_cols - 1) / g.tile_cols;
     g.chunks = 1;
     return g;
@@ -133,12 +128,11 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     at += (floats + 31) / 32 * 32;  // 128-byte aligned regions
     return off;
   };
-  // Regions sized by bounds (the narrowest tiles, the most chunks and splits), not by this
-  // grid's or tile width's values: the op declares its workspace from the shapes alone
+  // Regions sized by bounds (the most chunks and splits), not by this grid's values: the op declares its workspace from the shapes alone
   // (decoder_layer_workspace_floats).
   auto max_tiles = [&](int i) {
     const LayerGemv& g = pl.gemv[i];
-    return ((g.paired ? 2 * g.n : g.n) + kLayerMinTileCols - 1) / kLayerMinTileCols;
+    return ((g.paired ? 2 * g.n : g.n) + kLayerTileCols - 1) / kLayerTileCols;
   };
   pl.counter_words = 8;  // grid barriers
   for (int i = 0; i < kLayerGemvs; ++i) {
@@ -148,7 +142,7 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
   pl.counters = take(pl.counter_words);
   auto partial_floats = [&](int i) {
     const LayerGemv& g = pl.gemv[i];
-    return kLayerMaxChunks * b * ((g.paired ? 2 * g.n : g.n) + kLayerMaxTileCols);
+    return kLayerMaxChunks * b * ((g.paired ? 2 * g.n : g.n) + kLayerTileCols);
   };
   int64_t partial = 0;
   for (int i = 0; i < kLayerGemvs; ++i) {
