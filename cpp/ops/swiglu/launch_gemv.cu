@@ -24,6 +24,7 @@
 
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/gemv_mma.cuh"
 #include "jax_cluster/launch.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
@@ -96,10 +97,6 @@ __device__ __forceinline__ void stage_x(const GemvArgs& a, int64_t r0, int rows,
   }
 }
 
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 // This warp's partial [MR][64] (its half of the tile, its row group) ->
 // `red`. `w` points at the chunk's first row and the half's first column.
 template <typename T, int MR, typename Stage>
@@ -137,16 +134,7 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int c
           // B: x row 8t + g at K rows 4c..4c+3 (the mma's k = 2c, 2c+1 | 2c+8, 2c+9)
           const uint2 b =
               *reinterpret_cast<const uint2*>(xs + (8 * t + g) * stride + 16 * ss + 4 * c);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            // A rows g | g + 8 = columns 8g + 2q | 8g + 2q + 1; columns 2q, 2q + 1 of K rows
-            // (4c + 2p, 4c + 2p + 1) paired, the lower row in the low half
-            const uint32_t w0 = word(v[u][0], q), w1 = word(v[u][1], q);
-            const uint32_t w2 = word(v[u][2], q), w3 = word(v[u][3], q);
-            const uint32_t frag[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
-                                      __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
-            mma16816<T>(acc[t][q], frag, b.x, b.y);
-          }
+          gemv_mma_step<T>(v[u], b.x, b.y, acc[t]);
         }
       }
       // refilled after use: fewer registers live
