@@ -43,7 +43,8 @@ struct LayerWeights {
 #define JAX_CLUSTER_LAYER_STEPS_IN_FLIGHT 3
 #endif
 // 16-row steps in flight per warp, 4 loads of 16 bytes per lane each: 3 steps (48 KB per SM)
-// streamed 1-6% faster than 4 and 7-17% faster than 8 (docs/decoder_layer.md).
+// streamed 1-6% faster than 4 and 7-17% faster than 8 (docs/decoder_layer.md); a probe build
+// may set another.
 inline constexpr int kLayerStepsInFlight = JAX_CLUSTER_LAYER_STEPS_IN_FLIGHT;
 inline constexpr int kLayerRowGroups = 2;  // warps = 4 column quarters x 2 row groups
 // Staged row stride (16-bit elements) for a chunk of `rows` (a multiple of 32): an odd number
