@@ -309,7 +309,8 @@ def whole_layer_impl(impl, *, mlp_has_fused_op: bool) -> str | None:
     * component "layer" = "fused" (so plain impl="fused"): ``jax_cluster.decoder_layer`` with
       impl="cuda", the one-launch layer kernel on a GPU, its C++ handler on CPU;
     * every component "auto" (plain impl="auto"): ``jax_cluster.decoder_layer`` with impl="auto"
-      where it can run (a GPU, 16-bit), its per-op kernels by the tuners' choice;
+      where it can run (a GPU, 16-bit): the one-launch kernel or the per-op kernels, as its tuner
+      measured faster for the shape;
     * attention and MLP "fused" where the MLP has no fused op of its own (GPT-NeoX's GELU): the
       whole-layer op is the only fused form, so "fused";
     * anything else (a component "xla", "layer=xla"): per-component blocks."""
@@ -343,7 +344,8 @@ def decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, *, impl="fused", ro
             return None
         return _run("decoder_layer", "decoder_layer", op, "auto", *args, **kw,
                     _inner={"attention_block": "attention_block", "swiglu": "swiglu"},
-                    _auto_why="impl=auto: jax_cluster.decoder_layer on its per-op kernels (tuners' picks per shape)")
+                    _auto_why="impl=auto: jax_cluster.decoder_layer, the one-launch kernel or the per-op kernels "
+                             "as its tuner measured faster per shape")
     op, op_impl = _choose(impl, "decoder_layer", "decoder_layer", x.dtype, unsupported=why)
     try:
         return _run("decoder_layer", "decoder_layer", op, op_impl, *args, **kw)

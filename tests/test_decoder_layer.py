@@ -239,6 +239,80 @@ def test_cpu_handler_invalid_rows_and_vmap(rng):
         assert rel_l2(ys[i], ry) <= TOLERANCE["float32"]
 
 
+# ----------------------------------------------------------------------------- auto's choice of path
+@pytest.fixture
+def fake_gpu_tuner(monkeypatch, tmp_path):
+    """decoder_layer's auto path as on a GPU, with a fresh tuning cache and a stand-in for the
+    timings: returns (the times measure() reports per path, the paths it was asked for). The
+    chosen one-launch path then runs the custom call's CPU handler."""
+    from jax_cluster import tuning
+    from jax_cluster.ops import decoder_layer as mod
+
+    monkeypatch.setenv(tuning.ENV_CACHE, str(tmp_path / "tuning.json"))
+    monkeypatch.delenv(tuning.ENV_ENABLE, raising=False)
+    tuning.clear_memory_cache()
+    monkeypatch.setattr(mod, "on_gpu", lambda: True)
+    times, asked = {}, []
+
+    def measure(path, **shape):
+        asked.append((path, shape["batch"], shape["family"]))
+        return times[path]
+
+    monkeypatch.setattr(mod, "measure", measure)
+    yield times, asked
+    tuning.clear_memory_cache()
+
+
+def kernel_case(rng, family, batch=3):
+    """A bfloat16 layer the one-launch kernel covers (head_dim 64)."""
+    w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_weights(rng, family, 128, 4, 2, 64, 256, True))
+    args = dict(x=jnp.asarray(rng.standard_normal((batch, 128)), jnp.bfloat16), weights=w,
+                k_cache=jnp.asarray(rng.standard_normal((batch, 2, S_MAX, 64)), jnp.bfloat16),
+                v_cache=jnp.asarray(rng.standard_normal((batch, 2, S_MAX, 64)), jnp.bfloat16),
+                lengths=jnp.asarray(np.arange(batch) * 5 % S_MAX, jnp.int32),
+                inv_freq=jnp.asarray(10000.0 ** (-np.arange(0, 64, 2) / 64), jnp.float32))
+    return args, dict(family=family, num_q_heads=4, num_kv_heads=2, eps=1e-5)
+
+
+def lowered(args, **kw):
+    return jax.jit(functools.partial(decoder_layer, **kw)).lower(**args).as_text()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_auto_runs_the_path_the_tuner_measured_faster(rng, fake_gpu_tuner, family):
+    times, asked = fake_gpu_tuner
+    args, kw = kernel_case(rng, family)
+    times.update(per_op=2e-6, one_launch=1e-6)
+    assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", **kw)
+    assert sorted({p for p, _, _ in asked}) == ["one_launch", "per_op"] and all(b == 3 for _, b, _ in asked)
+    y, _, _ = jax.jit(functools.partial(decoder_layer, impl="auto", **kw))(**args)
+    ry, _, _ = decoder_layer(**args, impl="reference", **kw)
+    assert rel_l2(y, ry) <= TOLERANCE["bfloat16"]
+    n = len(asked)
+    times.update(per_op=1e-6, one_launch=2e-6)  # the cached pick stands: nothing is measured again
+    assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", **kw) and len(asked) == n
+    other, _ = kernel_case(rng, family, batch=2)  # another shape is measured for itself
+    assert "jax_cluster_decoder_layer" not in lowered(other, impl="auto", **kw) and len(asked) > n
+
+
+@pytest.mark.filterwarnings("ignore:.*no kernel for dtype float32")
+def test_auto_without_a_choice_to_make(rng, fake_gpu_tuner, monkeypatch):
+    """one_launch=True / False fix the path; layers the kernel does not cover and tuning turned
+    off run the per-op path; none of them measures anything."""
+    times, asked = fake_gpu_tuner
+    times.update(per_op=2e-6, one_launch=1e-6)
+    args, kw = kernel_case(rng, "llama")
+    assert "jax_cluster_decoder_layer" not in lowered(args, impl="auto", one_launch=False, **kw)
+    assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", one_launch=True, **kw)
+    big, _ = kernel_case(rng, "llama", batch=9)  # more rows than the kernel takes
+    assert "jax_cluster_decoder_layer" not in lowered(big, impl="auto", **kw)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, args)  # 16-bit only
+    assert "jax_cluster_decoder_layer" not in lowered(f32, impl="auto", **kw)
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "0")
+    assert "jax_cluster_decoder_layer" not in lowered(args, impl="auto", **kw)
+    assert asked == []
+
+
 # ----------------------------------------------------------------------------- the kernel's plan
 def test_kernel_refuses_inputs_its_chunks_cannot_stage():
     """A GEMV input longer than K chunks x staging buffer over the staged rows (a 405B-class MLP

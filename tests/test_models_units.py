@@ -218,8 +218,8 @@ def test_decode_routes_say_how_each_block_runs(fake_jax_cluster, monkeypatch):
     fake_jax_cluster.calls.clear()
     routes = [str(r) for r in decode_routes(model, 2, 32, "auto")]  # whole layers, the op's own choice
     assert ("decoder_layer", "auto") in fake_jax_cluster.calls
-    assert routes == ["decoder_layer: jax_cluster (impl=auto: jax_cluster.decoder_layer on its per-op kernels "
-                      "(tuners' picks per shape))"]
+    assert routes == ["decoder_layer: jax_cluster (impl=auto: jax_cluster.decoder_layer, the one-launch kernel or "
+                      "the per-op kernels as its tuner measured faster per shape)"]
     routes = [str(r) for r in decode_routes(model, 2, 32, "attention=auto,mlp=auto,layer=xla")]
     assert routes[0].startswith("attention_block: jax_cluster (impl=auto: the tuner's pick")
     fake_jax_cluster.warn = "attention_block: no CUDA kernel for head_dim=16; using XLA's ops"

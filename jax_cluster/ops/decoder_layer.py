@@ -14,26 +14,34 @@ jax_cluster_decoder_layer, on a GPU the one-launch layer kernel (cpp/ops/decoder
 ClusterFusion++'s whole-layer dataflow in one persistent grid, docs/decoder_layer.md), on CPU
 its C++ handler (the reference's math and rounding points); it covers 16-bit dtypes, at most
 8 rows, head_dim 64/80/96/128, at most 8 query heads per KV head and widths that are
-multiples of 8. "auto" runs the layer on the per-op kernels (attention_block, then swiglu;
-GeLU MLPs on XLA's dots), which are faster than the one-launch kernel on every shape
-measured so far; one_launch=True makes auto run the kernel where it covers the shapes (a
-warning says why where it does not). "xla" runs the per-op blocks in plain jnp,
-"reference" the fp32 reference.
+multiples of 8. "auto" runs whichever of the two GPU paths the tuner measured faster for
+the shape and GPU (jax_cluster.tuning: once, cached): the one-launch kernel or the per-op
+kernels (attention_block, then swiglu; GeLU MLPs on XLA's dots), the per-op path wherever
+the kernel does not cover the shapes. one_launch=True or False fixes that choice (True: a
+warning says why where the kernel cannot run the call). "xla" runs the per-op blocks in plain
+jnp, "reference" the fp32 reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster import _extension, reference
+from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
 from jax_cluster.ops.attention_block import attention_block
 from jax_cluster.ops.swiglu import swiglu
 
-__all__ = ["decoder_layer"]
+__all__ = ["autotune", "decoder_layer"]
+
+# Bump when a kernel change can reverse which path is faster: cached picks of older versions
+# are measured again.
+KERNEL_VERSION = 1
+PATHS = ("per_op", "one_launch")  # what the tuner chooses between under impl="auto"
 
 FAMILIES = ("llama", "gpt_neox")
 _MLP_KEYS = {"llama": ("w_gate", "w_up", "w_down"), "gpt_neox": ("w_in", "b_in", "w_out", "b_out")}
@@ -50,6 +58,15 @@ def _plan(x, k_cache, w1, *, num_q_heads, num_kv_heads, mlp, parallel_residual) 
     b, d = x.shape
     return dict(_extension.plans().decoder_layer(b, d, num_q_heads, num_kv_heads, k_cache.shape[3], k_cache.shape[2],
                                                  w1.shape[-1], mlp, parallel_residual, jnp.dtype(x.dtype).name))
+
+
+def _kernel_covers(shape: dict) -> bool:
+    """Whether the one-launch kernel runs a layer of `shape` (tuning's shape dict)."""
+    mlp = _MLP_KIND[(shape["family"], shape["gelu_approximate"])]
+    plan = _extension.plans().decoder_layer(shape["batch"], shape["hidden"], shape["num_q_heads"],
+                                            shape["num_kv_heads"], shape["head_dim"], shape["max_seq"],
+                                            shape["inter"], mlp, shape["parallel_residual"], shape["dtype"].name)
+    return not (plan["error"] or plan["cuda_error"])
 
 
 def _abstract(x, *rest, num_q_heads, num_kv_heads, mlp, parallel_residual, **_):
@@ -172,7 +189,7 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
                   num_kv_heads: int, eps: float, rotary_dim: int | None = None, rope_layout: str = "half",
                   scale: float | None = None, parallel_residual: bool = False, gelu_approximate: bool = False,
-                  impl: str = "auto", one_launch: bool = False):
+                  impl: str = "auto", one_launch: bool | None = None):
     """(y [B, D], k_cache, v_cache): one decode step of a whole layer (see the module docstring).
 
     weights: norm, qkv [D, (Hq + 2 Hkv) Dh] (columns [Q heads | K heads | V heads]), o
@@ -180,8 +197,9 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     w_out [F, D] (gpt_neox); optional qkv_bias, o_bias, b_in, b_out; norm_bias and
     post_norm_bias for gpt_neox's LayerNorms. Caches [B, Hkv, S_max, Dh] (donate them);
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim / 2].
-    one_launch: under impl="auto" on a GPU, True runs the one-launch kernel where it covers
-    the shapes (default: the per-op kernels, faster so far: docs/decoder_layer.md).
+    one_launch: under impl="auto" on a GPU, None (default) runs the path the tuner measured
+    faster for this shape (the per-op kernels where the one-launch kernel does not cover it),
+    True the one-launch kernel where it covers the shapes, False the per-op kernels.
     """
     op = "decoder_layer"
     check_impl(op, impl)
@@ -193,6 +211,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     if impl == "reference":
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     gpu = on_gpu()
+    if impl == "auto" and gpu and one_launch is None:
+        one_launch = _pick(x, w, k_cache, **kw) == "one_launch"
     if impl == "cuda" or (impl == "auto" and gpu and one_launch):
         if rope_layout not in ("half", "interleaved"):
             raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
@@ -217,3 +237,81 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     a = jax.nn.gelu(_dense(hn, w["w_in"], w.get("b_in")).astype(jnp.float32), approximate=gelu_approximate)
     m = _dense(a.astype(x.dtype), w["w_out"], w.get("b_out"))
     return (h.astype(jnp.float32) + m.astype(jnp.float32)).astype(x.dtype), k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------- tuning
+def tuning_key(*, batch, hidden, num_q_heads, num_kv_heads, head_dim, max_seq, inter, family, parallel_residual,
+               gelu_approximate, dtype) -> str:
+    return tuning.make_key(KERNEL_VERSION, b=batch, d=hidden, hq=num_q_heads, hkv=num_kv_heads, dh=head_dim,
+                           ctx=1 << max(0, (max_seq - 1).bit_length()), f=inter, family=family,
+                           parallel=int(bool(parallel_residual)), tanh=int(bool(gelu_approximate)),
+                           dtype=jnp.dtype(dtype).name)
+
+
+def measure(path, *, batch, hidden, num_q_heads, num_kv_heads, head_dim, max_seq, inter, family, parallel_residual,
+            gelu_approximate, dtype, steps: int = 8) -> float:
+    """Seconds per decode step of `path` ("per_op" or "one_launch") on the default device:
+    `steps` steps written out in one jitted program, fresh random weights (with every bias
+    the family has), caches of max_seq slots carried and donated, every row at its last slot
+    (as attention_block's tuner times them)."""
+    hq, hkv, dh, d, f = num_q_heads, num_kv_heads, head_dim, hidden, inter
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+    rand = lambda *s, sc=1.0: jax.random.normal(next(keys), s, dtype) * jnp.asarray(sc, dtype)  # noqa: E731
+    ones = lambda n: jnp.ones((n,), dtype)  # noqa: E731
+    w = dict(norm=ones(d), qkv=rand(d, (hq + 2 * hkv) * dh, sc=d ** -0.5), o=rand(hq * dh, d, sc=0.02),
+             post_norm=ones(d))
+    if family == "llama":
+        w.update(w_gate=rand(d, f, sc=d ** -0.5), w_up=rand(d, f, sc=d ** -0.5), w_down=rand(f, d, sc=0.02))
+    else:
+        w.update(norm_bias=rand(d, sc=0.02), qkv_bias=rand((hq + 2 * hkv) * dh, sc=0.02), o_bias=rand(d, sc=0.02),
+                 post_norm_bias=rand(d, sc=0.02), w_in=rand(d, f, sc=d ** -0.5), b_in=rand(f, sc=0.02),
+                 w_out=rand(f, d, sc=0.02), b_out=rand(d, sc=0.02))
+    kc, vc = rand(batch, hkv, max_seq, dh), rand(batch, hkv, max_seq, dh)
+    lengths = jnp.full((batch,), max_seq - 1, jnp.int32)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32)
+    kw = dict(family=family, num_q_heads=hq, num_kv_heads=hkv, eps=1e-5, parallel_residual=parallel_residual,
+              gelu_approximate=gelu_approximate)
+    run = dict(impl="cuda") if path == "one_launch" else dict(impl="auto", one_launch=False)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(state, w):
+        for _ in range(steps):
+            state = decoder_layer(state[0], w, state[1], state[2], lengths, inv_freq, **kw, **run)
+        return state
+
+    return tuning.time_carried(lambda state: loop(state, w), (rand(batch, d), kc, vc)) / steps
+
+
+def _shape(x, w, k_cache, *, family, num_q_heads, num_kv_heads, parallel_residual, gelu_approximate, **_) -> dict:
+    w1 = w["w_gate"] if family == "llama" else w["w_in"]
+    return dict(batch=x.shape[0], hidden=x.shape[1], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_dim=k_cache.shape[3], max_seq=k_cache.shape[2], inter=w1.shape[-1], family=family,
+                parallel_residual=bool(parallel_residual and family == "gpt_neox"),
+                gelu_approximate=bool(gelu_approximate and family == "gpt_neox"), dtype=jnp.dtype(x.dtype))
+
+
+def _pick_for(shape: dict) -> str:
+    """The path impl="auto" runs on a GPU: the per-op kernels where the one-launch kernel
+    cannot run the layer, else the tuner's pick between the two."""
+    if not _kernel_covers(shape):
+        return "per_op"
+    return tuning.pick("decoder_layer", tuning_key(**shape), list(PATHS), functools.partial(measure, **shape),
+                       heuristic="per_op")
+
+
+def _pick(x, w, k_cache, **kw) -> str:
+    if k_cache.dtype != x.dtype:
+        return "per_op"  # the kernel takes caches of x's dtype
+    return _pick_for(_shape(x, w, k_cache, **kw))
+
+
+def autotune(*, batch: int, hidden: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
+             inter: int, family: str, dtype, parallel_residual: bool = False, gelu_approximate: bool = False) -> str:
+    """Runs the tuner now for one layer shape (e.g. at deployment warm-up); returns the path
+    impl="auto" will run for it on this GPU: "per_op" or "one_launch"."""
+    if not on_gpu():
+        return "per_op"
+    return _pick_for(dict(batch=batch, hidden=hidden, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, max_seq=max_seq, inter=inter, family=family, dtype=jnp.dtype(dtype),
+                          parallel_residual=bool(parallel_residual and family == "gpt_neox"),
+                          gelu_approximate=bool(gelu_approximate and family == "gpt_neox")))
