@@ -60,13 +60,13 @@ def _plan(x, k_cache, w1, *, num_q_heads, num_kv_heads, mlp, parallel_residual) 
                                                  w1.shape[-1], mlp, parallel_residual, jnp.dtype(x.dtype).name))
 
 
-def _kernel_covers(shape: dict) -> bool:
-    """Whether the one-launch kernel runs a layer of `shape` (tuning's shape dict)."""
+def _kernel_error(shape: dict) -> str:
+    """Why the one-launch kernel cannot run a layer of `shape` (tuning's shape dict; '' if it can)."""
     mlp = _MLP_KIND[(shape["family"], shape["gelu_approximate"])]
     plan = _extension.plans().decoder_layer(shape["batch"], shape["hidden"], shape["num_q_heads"],
                                             shape["num_kv_heads"], shape["head_dim"], shape["max_seq"],
                                             shape["inter"], mlp, shape["parallel_residual"], shape["dtype"].name)
-    return not (plan["error"] or plan["cuda_error"])
+    return plan["error"] or plan["cuda_error"]
 
 
 def _abstract(x, *rest, num_q_heads, num_kv_heads, mlp, parallel_residual, **_):
@@ -117,11 +117,8 @@ def _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel
     """Why the one-launch kernel cannot run this call ('' if it can)."""
     if k_cache.dtype != x.dtype:
         return f"caches of dtype {k_cache.dtype}, not x's {x.dtype}"
-    w1 = w["w_gate"] if family == "llama" else w["w_in"]
-    plan = _plan(x, k_cache, w1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                 mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
-                 parallel_residual=bool(parallel_residual and family == "gpt_neox"))
-    return plan["error"] or plan["cuda_error"]
+    return _kernel_error(_shape(x, w, k_cache, family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                parallel_residual=parallel_residual, gelu_approximate=gelu_approximate))
 
 
 def _norm(x, kind, weight, bias, eps):
@@ -293,7 +290,7 @@ def _shape(x, w, k_cache, *, family, num_q_heads, num_kv_heads, parallel_residua
 def _pick_for(shape: dict) -> str:
     """The path impl="auto" runs on a GPU: the per-op kernels where the one-launch kernel
     cannot run the layer, else the tuner's pick between the two."""
-    if not _kernel_covers(shape):
+    if _kernel_error(shape):
         return "per_op"
     return tuning.pick("decoder_layer", tuning_key(**shape), list(PATHS), functools.partial(measure, **shape),
                        heuristic="per_op")
