@@ -5,15 +5,19 @@
 // N k) is the j-th chosen expert (nth_chosen_expert: the distinct ids as a bit set; none:
 // the block exits), whose (row, slot) pairs the block lists (scan_pairs: a ballot per warp
 // and a prefix over the warps, in pair order); the rows after them are the shared experts'
-// chunks (params.h), chosen by every row. Then, per pass of up to MR
-// pairs: the pairs' input rows (x for gate/up, h for down) are staged in shared memory as
-// fp32 [K row][pair] in chunks; each thread owns 8 columns (one 16-byte weight load per
-// matrix per K row) and a K slice (K rows ks, ks + S, ...; S = 256 / (cols / 8) slices),
-// and accumulates every pair of the pass in fp32 registers (CUDA cores: a handful of rows
-// per expert is far from needing tensor cores). The weight tile is streamed once per pass
-// (one pass whenever the expert has at most MR pairs: every row of a batch of <= 8, and
-// the typical expert of a larger batch). K slices are summed in a fixed order: a shuffle
-// tree inside the warp, then the 8 warps in index order through shared memory.
+// chunks (params.h), chosen by every row. Then, per pass of up to MR pairs, the weight
+// tile is streamed once (one pass whenever the expert has at most MR pairs: every row of a
+// batch of <= 8, and the typical expert of a larger batch):
+//   tensor cores (16-bit weights, tiles of 64 or 128 columns; moe_mma_pass): the pairs'
+//     input rows (x for gate/up, h for down) staged as 16-bit [pair][K]; warp = (matrix,
+//     64-column half, K row group), weights straight into registers (3 16-row steps in
+//     flight), byte-permuted into mma A fragments (jax_cluster/gemv_mma.cuh); the K groups
+//     summed in group order;
+//   CUDA cores (fp32 weights, 32-column tiles): the input rows staged as fp32 [K row][pair]
+//     in chunks; each thread owns 8 columns (one 16-byte weight load per matrix per K row)
+//     and a K slice (K rows ks, ks + S, ...; S = 256 / (cols / 8) slices) and accumulates
+//     every pair in fp32 registers; K slices summed in a fixed order: a shuffle tree
+//     inside the warp, then the 8 warps in index order through shared memory.
 //   gate/up: two matrices; h = round(silu(g) * u) to T, written to h [pair][I].
 //   down:    one matrix; the fp32 sums written to y_e [pair][H].
 // The combine kernel sums the k slots of each row in slot order (+ residual), then adds
@@ -27,6 +31,7 @@
 
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/dispatch.cuh"
+#include "jax_cluster/gemv_mma.cuh"
 #include "jax_cluster/launch.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
@@ -174,8 +179,88 @@ __device__ __forceinline__ void zero(float (&acc)[A][B][C]) {
       for (int c = 0; c < C; ++c) acc[i][j][c] = 0.f;
 }
 
+// 16-row steps in flight per warp on the tensor-core path (4 loads of 16 bytes per lane each).
+constexpr int kMmaStepsInFlight = 3;
+
+// One pass of the tensor-core path (16-bit weights, tiles of 64 or 128 columns): the
+// pass's `count` input rows times this block's weight tile over all K, summed into
+// red[(group * kMat + matrix) * MR + pair][cols] (group = the warp's K row group).
+// Warp = (matrix, 64-column half, K row group); weights go straight into registers and
+// through jax_cluster/gemv_mma.cuh, the staged inputs ([pair][K] 16-bit) are the B fragments.
 template <typename T, int MR, bool kUp>
-__global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a) {
+__device__ void moe_mma_pass(const GemvArgs& a, const T* w0, const T* w1, int64_t ld, int64_t ncols, int64_t krows,
+                             int count, int first, bool shared, const int* list, float* smem) {
+  constexpr int kMat = kUp ? 2 : 1, U = kMmaStepsInFlight;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int halves = a.cols / 64, groups = kWarps / kMat / halves;
+  const int m = kUp ? warp / (kWarps / 2) : 0, rest = kUp ? warp % (kWarps / 2) : warp;
+  const int half = rest % halves, rg = rest / halves;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * a.cols + half * 64 + 8 * g;
+  const bool col_ok = col < ncols;  // widths % 8 == 0: a lane's 8 columns are all in or all out
+  const T* w = (m ? w1 : w0) + col;
+  const T* in = static_cast<const T*>(a.a);
+  T* xs = reinterpret_cast<T*>(smem);
+  const int64_t chunk_rows = moe_decode_chunk_rows(MR), stride = moe_decode_mma_stride(min(krows, chunk_rows));
+  float acc[4][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
+  for (int64_t r0 = 0; r0 < krows; r0 += chunk_rows) {
+    const int rows = static_cast<int>(min(chunk_rows, krows - r0)), steps = (rows + 15) / 16;
+    auto load = [&](uint4 (&v)[4], int s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = 16 * s + 4 * c + i;
+        v[i] = col_ok && s < steps && r < rows ? ptx::ldg_stream(w + (r0 + r) * ld) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
+    uint4 wv[U][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(wv[u], rg + u * groups);
+    __syncthreads();  // the previous chunk's (or pass's) readers are done
+    // [pair][K] 16-bit, rows past `rows` (to the last 16-row step) and pairs past `count` zero
+    const int staged = 16 * steps;
+    for (int e = tid; e < MR * staged; e += kThreads) {
+      const int j = e / staged, q = e - j * staged;
+      T v = from_float<T>(0.f);
+      if (j < count && q < rows) {
+        const int64_t in_row = kUp && shared ? first + j : list[j] / a.row_div;
+        v = in[in_row * a.k + r0 + q];
+      }
+      xs[j * stride + q] = v;
+    }
+    __syncthreads();
+    for (int s = rg; s < steps; s += groups * U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ss = s + u * groups;
+        if (ss < steps) {
+          uint2 b = make_uint2(0u, 0u);
+          if (g < MR) b = *reinterpret_cast<const uint2*>(xs + g * stride + 16 * ss + 4 * c);
+          gemv_mma_step<T>(wv[u], b.x, b.y, acc);
+        }
+        load(wv[u], ss + groups * U);  // refilled after use: fewer registers live
+      }
+    }
+  }
+  __syncthreads();  // the staged inputs are dead: `red` overlays them
+  // acc[q] = {(col, pair), (col, pair + 1), (col + 1, pair), (col + 1, pair + 1)}, col = 8g + 2q
+  // of the half, pair = 2c.
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int pair = 2 * c + (j & 1), cc = half * 64 + 8 * g + 2 * q + (j >> 1);
+      if (pair < MR) smem[((rg * kMat + m) * MR + pair) * a.cols + cc] = acc[q][j];
+    }
+  __syncthreads();
+}
+
+// kMma: the tensor-core path (16-bit weights, tiles of 64 or 128 columns), a kernel of its
+// own so that its lighter registers allow two blocks per SM.
+template <typename T, int MR, bool kUp, bool kMma>
+__global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const GemvArgs a) {
   constexpr int kMat = kUp ? 2 : 1;
   // K rows in flight per thread (16-byte loads per matrix each): more where fewer
   // accumulators leave registers for them.
@@ -215,6 +300,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
     }
   }
   if (a.wait_prior) ptx::griddep_wait();
+  // 16-bit weights in tiles of 64 or 128 columns run on the tensor cores (moe_mma_pass);
+  // fp32 weights and 32-column tiles on the CUDA cores below.
+  static_assert(!kMma || !std::is_same_v<T, float>, "the tensor cores take 16-bit weights");
+  constexpr bool mma = kMma;
+  const T* const tile0 = w0;
+  const T* const tile1 = w1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int groups = a.cols / 8;             // 8-column groups of the tile
@@ -238,83 +329,88 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemv_kernel(const GemvArgs a)
       scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
     }
     const int count = min(MR, total - first);
-    float acc[kMat][MR][8];
-    zero(acc);
-    for (int64_t r0 = 0; r0 < krows; r0 += chunk_rows) {
-      const int rows = static_cast<int>(min(chunk_rows, krows - r0));
-      __syncthreads();  // the previous chunk's (or pass's) readers are done
-      for (int e = tid; e < MR * rows; e += kThreads) {
-        const int j = e / rows, q = e - j * rows;
-        float v = 0.f;
-        if (j < count) {
-          const int64_t pair = list[j];
-          const int64_t in_row = kUp && shared ? first + j : pair / a.row_div;
-          v = to_float(in[in_row * a.k + r0 + q]);
+    if constexpr (mma) {
+      moe_mma_pass<T, MR, kUp>(a, tile0, tile1, ld, ncols, krows, count, first, shared, list, smem);
+    } else {
+      float acc[kMat][MR][8];
+      zero(acc);
+      for (int64_t r0 = 0; r0 < krows; r0 += chunk_rows) {
+        const int rows = static_cast<int>(min(chunk_rows, krows - r0));
+        __syncthreads();  // the previous chunk's (or pass's) readers are done
+        for (int e = tid; e < MR * rows; e += kThreads) {
+          const int j = e / rows, q = e - j * rows;
+          float v = 0.f;
+          if (j < count) {
+            const int64_t pair = list[j];
+            const int64_t in_row = kUp && shared ? first + j : pair / a.row_div;
+            v = to_float(in[in_row * a.k + r0 + q]);
+          }
+          smem[q * MR + j] = v;
         }
-        smem[q * MR + j] = v;
-      }
-      __syncthreads();
-      for (int r = ks; r < rows; r += slices * kUnroll) {
-        uint4 v0[kUnroll], v1[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int rr = r + u * slices;
-          const bool ok = col_ok && rr < rows;
-          const int64_t off = (r0 + rr) * ld;
-          v0[u] = ok ? ptx::ldg_stream(w0 + off) : make_uint4(0, 0, 0, 0);
-          if constexpr (kUp) v1[u] = ok ? ptx::ldg_stream(w1 + off) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int rr = r + u * slices;
-          if (rr < rows) {
-            float xv[MR];
-            load_rows<MR>(smem + rr * MR, xv);
-            float wf[8];
-            unpack<T>(v0[u], wf);
-#pragma unroll
-            for (int j = 0; j < MR; ++j)
-#pragma unroll
-              for (int c = 0; c < 8; ++c) acc[0][j][c] = fmaf(xv[j], wf[c], acc[0][j][c]);
-            if constexpr (kUp) {
-              unpack<T>(v1[u], wf);
-#pragma unroll
+        __syncthreads();
+        for (int r = ks; r < rows; r += slices * kUnroll) {
+          uint4 v0[kUnroll], v1[kUnroll];
+  #pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int rr = r + u * slices;
+            const bool ok = col_ok && rr < rows;
+            const int64_t off = (r0 + rr) * ld;
+            v0[u] = ok ? ptx::ldg_stream(w0 + off) : make_uint4(0, 0, 0, 0);
+            if constexpr (kUp) v1[u] = ok ? ptx::ldg_stream(w1 + off) : make_uint4(0, 0, 0, 0);
+          }
+  #pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int rr = r + u * slices;
+            if (rr < rows) {
+              float xv[MR];
+              load_rows<MR>(smem + rr * MR, xv);
+              float wf[8];
+              unpack<T>(v0[u], wf);
+  #pragma unroll
               for (int j = 0; j < MR; ++j)
-#pragma unroll
-                for (int c = 0; c < 8; ++c) acc[1][j][c] = fmaf(xv[j], wf[c], acc[1][j][c]);
+  #pragma unroll
+                for (int c = 0; c < 8; ++c) acc[0][j][c] = fmaf(xv[j], wf[c], acc[0][j][c]);
+              if constexpr (kUp) {
+                unpack<T>(v1[u], wf);
+  #pragma unroll
+                for (int j = 0; j < MR; ++j)
+  #pragma unroll
+                  for (int c = 0; c < 8; ++c) acc[1][j][c] = fmaf(xv[j], wf[c], acc[1][j][c]);
+              }
             }
           }
         }
       }
-    }
-    // K slices: the warp's lanes of one column group (a fixed shuffle tree), then the warps
-    // in order through shared memory (overlaying the staged inputs).
-#pragma unroll
-    for (int m = 0; m < kMat; ++m)
-#pragma unroll
-      for (int j = 0; j < MR; ++j)
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-          for (int off = groups; off < 32; off *= 2) acc[m][j][c] += __shfl_xor_sync(0xffffffffu, acc[m][j][c], off);
-    __syncthreads();
-    if (lane < groups) {
-#pragma unroll
+      // K slices: the warp's lanes of one column group (a fixed shuffle tree), then the warps
+      // in order through shared memory (overlaying the staged inputs).
+  #pragma unroll
       for (int m = 0; m < kMat; ++m)
-#pragma unroll
-        for (int j = 0; j < MR; ++j) {
-          float* dst = smem + ((warp * kMat + m) * MR + j) * a.cols + cg * 8;
-          *reinterpret_cast<float4*>(dst) = make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
-          *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[m][j][4], acc[m][j][5], acc[m][j][6], acc[m][j][7]);
-        }
+  #pragma unroll
+        for (int j = 0; j < MR; ++j)
+  #pragma unroll
+          for (int c = 0; c < 8; ++c)
+            for (int off = groups; off < 32; off *= 2) acc[m][j][c] += __shfl_xor_sync(0xffffffffu, acc[m][j][c], off);
+      __syncthreads();
+      if (lane < groups) {
+  #pragma unroll
+        for (int m = 0; m < kMat; ++m)
+  #pragma unroll
+          for (int j = 0; j < MR; ++j) {
+            float* dst = smem + ((warp * kMat + m) * MR + j) * a.cols + cg * 8;
+            *reinterpret_cast<float4*>(dst) = make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[m][j][4], acc[m][j][5], acc[m][j][6], acc[m][j][7]);
+          }
+      }
+      __syncthreads();
     }
-    __syncthreads();
+    // the K groups' partials, summed in group order
+    const int partials = mma ? kWarps / kMat / (a.cols / 64) : kWarps;
     for (int e = tid; e < count * a.cols; e += kThreads) {
       const int j = e / a.cols, c = e - j * a.cols;
       const int64_t out_col = static_cast<int64_t>(blockIdx.x) * a.cols + c;
       if (out_col >= ncols) continue;
       float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < partials; ++w) {
         s0 += smem[((w * kMat) * MR + j) * a.cols + c];
         if constexpr (kUp) s1 += smem[((w * kMat + 1) * MR + j) * a.cols + c];
       }
@@ -376,6 +472,16 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const CombineArgs
   }
 }
 
+// The GEMV kernel for tiles of `cols` columns: on the tensor cores where it can run.
+template <typename T, int MR, bool kUp>
+auto gemv_kernel(int cols) {
+  if constexpr (std::is_same_v<T, float>) {
+    return moe_gemv_kernel<T, MR, kUp, false>;
+  } else {
+    return cols >= 64 ? moe_gemv_kernel<T, MR, kUp, true> : moe_gemv_kernel<T, MR, kUp, false>;
+  }
+}
+
 template <typename T, int MR>
 cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   const MoeDecodeLayout l = moe_decode_layout(p.n, p.k, p.h, p.i, p.i_s, p.dtype);
@@ -407,7 +513,7 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   up.cols = p.cols_up;
   up.wait_prior = false;  // a plain launch: its blocks read ids (the router's) before any wait
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
-      moe_gemv_kernel<T, MR, true>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), grid_rows),
+      gemv_kernel<T, MR, true>(p.cols_up), dim3(static_cast<unsigned>(moe_decode_ceil_div(p.i, p.cols_up)), grid_rows),
       dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_up, p.h, 2, p.e), false, stream, up));
 
   GemvArgs down = up;
@@ -423,7 +529,7 @@ cudaError_t launch_typed(const MoeDecodeParams& p, cudaStream_t stream) {
   down.cols = p.cols_down;
   down.wait_prior = p.pdl;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
-      moe_gemv_kernel<T, MR, false>, dim3(static_cast<unsigned>(moe_decode_ceil_div(p.h, p.cols_down)), grid_rows),
+      gemv_kernel<T, MR, false>(p.cols_down), dim3(static_cast<unsigned>(moe_decode_ceil_div(p.h, p.cols_down)), grid_rows),
       dim3(kThreads), moe_decode_smem_bytes(MR, p.cols_down, p.i, 1, p.e), p.pdl, stream, down));
 
   CombineArgs c{};

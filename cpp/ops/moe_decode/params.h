@@ -112,12 +112,17 @@ inline int64_t moe_decode_workspace_bytes(int64_t n, int64_t k, int64_t h, int64
 // K rows of one staged chunk of a pass (mr rows of fp32 each).
 JAX_CLUSTER_HOST_DEVICE inline int64_t moe_decode_chunk_rows(int mr) { return kMoeDecodeStageFloats / mr; }
 
+// Staged row stride (16-bit elements) of the tensor-core GEMV for chunks of `rows` K rows: an
+// odd number of 32-byte blocks, so the B fragments' 8-byte loads are conflict-free.
+JAX_CLUSTER_HOST_DEVICE inline int64_t moe_decode_mma_stride(int64_t rows) { return (rows + 31) / 32 * 32 + 16; }
+
 // Dynamic shared memory of a GEMV block: first the chosen experts as a bit set (E bits),
-// then the staged chunk, later overlaid by the 8 warps' partials [warp][matrices][mr][cols]
-// (fp32).
+// then the staged chunk (fp32 [K][mr], or 16-bit [mr][stride] on the tensor cores), later
+// overlaid by the warps' partials [warp][matrices][mr][cols] (fp32).
 inline int64_t moe_decode_smem_bytes(int mr, int cols, int64_t k_rows, int matrices, int64_t experts) {
   const int64_t bits = (experts + 31) / 32 * 4;
-  const int64_t stage = std::min(k_rows, moe_decode_chunk_rows(mr)) * mr * 4;
+  const int64_t rows = std::min(k_rows, moe_decode_chunk_rows(mr));
+  const int64_t stage = std::max(rows * mr * 4, moe_decode_mma_stride(rows) * mr * 2);
   const int64_t red = int64_t{kMoeDecodeThreads / 32} * matrices * mr * cols * 4;
   return std::max({bits, stage, red});
 }
