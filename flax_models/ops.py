@@ -417,10 +417,10 @@ def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_facto
 
 
 # ----------------------------------------------------------------------------- MoE (DeepSeek-V2)
-# The most rows "auto" sends to jax_cluster.moe_decode; more rows run the jnp formulation (gather
-# or grouped ragged_dot). Inside DeepSeek-V2-Lite at batch 16 the op's MLP path measured slower
-# than XLA's while batch 1 gained (docs/moe_decode.md), so "auto" keeps it to small batches.
-MOE_DECODE_MAX_ROWS = 8
+# The most rows "auto" sends to jax_cluster.moe_decode (the decode batches it was measured ahead
+# of ragged_dot and the gather at, docs/moe_decode.md); more rows (prefill) run the jnp
+# formulation: grouped ragged_dot.
+MOE_DECODE_MAX_ROWS = 64
 _SHARED_KEYS = ("w_gate", "w_up", "w_down")
 
 
