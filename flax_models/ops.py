@@ -472,7 +472,7 @@ def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="au
                  _inner={"swiglu": "moe shared experts"},
                  _auto_why="impl=auto: the routed-experts kernel where its checks pass, else XLA", **routing)
     except ValueError as e:
-        if not str(e.__cause__ or "").startswith("swiglu"):
+        if "jax_cluster.swiglu" not in str(e.__cause__ or ""):
             raise
         raise ValueError("impl='fused' for moe: its shared experts (which jax_cluster.moe_decode runs through "
                          f"jax_cluster.swiglu) are not covered: {e.__cause__}") from e

@@ -212,6 +212,16 @@ def test_impl_values(rng):
                                   np.asarray(reference.moe_decode(**args, **extra, top_k=2)))
 
 
+def test_shared_experts_swiglu_refuses_under_cuda(rng):
+    """impl="cuda" with shared experts the call cannot take (Is = 36, not a multiple of 8)
+    that swiglu has no kernel for either: an error naming moe_decode, why swiglu runs them,
+    and swiglu's reason, before anything runs."""
+    args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=36, residual=True)
+    with pytest.raises(ValueError, match=r"moe_decode: the shared experts run through jax_cluster\.swiglu here "
+                                         r".*swiglu: impl='cuda' has no kernel for D=64, F=36"):
+        jax.eval_shape(lambda a, ex: jc.moe_decode(**a, **ex, top_k=2, impl="cuda"), args, extra)
+
+
 def test_shared_and_residual_composition(rng):
     """y = swiglu(x, shared, residual = routed (+ residual)): the composition flax_models'
     MoE writes."""

@@ -407,5 +407,10 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     weights, ids = _route(x, router, route, impl)
     y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
     if shared is not None and not shared_done:
-        y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
+        try:
+            y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
+        except ValueError as e:  # name the op the caller called, and why swiglu runs
+            raise ValueError(f"{op}: the shared experts run through jax_cluster.swiglu here (past "
+                             f"{_SHARED_IN_CALL_ROWS} rows on a GPU, or a width Is that is not a multiple of 8), "
+                             f"which refuses them: {e}") from e
     return y
