@@ -177,7 +177,7 @@ def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
     argv = ["--model", "tiny-deepseek", "--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "2"]
     if width % 64:
         err = _usage_error(capsys, monkeypatch, argv)
-        assert "impl='fused' for moe: its shared experts" in err and f"F={width}" in err, err
+        assert "impl='fused' for moe: moe_decode: the shared experts" in err and f"F={width}" in err, err
         return
     assert main(argv + ["--no-progress"]) == 0
     assert "moe: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out

@@ -368,7 +368,8 @@ def test_moe_block_routes_and_errors(monkeypatch):
     assert [str(r) for r in routes] == ["moe: jax_cluster (C++ CPU handler, no GPU)"]
     # other widths go to jax_cluster.swiglu, whose kernels need multiples of 64
     args16, extra16 = _moe_block_inputs(3, jnp.bfloat16, i_shared=36)
-    with pytest.raises(ValueError, match=r"its shared experts .* D=64, F=36 \(the kernels need multiples of 64\)"):
+    with pytest.raises(ValueError, match=r"impl='fused' for moe: moe_decode: the shared experts run through "
+                                         r"jax_cluster\.swiglu .* D=64, F=36 \(the kernels need multiples of 64\)"):
         jax.eval_shape(lambda *a: ops.moe(*a, impl="fused", **extra16, **kw), *args16)
     with pytest.raises(RuntimeError, match="impl='fused' for moe: shared-expert biases"):
         ops.moe(*args16, impl="fused", shared=dict(extra16["shared"], b_up=jnp.zeros(32, jnp.bfloat16)), **kw)
