@@ -375,6 +375,10 @@ def test_moe_block_routes_and_errors(monkeypatch):
         ops.moe(*args16, impl="fused", shared=dict(extra16["shared"], b_up=jnp.zeros(32, jnp.bfloat16)), **kw)
     # "auto" on a GPU: decode sizes go to the op, prefill sizes stay on the grouped jnp path
     monkeypatch.setattr(ops, "on_gpu", lambda: True)
+    mid, mid_extra = _moe_block_inputs(16, jnp.bfloat16)
+    with ops.record_routes() as routes:
+        jax.eval_shape(lambda *a: ops.moe(*a, impl="auto", **mid_extra, **kw), *mid)
+    assert "rows >" not in str(routes[0]), routes[0]  # 16 rows are a decode batch for the op
     big, big_extra = _moe_block_inputs(ops.MOE_DECODE_MAX_ROWS + 1, jnp.bfloat16)
     with ops.record_routes() as routes:
         jax.eval_shape(lambda *a: ops.moe(*a, impl="auto", **big_extra, **kw), *big)
