@@ -30,7 +30,11 @@
 
 namespace jax_cluster {
 
-inline constexpr int kMlaClusterBlocks = 8;     // blocks per cluster (K split of one head)
+#ifndef JAX_CLUSTER_MLA_CLUSTER_BLOCKS
+#define JAX_CLUSTER_MLA_CLUSTER_BLOCKS 8
+#endif
+// blocks per cluster (K split of one head); a probe build may set another (4 or 16)
+inline constexpr int kMlaClusterBlocks = JAX_CLUSTER_MLA_CLUSTER_BLOCKS;
 inline constexpr int kMlaProjectThreads = 256;
 inline constexpr int kMlaProjectMaxRows = 8;    // rows per launch (registers: rows x 8 sums)
 inline constexpr int kMlaProjectMaxCols = 1024; // columns of one cluster's GEMV (dn + dr, r + dr)
