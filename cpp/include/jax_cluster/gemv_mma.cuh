@@ -37,4 +37,21 @@ __device__ __forceinline__ void gemv_mma_step(const uint4 (&v)[4], uint32_t b0, 
   }
 }
 
+// A warp's stream of 16-row steps s = rg, rg + groups, ... (< steps) through U register
+// buffers, the caller having loaded buffer u with step rg + u groups: math(buffer, s) on
+// each loaded step, then load(buffer, s + U groups) refills that buffer right after its
+// math (fewer registers live than refilling ahead of it).
+template <int U, typename Math, typename Load>
+__device__ __forceinline__ void gemv_mma_stream(uint4 (&wv)[U][4], int rg, int groups, int steps, Math&& math,
+                                                Load&& load) {
+  for (int s = rg; s < steps; s += groups * U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ss = s + u * groups;
+      if (ss < steps) math(wv[u], ss);
+      load(wv[u], ss + groups * U);
+    }
+  }
+}
+
 }  // namespace jax_cluster

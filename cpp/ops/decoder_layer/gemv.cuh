@@ -123,22 +123,15 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
   }
   __syncthreads();
-  for (int s = rg; s < steps; s += groups * U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ss = s + u * groups;
-      if (ss < steps) {
-        uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
-        if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
-          bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
-          bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
-        }
-        gemv_mma_step<T>(wv[u], bh.x, bh.y, acc);
-        gemv_mma_step<T>(wv[u], bl.x, bl.y, acc);
-      }
-      load(wv[u], ss + groups * U);  // refilled after use: fewer registers live
+  gemv_mma_stream(wv, rg, groups, steps, [&](const uint4 (&w4)[4], int ss) {
+    uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
+    if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
+      bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
+      bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
     }
-  }
+    gemv_mma_step<T>(w4, bh.x, bh.y, acc);
+    gemv_mma_step<T>(w4, bl.x, bl.y, acc);
+  }, load);
   // acc[q] = {(col, row), (col, row + 1), (col + 1, row), (col + 1, row + 1)}, col = v + 2q,
   // row = 2 cl of the batch.
 #pragma unroll

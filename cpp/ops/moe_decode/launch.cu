@@ -231,18 +231,11 @@ __device__ void moe_mma_pass(const GemvArgs& a, const T* w0, const T* w1, int64_
       xs[j * stride + q] = v;
     }
     __syncthreads();
-    for (int s = rg; s < steps; s += groups * U) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int ss = s + u * groups;
-        if (ss < steps) {
-          uint2 b = make_uint2(0u, 0u);
-          if (g < MR) b = *reinterpret_cast<const uint2*>(xs + g * stride + 16 * ss + 4 * c);
-          gemv_mma_step<T>(wv[u], b.x, b.y, acc);
-        }
-        load(wv[u], ss + groups * U);  // refilled after use: fewer registers live
-      }
-    }
+    gemv_mma_stream(wv, rg, groups, steps, [&](const uint4 (&w4)[4], int ss) {
+      uint2 b = make_uint2(0u, 0u);
+      if (g < MR) b = *reinterpret_cast<const uint2*>(xs + g * stride + 16 * ss + 4 * c);
+      gemv_mma_step<T>(w4, b.x, b.y, acc);
+    }, load);
   }
   __syncthreads();  // the staged inputs are dead: `red` overlays them
   // acc[q] = {(col, pair), (col, pair + 1), (col + 1, pair), (col + 1, pair + 1)}, col = 8g + 2q

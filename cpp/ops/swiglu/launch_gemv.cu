@@ -124,23 +124,14 @@ __device__ __forceinline__ void mma_partial(const GemvArgs& a, const T* w, int c
   const T* xs = reinterpret_cast<const T*>(smem);
   float acc[kTiles][4][4];
   zero_acc(acc);
-  for (int s = rg; s < steps; s += groups * kMmaUnroll) {
+  gemv_mma_stream(v, rg, groups, steps, [&](const uint4 (&wv)[4], int ss) {
 #pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
-      const int ss = s + u * groups;
-      if (ss < steps) {
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          // B: x row 8t + g at K rows 4c..4c+3 (the mma's k = 2c, 2c+1 | 2c+8, 2c+9)
-          const uint2 b =
-              *reinterpret_cast<const uint2*>(xs + (8 * t + g) * stride + 16 * ss + 4 * c);
-          gemv_mma_step<T>(v[u], b.x, b.y, acc[t]);
-        }
-      }
-      // refilled after use: fewer registers live
-      load(v[u], ss + groups * kMmaUnroll);
+    for (int t = 0; t < kTiles; ++t) {
+      // B: x row 8t + g at K rows 4c..4c+3 (the mma's k = 2c, 2c+1 | 2c+8, 2c+9)
+      const uint2 b = *reinterpret_cast<const uint2*>(xs + (8 * t + g) * stride + 16 * ss + 4 * c);
+      gemv_mma_step<T>(wv, b.x, b.y, acc[t]);
     }
-  }
+  }, load);
   __syncthreads();  // x is dead: `red` overlays it
   // C: acc[t][q] = {(row, col), (row + 1, col), (row, col + 1), (row + 1, col + 1)} with
   // row = 8t + 2c (of x), col = 8g + 2q (of the half)
