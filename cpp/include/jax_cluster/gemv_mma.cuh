@@ -1,7 +1,7 @@
-// The tensor-core GEMV step shared by swiglu's GEMV kernel and the one-launch decoder
-// layer: weights stream from memory straight into registers and become mma.sync A
-// fragments of the transposed weight, so a 16-row x 64-column step costs a warp 4 mma per
-// 8 input rows whatever the batch is.
+// The tensor-core GEMV step shared by swiglu's GEMV kernel, the one-launch decoder layer
+// and moe_decode's expert GEMVs: weights stream from memory straight into registers and
+// become mma.sync A fragments of the transposed weight, so a 16-row x 64-column step costs
+// a warp 4 mma per 8 input rows whatever the batch is.
 //
 // Lane (g, c) = (lane / 4, lane % 4) of a warp owning 64 columns loads, for each 16-row
 // step, K rows 4c..4c+3 of the step at columns [8g, 8g + 8): v[i] = row 4c + i. Byte
