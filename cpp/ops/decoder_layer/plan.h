@@ -128,8 +128,8 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     at += (floats + 31) / 32 * 32;  // 128-byte aligned regions
     return off;
   };
-  // Regions sized by bounds (the most chunks and splits), not by this grid's values: the op declares its workspace from the shapes alone
-  // (decoder_layer_workspace_floats).
+  // Regions sized by bounds (the most chunks and splits), not by this grid's values: the op
+  // declares its workspace from the shapes alone (decoder_layer_workspace_floats).
   auto max_tiles = [&](int i) {
     const LayerGemv& g = pl.gemv[i];
     return ((g.paired ? 2 * g.n : g.n) + kLayerTileCols - 1) / kLayerTileCols;

@@ -296,7 +296,6 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
   // 16-bit weights in tiles of 64 or 128 columns run on the tensor cores (moe_mma_pass);
   // fp32 weights and 32-column tiles on the CUDA cores below.
   static_assert(!kMma || !std::is_same_v<T, float>, "the tensor cores take 16-bit weights");
-  constexpr bool mma = kMma;
   const T* const tile0 = w0;
   const T* const tile1 = w1;
 
@@ -322,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
       scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
     }
     const int count = min(MR, total - first);
-    if constexpr (mma) {
+    if constexpr (kMma) {
       moe_mma_pass<T, MR, kUp>(a, tile0, tile1, ld, ncols, krows, count, first, shared, list, smem);
     } else {
       float acc[kMat][MR][8];
@@ -343,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
         __syncthreads();
         for (int r = ks; r < rows; r += slices * kUnroll) {
           uint4 v0[kUnroll], v1[kUnroll];
-  #pragma unroll
+#pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int rr = r + u * slices;
             const bool ok = col_ok && rr < rows;
@@ -351,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
             v0[u] = ok ? ptx::ldg_stream(w0 + off) : make_uint4(0, 0, 0, 0);
             if constexpr (kUp) v1[u] = ok ? ptx::ldg_stream(w1 + off) : make_uint4(0, 0, 0, 0);
           }
-  #pragma unroll
+#pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int rr = r + u * slices;
             if (rr < rows) {
@@ -359,15 +358,15 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
               load_rows<MR>(smem + rr * MR, xv);
               float wf[8];
               unpack<T>(v0[u], wf);
-  #pragma unroll
+#pragma unroll
               for (int j = 0; j < MR; ++j)
-  #pragma unroll
+#pragma unroll
                 for (int c = 0; c < 8; ++c) acc[0][j][c] = fmaf(xv[j], wf[c], acc[0][j][c]);
               if constexpr (kUp) {
                 unpack<T>(v1[u], wf);
-  #pragma unroll
+#pragma unroll
                 for (int j = 0; j < MR; ++j)
-  #pragma unroll
+#pragma unroll
                   for (int c = 0; c < 8; ++c) acc[1][j][c] = fmaf(xv[j], wf[c], acc[1][j][c]);
               }
             }
@@ -376,18 +375,18 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
       }
       // K slices: the warp's lanes of one column group (a fixed shuffle tree), then the warps
       // in order through shared memory (overlaying the staged inputs).
-  #pragma unroll
+#pragma unroll
       for (int m = 0; m < kMat; ++m)
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < MR; ++j)
-  #pragma unroll
+#pragma unroll
           for (int c = 0; c < 8; ++c)
             for (int off = groups; off < 32; off *= 2) acc[m][j][c] += __shfl_xor_sync(0xffffffffu, acc[m][j][c], off);
       __syncthreads();
       if (lane < groups) {
-  #pragma unroll
+#pragma unroll
         for (int m = 0; m < kMat; ++m)
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < MR; ++j) {
             float* dst = smem + ((warp * kMat + m) * MR + j) * a.cols + cg * 8;
             *reinterpret_cast<float4*>(dst) = make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
@@ -397,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
       __syncthreads();
     }
     // the K groups' partials, summed in group order
-    const int partials = mma ? kWarps / kMat / (a.cols / 64) : kWarps;
+    const int partials = kMma ? kWarps / kMat / (a.cols / 64) : kWarps;
     for (int e = tid; e < count * a.cols; e += kThreads) {
       const int j = e / a.cols, c = e - j * a.cols;
       const int64_t out_col = static_cast<int64_t>(blockIdx.x) * a.cols + c;
