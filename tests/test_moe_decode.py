@@ -417,8 +417,13 @@ def test_launch_plan():
     """The C++ plan: defaults, workspace (h in x's dtype, then fp32 expert outputs), limits."""
     plan = md.launch_plan(None, 16, 2048, 1408, 64, 6, "bfloat16")
     assert plan["error"] == "" and plan["cuda_error"] == ""
-    assert (plan["cols_up"], plan["cols_down"]) == (64, 64)
+    assert (plan["cols_up"], plan["cols_down"]) == (128, 128)  # 16 rows: 64 grid rows of 11 / 16 tiles
     assert plan["workspace_bytes"] == 16 * 6 * 1408 * 2 + 16 * 6 * 2048 * 4
+    # batch 1 (6 experts + 2 shared chunks): 11 x 8 and 16 x 8 blocks of 128 columns leave SMs idle
+    plan = md.launch_plan(None, 1, 2048, 1408, 64, 6, "bfloat16", shared_width=2816)
+    assert (plan["cols_up"], plan["cols_down"]) == (64, 64)
+    # batch 4 (24 grid rows): 11 x 24 blocks of 128 fill the GPU
+    assert md.launch_plan(None, 4, 2048, 1408, 64, 6, "bfloat16")["cols_up"] == 128
     assert "must be positive multiples of 8" in md.launch_plan(None, 1, 2044, 1408, 64, 6, "float16")["error"]
     assert "k (slots per row) must be in 1..E" in md.launch_plan(None, 1, 64, 64, 4, 6, "float16")["error"]
     assert "E must be in 1..65535" in md.launch_plan(None, 1, 64, 64, 70000, 6, "float16")["error"]

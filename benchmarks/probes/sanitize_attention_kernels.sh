@@ -78,10 +78,11 @@ da_configs=(
 )
 # mla_decode: B H r dr S_max splits page (0: contiguous): V2-Lite's 16 heads, V2's 128 (8
 # head tiles writing the same new token), a small rank (the padded kernel), one split and
-# several (merge kernel), 64- and 16-token pages.
+# several (merge kernel; 70: more splits than a lane's first pass), 64- and 16-token pages.
 ml_configs=(
   "3 16 512 64 300 1 0"
   "2 16 512 64 300 4 64"
+  "1 16 512 64 2300 70 64"
   "1 128 512 64 200 2 0"
   "2 20 32 8 100 3 16"
 )

@@ -56,10 +56,11 @@ _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float3
 class MoeDecodeConfig:
     """How the routed experts run on the GPU (impl "auto" or "cuda"). None: the default.
 
-    cols_up    columns of I per gate/up block: 32, 64 or 128 (default 64). Narrower tiles
-               give more blocks per chosen expert (the GPU fills at batch 1), wider ones
-               longer contiguous weight-row segments.
-    cols_down  columns of H per down block: 32, 64 or 128 (default 64).
+    cols_up    columns of I per gate/up block: 32, 64 or 128. Narrower tiles give more
+               blocks per chosen expert (the GPU fills at batch 1), wider ones longer
+               contiguous weight-row segments. Default: 128 where the grid still has a block
+               per SM of an H100 (132 blocks), else 64.
+    cols_down  columns of H per down block: 32, 64 or 128; the same default.
     pdl        the down and combine kernels launch programmatically (PDL) behind the
                previous kernel.
     """

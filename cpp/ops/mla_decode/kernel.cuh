@@ -327,25 +327,38 @@ __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodePa
   }
   const float* st = p.partial + bh * S * (R + 2);
   if (threadIdx.x < 32) {  // warp 0: lane j the splits j, j + 32, ...; fixed shuffle trees
+    constexpr int kPerLane = kMlaDecodeMaxSplits / 32;
     const int lane = threadIdx.x;
+    float ms[kPerLane], ls[kPerLane];  // every split's (m, l) loaded before the first use
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int s = lane + 32 * j;
+      ms[j] = s < S ? __ldcg(st + s * (R + 2) + R) : -INFINITY;
+      ls[j] = s < S ? __ldcg(st + s * (R + 2) + R + 1) : 0.f;
+    }
     float m = -INFINITY;
-    for (int s = lane; s < S; s += 32) m = fmaxf(m, st[s * (R + 2) + R]);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) m = fmaxf(m, ms[j]);
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float l = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float ms = st[s * (R + 2) + R];
-      weight[s] = ms == -INFINITY ? 0.f : exp2f(ms - m);  // a split without tokens weighs 0
-      l = fmaf(st[s * (R + 2) + R + 1], weight[s], l);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const float w = ms[j] == -INFINITY ? 0.f : exp2f(ms[j] - m);  // a split without tokens weighs 0
+      ms[j] = w;
+      l = fmaf(ls[j], w, l);
     }
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    for (int s = lane; s < S; s += 32) weight[s] /= l;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if (lane + 32 * j < S) weight[lane + 32 * j] = ms[j] / l;
+    }
   }
   __syncthreads();
   if (c >= R) return;
-  // Eight splits' loads in flight before their adds (one dependent L2 round trip per split
-  // had made the merge latency-bound); a split of weight 0 is skipped by a select, so its
-  // unwritten state never reaches o, and the sum keeps its index order.
-  constexpr int kInFlight = 8;
+  // 32 splits' loads in flight before their adds (the merge is L2 round trips, one per
+  // batch); a split of weight 0 is skipped by a select, so its unwritten state never
+  // reaches o, and the sum keeps its index order.
+  constexpr int kInFlight = 32;
   float o = 0.f;
   for (int s0 = 0; s0 < S; s0 += kInFlight) {
     float v[kInFlight];

@@ -18,11 +18,15 @@ namespace {
 constexpr int kThreads = kMoeRouteThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowGroup = 8;  // rows per pass over a chunk's router columns
+// Loads a thread issues before it uses the first: the router and partial reads are a few KB
+// per block, so their time is L2/DRAM round trips, not bytes.
+constexpr int kLoads = 16;
 
 // Shared memory of a block, in floats: the staged x chunk [N][kc] and the K-slice partials
-// [subs][kRowGroup][cols], later (the last block) each warp's scores [E] and group bests [E].
+// [subs][kRowGroup][cols]; later (the last block) each warp's scores [E] and group bests [E],
+// then the chunk sums [slices][N * E] (at most max(kThreads, N * E)).
 inline int64_t route_smem_floats(int64_t n, int64_t kc, int64_t e) {
-  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e);
+  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e + std::max<int64_t>(kThreads, n * e));
 }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
@@ -65,11 +69,21 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
 #pragma unroll
       for (int j = 0; j < kRowGroup; ++j) acc[j] = 0.f;
       if (active) {
-        for (int kk = s; kk < rows; kk += subs) {
-          const float w = to_float(router[static_cast<int64_t>(k0 + kk) * E + e]);
+        for (int kb = s; kb < rows; kb += subs * kLoads) {
+          float w[kLoads];
 #pragma unroll
-          for (int j = 0; j < kRowGroup; ++j) {
-            if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w, acc[j]);
+          for (int u = 0; u < kLoads; ++u) {
+            const int kk = kb + u * subs;
+            w[u] = kk < rows ? to_float(router[static_cast<int64_t>(k0 + kk) * E + e]) : 0.f;
+          }
+#pragma unroll
+          for (int u = 0; u < kLoads; ++u) {
+            const int kk = kb + u * subs;
+            if (kk >= rows) break;
+#pragma unroll
+            for (int j = 0; j < kRowGroup; ++j) {
+              if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w[u], acc[j]);
+            }
           }
         }
       }
@@ -91,6 +105,26 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
   ptx::griddep_launch_dependents();
 
   if (!last_block_to_arrive(counter, static_cast<unsigned>(chunks))) return;  // the last selects
+  // The logits: each (row, expert) pair's chunk partials summed by `slices` threads (chunks
+  // slice, slice + slices, ... in order), the slice sums then added in slice order.
+  const int pairs = N * E, slices = max(1, min(chunks, kThreads / pairs));
+  float* sums = smem + 2 * kWarps * E;  // [slices][pairs]
+  for (int i = tid; i < pairs * slices; i += kThreads) {
+    const int sl = i / pairs, pr = i - sl * pairs;
+    float v = 0.f;
+    for (int cb = sl; cb < chunks; cb += slices * kLoads) {
+      float t[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int cc = cb + u * slices;
+        t[u] = cc < chunks ? __ldcg(partial + static_cast<int64_t>(cc) * pairs + pr) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) v += t[u];
+    }
+    sums[sl * pairs + pr] = v;
+  }
+  __syncthreads();
   float* sc = smem + warp * E;               // this warp's row: scores
   float* gb = smem + (kWarps + warp) * E;    // group bests, then the chosen weights
   const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
@@ -99,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) {
       float v = 0.f;
-      for (int cc = 0; cc < chunks; ++cc) v += __ldcg(partial + (static_cast<int64_t>(cc) * N + n) * E + e);
+      for (int sl = 0; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
       sc[e] = v;
       m = fmaxf(m, v);
     }

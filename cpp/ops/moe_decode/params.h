@@ -49,7 +49,11 @@ namespace jax_cluster {
 inline constexpr int64_t kMoeDecodeAlign = 8;          // H and I must be multiples of this
 inline constexpr int64_t kMoeDecodeMaxExperts = 65535;  // E: the grid's y dimension
 inline constexpr int kMoeDecodeMaxPassRows = 8;         // pairs per pass over a weight tile
-inline constexpr int kMoeDecodeDefaultCols = 64;        // column tile of either GEMV
+// The default column tile of either GEMV is the wider 128 when its grid still has this many
+// blocks (one per SM of an H100 / H200), else 64: a wide tile streams longer weight-row
+// segments per block and pays a block's fixed cost (its pair list, staging x, filling the
+// pipeline) over more columns, but at batch 1 it would leave SMs idle.
+inline constexpr int64_t kMoeDecodeFillBlocks = 132;
 // x (or h) rows of one pass are staged in fp32 in chunks of at most this many floats.
 inline constexpr int64_t kMoeDecodeStageFloats = 16384;
 inline constexpr int kMoeDecodeThreads = 256;
@@ -89,6 +93,12 @@ inline int moe_decode_pass_rows(int64_t n) {
 
 // The shared experts' pseudo-experts: chunks of width at most I.
 inline int64_t moe_decode_shared_chunks(int64_t i_s, int64_t i) { return i_s > 0 ? moe_decode_ceil_div(i_s, i) : 0; }
+
+// The default column tile of a GEMV over `extent` columns (I for gate/up, H for down).
+inline int moe_decode_default_cols(int64_t extent, int64_t n, int64_t k, int64_t e, int64_t i_s, int64_t i) {
+  const int64_t grid_rows = std::min(e, n * k) + moe_decode_shared_chunks(i_s, i);
+  return moe_decode_ceil_div(extent, 128) * grid_rows >= kMoeDecodeFillBlocks ? 128 : 64;
+}
 
 // Workspace: h [pairs][I] in x's dtype, then the fp32 expert outputs [pairs][H]; pairs = the
 // routed N k, then N per shared chunk.

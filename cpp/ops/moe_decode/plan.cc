@@ -27,9 +27,11 @@ nb::dict plan(int64_t n, int64_t h, int64_t i, int64_t e, int64_t k, const std::
   p.k = k;
   p.i_s = i_s;
   // 0: the default; other values reach the check as given (out of int range: -1)
-  const auto knob = [](int64_t v) { return v == 0 ? kMoeDecodeDefaultCols : v > 0 && v <= 1024 ? static_cast<int>(v) : -1; };
-  p.cols_up = knob(cols_up);
-  p.cols_down = knob(cols_down);
+  const auto knob = [&](int64_t v, int64_t extent) {
+    return v == 0 ? moe_decode_default_cols(extent, n, k, e, i_s, i) : v > 0 && v <= 1024 ? static_cast<int>(v) : -1;
+  };
+  p.cols_up = knob(cols_up, i);
+  p.cols_down = knob(cols_down, h);
   nb::dict out;
   std::string error = known_dtype ? moe_decode_check(p) : "dtype must be float32, float16 or bfloat16, got " + dtype;
   out["error"] = error;
@@ -72,7 +74,6 @@ void bind_moe_decode_plan(nb::module_& m) {
   using namespace jax_cluster;
   m.attr("MOE_DECODE_ALIGN") = kMoeDecodeAlign;
   m.attr("MOE_DECODE_MAX_EXPERTS") = kMoeDecodeMaxExperts;
-  m.attr("MOE_DECODE_DEFAULT_COLS") = kMoeDecodeDefaultCols;
   m.def("moe_decode", &plan, "n"_a, "h"_a, "i"_a, "e"_a, "k"_a, "dtype"_a, "cols_up"_a = 0,
         "cols_down"_a = 0, "i_s"_a = 0,
         "moe_decode's checks for one call: 'error' (why neither handler takes it, '' if both "

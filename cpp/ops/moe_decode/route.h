@@ -15,7 +15,10 @@
 // CUDA: one kernel, grid (K chunks of H). Block c stages x[:, chunk c] in fp32 and writes
 // the chunk's fp32 partial logits [N][E] (each column's K rows split over the block's
 // threads, summed in a fixed order) to the workspace; the last block to arrive (a counter
-// the launcher zeroes) sums the chunks in chunk order per row and selects: one warp per row.
+// the launcher zeroes) sums the chunks (a fixed split over its threads, a fixed order) and
+// selects: one warp per row. The router is a few hundred KB over tens of blocks, so a
+// block's time is memory round trips: each thread issues its loads in batches before using
+// them (a chunk is about kMoeRouteChunkBytes, one batch per thread at E = 64).
 // No float atomics: bitwise deterministic. Up to kMoeRouteMaxRows rows and
 // kMoeRouteMaxExperts experts (larger calls route in XLA).
 #pragma once
@@ -28,14 +31,13 @@
 
 namespace jax_cluster {
 
-// The last block's selection reads each row's chunk partials one L2 round trip at a time,
-// a warp per row: at 16 and 64 rows (V2-Lite, H100) the kernel lost 20 and 110 us to XLA's
-// router, at 1 and 4 rows it gained. More rows route in XLA until that is parallel.
+// The last block selects with one warp per row and holds the logits [N][E] in shared
+// memory; more rows route in XLA (docs/moe_decode.md, "The router").
 inline constexpr int64_t kMoeRouteMaxRows = 8;
 inline constexpr int64_t kMoeRouteMaxExperts = 512;  // per warp: the scores and group bests in shared memory
 inline constexpr int kMoeRouteThreads = 256;
 // Router bytes one block reads (its K chunk), and the staged x floats it may hold.
-inline constexpr int64_t kMoeRouteChunkBytes = 16384;
+inline constexpr int64_t kMoeRouteChunkBytes = 8192;
 inline constexpr int64_t kMoeRouteStageFloats = 8192;
 
 struct MoeRouteParams {
