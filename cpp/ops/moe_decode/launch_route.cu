@@ -18,15 +18,17 @@ namespace {
 constexpr int kThreads = kMoeRouteThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowGroup = 8;  // rows per pass over a chunk's router columns
+static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in warp n's row of shared memory");
 // Loads a thread issues before it uses the first: the router and partial reads are a few KB
 // per block, so their time is L2/DRAM round trips, not bytes.
 constexpr int kLoads = 16;
 
 // Shared memory of a block, in floats: the staged x chunk [N][kc] and the K-slice partials
 // [subs][kRowGroup][cols]; later (the last block) each warp's scores [E] and group bests [E],
-// then the chunk sums [slices][N * E] (at most max(kThreads, N * E)).
+// then, where several threads sum a score's chunks, their slice sums [slices][N * E] (at
+// most kThreads). At most 40 KB: under the 48 KB a launch may take without opting in.
 inline int64_t route_smem_floats(int64_t n, int64_t kc, int64_t e) {
-  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e + std::max<int64_t>(kThreads, n * e));
+  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e + kThreads);
 }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
@@ -106,9 +108,10 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
 
   if (!last_block_to_arrive(counter, static_cast<unsigned>(chunks))) return;  // the last selects
   // The logits: each (row, expert) pair's chunk partials summed by `slices` threads (chunks
-  // slice, slice + slices, ... in order), the slice sums then added in slice order.
+  // slice, slice + slices, ... in order), the slice sums then added in slice order. One
+  // slice sums straight into row n's scores (warp n's, as N <= kWarps).
   const int pairs = N * E, slices = max(1, min(chunks, kThreads / pairs));
-  float* sums = smem + 2 * kWarps * E;  // [slices][pairs]
+  float* sums = slices > 1 ? smem + 2 * kWarps * E : smem;  // [slices][pairs]
   for (int i = tid; i < pairs * slices; i += kThreads) {
     const int sl = i / pairs, pr = i - sl * pairs;
     float v = 0.f;
@@ -132,8 +135,8 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
   for (int n = warp; n < N; n += kWarps) {
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) {
-      float v = 0.f;
-      for (int sl = 0; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
+      float v = sums[n * E + e];
+      for (int sl = 1; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
       sc[e] = v;
       m = fmaxf(m, v);
     }
