@@ -563,10 +563,11 @@ def test_gpu_deepseek_shapes(dtype):
 @pytest.mark.parametrize("route", ROUTES, ids=str)
 def test_gpu_router_kernel(rng, route):
     """The router kernel picks XLA's experts and weights: N = 1, 3, 8 (its most rows; more
-    route in XLA), E = 64 (V2-Lite) and 160 (V2, H 5120: many K chunks), router bfloat16 and
-    float32."""
+    route in XLA), E = 64 (V2-Lite), 160 (V2, H 5120: many K chunks) and 512 (its most, at 8
+    rows: its largest shared memory), router bfloat16 and float32."""
     for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (8, 2048, 64, "float16", "float32"),
                                    (8, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32"),
+                                   (8, 1024, 512, "bfloat16", "float32"),
                                    (16, 256, 16, "bfloat16", "bfloat16")):
         groups = route.get("n_group", 1)
         if route["top_k"] > e or groups > e or route["top_k"] > route.get("topk_group", 1) * e // groups:

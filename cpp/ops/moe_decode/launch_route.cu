@@ -17,15 +17,17 @@ namespace {
 constexpr int kThreads = kMoeRouteThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowGroup = 8;  // rows per pass over a chunk's router columns
+static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in warp n's row of shared memory");
 // Loads a thread issues before it uses the first: the router and partial reads are a few KB
 // per block, so their time is L2/DRAM round trips, not bytes.
 constexpr int kLoads = 16;
 
 // Shared memory, in floats: a partials block's staged x chunk [N][kc] and K-slice partials
 // [subs][kRowGroup][cols]; the select block's per-warp scores [E] and group bests [E], then
-// the chunk sums [slices][N * E] (at most max(kThreads, N * E)).
+// where several threads sum a score's chunks, their slice sums [slices][N * E] (at most
+// kThreads). Either at most 40 KB: under the 48 KB a launch may take without opting in.
 inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads; }
-inline int64_t select_smem_floats(int64_t n, int64_t e) { return 2 * kWarps * e + std::max<int64_t>(kThreads, n * e); }
+inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads; }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
 __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
@@ -110,9 +112,10 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
   const float* partial = static_cast<const float*>(p.workspace);
   ptx::griddep_wait();  // every chunk's partials are written
   // The logits: each (row, expert) pair's chunk partials summed by `slices` threads (chunks
-  // slice, slice + slices, ... in order), the slice sums then added in slice order.
+  // slice, slice + slices, ... in order), the slice sums then added in slice order. One
+  // slice sums straight into row n's scores (warp n's, as N <= kWarps).
   const int pairs = N * E, slices = max(1, min(chunks, kThreads / pairs));
-  float* sums = smem + 2 * kWarps * E;  // [slices][pairs]
+  float* sums = slices > 1 ? smem + 2 * kWarps * E : smem;  // [slices][pairs]
   for (int i = tid; i < pairs * slices; i += kThreads) {
     const int sl = i / pairs, pr = i - sl * pairs;
     float v = 0.f;
@@ -136,8 +139,8 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
   for (int n = warp; n < N; n += kWarps) {
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) {
-      float v = 0.f;
-      for (int sl = 0; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
+      float v = sums[n * E + e];
+      for (int sl = 1; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
       sc[e] = v;
       m = fmaxf(m, v);
     }
@@ -205,7 +208,7 @@ cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
                                                        partials_smem_floats(p.n, kc) * sizeof(float), true, stream,
                                                        p, kc));
   return launch_programmatic(moe_route_select_kernel, dim3(1), dim3(kThreads),
-                             select_smem_floats(p.n, p.e) * sizeof(float), true, stream, p, chunks);
+                             select_smem_floats(p.e) * sizeof(float), true, stream, p, chunks);
 }
 
 }  // namespace
