@@ -31,7 +31,8 @@
 
 namespace jax_cluster {
 
-// The select kernel uses one warp per row and holds the logits [N][E] in shared memory; more rows route in XLA (docs/moe_decode.md, "Not done").
+// The select kernel uses one warp per row and holds the logits [N][E] in shared memory;
+// more rows route in XLA (docs/moe_decode.md, "Not done").
 inline constexpr int64_t kMoeRouteMaxRows = 8;
 inline constexpr int64_t kMoeRouteMaxExperts = 512;  // per warp: the scores and group bests in shared memory
 inline constexpr int kMoeRouteThreads = 256;
