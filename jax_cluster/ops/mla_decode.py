@@ -141,16 +141,16 @@ _PRIM = ffi_primitive("mla_decode", abstract_eval=_abstract, batching_rule=_batc
 def _project_abstract(x, norm, q_src, w_q, kv_a, kv_a_bias, kv_a_norm, kv_b, lengths, inv_freq, *, num_heads,
                       nope, rope, rank, v_dim, capacity, eps, latent_eps, rope_factor):
     b, e = x.shape[0], rank + rope
-    ws = -(-b * e // 4) * 4 + _constants()["project_workspace_pad"]  # params.h: mla_project_workspace_floats
     return (ShapedArray((b, num_heads, e), np.float32), ShapedArray((b, e), np.float32),
-            ShapedArray((ws,), np.float32))
+            ShapedArray((max(1, b * e),), np.float32),  # projections.h: mla_project_workspace_floats
+            ShapedArray((_constants()["counter_words"],), np.uint32))
 
 
-def _output_abstract(o_lat, kv_b, w_o, o_bias, residual, *, nope, v_dim):
+def _output_abstract(o_lat, kv_b, w_o, o_bias, residual, counters, *, nope, v_dim):
     b, h, _ = o_lat.shape
     hidden = w_o.shape[1]
-    return (ShapedArray((b, hidden), o_lat.dtype),
-            ShapedArray((h * b * hidden + _constants()["cluster_blocks"],), np.float32))
+    return (ShapedArray((b, hidden), o_lat.dtype), ShapedArray((h * b * hidden,), np.float32),
+            ShapedArray(counters.shape, counters.dtype))
 
 
 def _sequential_batching(prim, scratch: tuple[bool, ...]):
@@ -173,15 +173,19 @@ def _sequential_batching(prim, scratch: tuple[bool, ...]):
     return rule
 
 
+# mla_project returns both kernels' arrival counters, zeroed at its launch, and mla_output
+# counts in them (operand 5 aliased to its result 2): no memset in the stream between the
+# attention kernels and mla_output (projections.h). Under vmap each instance gets zeros.
 _PROJECT = ffi_primitive("mla_project", abstract_eval=_project_abstract)
-batching.primitive_batchers[_PROJECT] = _sequential_batching(_PROJECT, (False, False, True))
-_OUTPUT = ffi_primitive("mla_output", abstract_eval=_output_abstract)
-batching.primitive_batchers[_OUTPUT] = _sequential_batching(_OUTPUT, (False, True))
+batching.primitive_batchers[_PROJECT] = _sequential_batching(_PROJECT, (False, False, True, True))
+_OUTPUT = ffi_primitive("mla_output", abstract_eval=_output_abstract, operand_output_aliases={5: 2})
+batching.primitive_batchers[_OUTPUT] = _sequential_batching(_OUTPUT, (False, True, True))
 
 
 def _project_kernel(x, w, d, lengths, inv_freq, capacity, eps, latent_eps, rope_factor):
-    """q_full [B, H, r + dr] (q_nope absorbed, q_rope rotated) and the new latent token, fp32,
-    from mla_project; with q LoRA its first branch (q_a, norm) runs as XLA's dots first."""
+    """q_full [B, H, r + dr] (q_nope absorbed, q_rope rotated), the new latent token (fp32)
+    and the counters for _output_kernel, from mla_project; with q LoRA its first branch (q_a,
+    norm) runs as XLA's dots first."""
     empty = jnp.zeros((0,), x.dtype)
     if w.get("q") is not None:
         q_src, w_q = empty, w["q"]
@@ -189,19 +193,20 @@ def _project_kernel(x, w, d, lengths, inv_freq, capacity, eps, latent_eps, rope_
         h = _rms_norm(x, w["norm"], eps)
         q_src, w_q = _rms_norm(_dense(h, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], latent_eps), w["q_b"]
     bias = w.get("kv_a_bias")
-    q_full, new, _ = _PROJECT.bind(
+    q_full, new, _, counters = _PROJECT.bind(
         x, w["norm"], q_src, w_q, w["kv_a"], empty if bias is None else bias, w["kv_a_norm"], w["kv_b"], lengths,
         inv_freq, num_heads=d.heads, nope=d.nope, rope=d.rope, rank=d.rank, v_dim=d.v, capacity=int(capacity),
         eps=np.float32(eps), latent_eps=np.float32(latent_eps), rope_factor=np.float32(rope_factor))
-    return q_full, new
+    return q_full, new, counters
 
 
-def _output_kernel(o_lat, w, d, residual):
-    """y [B, hidden] = concat_h(o_lat W_uv_h) W_o (+ o_bias) (+ residual) from mla_output."""
+def _output_kernel(o_lat, w, d, residual, counters):
+    """y [B, hidden] = concat_h(o_lat W_uv_h) W_o (+ o_bias) (+ residual) from mla_output;
+    counters: _project_kernel's."""
     empty = jnp.zeros((0,), o_lat.dtype)
     bias = w.get("o_bias")
-    y, _ = _OUTPUT.bind(o_lat, w["kv_b"], w["o"], empty if bias is None else bias,
-                        empty if residual is None else residual, nope=d.nope, v_dim=d.v)
+    y, _, _ = _OUTPUT.bind(o_lat, w["kv_b"], w["o"], empty if bias is None else bias,
+                           empty if residual is None else residual, counters, nope=d.nope, v_dim=d.v)
     return y
 
 
@@ -426,9 +431,10 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
         return reference.mla_decode(x, weights, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
     w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
     if splits is not None and _use_projection_kernels(op, config, x, weights, d):
-        q_full, new = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps, rope_factor)
+        q_full, new, counters = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps,
+                                                rope_factor)
         o_lat, latent_cache = _attend_kernel(q_full, new, latent_cache, lengths, block_table, d, splits, scale)
-        return _output_kernel(o_lat, weights, d, x if residual else None), latent_cache
+        return _output_kernel(o_lat, weights, d, x if residual else None, counters), latent_cache
     valid = _row_validity(lengths, block_table, capacity, pages)
     q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
                                    latent_eps)

@@ -71,7 +71,7 @@ inline ffi::ErrorOr<MlaProjectParams> decode_mla_project(
     ffi::AnyBuffer x, ffi::AnyBuffer norm, ffi::AnyBuffer q_src, ffi::AnyBuffer w_q, ffi::AnyBuffer w_kv_a,
     ffi::AnyBuffer kv_a_bias, ffi::AnyBuffer kv_a_norm, ffi::AnyBuffer w_kv_b, ffi::AnyBuffer lengths,
     ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> q_full, ffi::Result<ffi::AnyBuffer> new_latent,
-    ffi::Result<ffi::AnyBuffer> workspace, MlaProjectAttrs a) {
+    ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> counters, MlaProjectAttrs a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("mla_project: " + m)); };
   auto xd = x.dimensions();
   if (xd.size() != 2) return fail("x must be [B, hidden]");
@@ -126,15 +126,20 @@ inline ffi::ErrorOr<MlaProjectParams> decode_mla_project(
   }
   p.q_full = static_cast<float*>(q_full->untyped_data());
   p.new_latent = static_cast<float*>(new_latent->untyped_data());
+  if (auto e = mla_ffi::expect("counters", *counters, ffi::DataType::U32, {kMlaCounterWords}); !e.empty()) {
+    return fail(e);
+  }
   p.kv_raw = static_cast<float*>(workspace->untyped_data());
-  p.kv_counter = reinterpret_cast<unsigned int*>(p.kv_raw + ws - 4);
+  p.counters = static_cast<unsigned int*>(counters->untyped_data());
   return p;
 }
 
 inline ffi::ErrorOr<MlaOutputParams> decode_mla_output(ffi::AnyBuffer o_lat, ffi::AnyBuffer w_kv_b,
                                                        ffi::AnyBuffer w_o, ffi::AnyBuffer o_bias,
-                                                       ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y,
-                                                       ffi::Result<ffi::AnyBuffer> workspace, MlaOutputAttrs a) {
+                                                       ffi::AnyBuffer residual, ffi::AnyBuffer counters,
+                                                       ffi::Result<ffi::AnyBuffer> y,
+                                                       ffi::Result<ffi::AnyBuffer> workspace,
+                                                       ffi::Result<ffi::AnyBuffer> counters_out, MlaOutputAttrs a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("mla_output: " + m)); };
   auto od = o_lat.dimensions();
   if (od.size() != 3) return fail("o_lat must be [B, H, r]");
@@ -160,13 +165,13 @@ inline ffi::ErrorOr<MlaOutputParams> decode_mla_output(ffi::AnyBuffer o_lat, ffi
                  mla_ffi::present(o_bias) ? mla_ffi::expect("o_bias", o_bias, t, {p.hidden}) : std::string(),
                  mla_ffi::present(residual) ? mla_ffi::expect("residual", residual, t, {p.batch, p.hidden})
                                             : std::string(),
-                 mla_ffi::expect("y", *y, t, {p.batch, p.hidden})}) {
+                 mla_ffi::expect("y", *y, t, {p.batch, p.hidden}),
+                 mla_ffi::expect("counters", counters, ffi::DataType::U32, {kMlaCounterWords})}) {
     if (!e.empty()) return fail(e);
   }
   if (workspace->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(workspace->element_count()) < mla_output_workspace_floats(p)) {
-    return fail("workspace must be float32 with at least H * B * hidden + " + std::to_string(kMlaClusterBlocks) +
-                " elements");
+    return fail("workspace must be float32 with at least H * B * hidden elements");
   }
   p.o_lat = o_lat.untyped_data();
   p.w_kv_b = w_kv_b.untyped_data();
@@ -175,6 +180,8 @@ inline ffi::ErrorOr<MlaOutputParams> decode_mla_output(ffi::AnyBuffer o_lat, ffi
   p.residual = mla_ffi::present(residual) ? residual.untyped_data() : nullptr;
   p.y = y->untyped_data();
   p.partial = static_cast<float*>(workspace->untyped_data());
+  // counters_out aliases counters (mla_project's, zeroed at its launch): the kernel counts in it
+  p.counters = static_cast<unsigned int*>(counters_out->untyped_data());
   return p;
 }
 

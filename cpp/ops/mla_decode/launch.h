@@ -12,7 +12,7 @@ namespace jax_cluster {
 cudaError_t launch_mla_decode(const MlaDecodeParams& p, cudaStream_t stream);
 
 // The projection kernels (projections.h); p must pass mla_projections_check on the GPU.
-// Each zeroes its counters first.
+// mla_project zeroes both kernels' counters first; mla_output expects them zero.
 cudaError_t launch_mla_project(const MlaProjectParams& p, cudaStream_t stream);
 cudaError_t launch_mla_output(const MlaOutputParams& p, cudaStream_t stream);
 

@@ -52,7 +52,8 @@ cudaError_t dispatch_rows(int64_t batch, F&& f) {
 }  // namespace
 
 cudaError_t launch_mla_project(const MlaProjectParams& p, cudaStream_t stream) {
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.kv_counter, 0, sizeof(unsigned int), stream));
+  // both kernels' counters (projections.h): mla_output's launch then needs no memset
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.counters, 0, kMlaCounterWords * sizeof(unsigned int), stream));
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return dispatch_rows(p.batch, [&](auto nb) {
@@ -66,8 +67,6 @@ cudaError_t launch_mla_project(const MlaProjectParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_mla_output(const MlaOutputParams& p, cudaStream_t stream) {
-  unsigned int* counters = reinterpret_cast<unsigned int*>(p.partial + p.num_heads * p.batch * p.hidden);
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counters, 0, kMlaClusterBlocks * sizeof(unsigned int), stream));
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return dispatch_rows(p.batch, [&](auto nb) {

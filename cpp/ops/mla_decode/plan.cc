@@ -45,7 +45,7 @@ void bind_mla_decode_plan(nb::module_& m) {
     out["tile_tokens"] = jax_cluster::kMlaDecodeTileTokens;
     out["cluster_blocks"] = jax_cluster::kMlaClusterBlocks;
     out["projection_max_rows"] = jax_cluster::kMlaProjectMaxRows;
-    out["project_workspace_pad"] = jax_cluster::mla_project_workspace_floats(0, 0);
+    out["counter_words"] = jax_cluster::kMlaCounterWords;
     return out;
   });
   m.def(

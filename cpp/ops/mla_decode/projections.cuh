@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
         __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
       }
     }
-    if (!last_block_to_arrive(p.kv_counter, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
+    if (!last_block_to_arrive(p.counters, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
     // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= p.batch) return;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
 }
 
 // ----------------------------------------------------------------------------- mla_output
-// Grid: H clusters along x; cluster h is head h. Counters (after the partials) zeroed before.
+// Grid: H clusters along x; cluster h is head h. Its counters (mla_project's) are zero at launch.
 template <typename T, int NB>
 __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOutputParams p, MlaSmem sm) {
   extern __shared__ float4 smem_f4[];
@@ -355,8 +355,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
       __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
     }
   }
-  unsigned int* counters = reinterpret_cast<unsigned int*>(part + p.num_heads * p.batch * p.hidden);
-  if (!last_block_to_arrive(counters + rank, static_cast<unsigned>(p.num_heads))) return;
+  if (!last_block_to_arrive(p.counters + kMlaOutputCounter + rank, static_cast<unsigned>(p.num_heads))) return;
   const T* bias = static_cast<const T*>(p.o_bias);
   const T* res = static_cast<const T*>(p.residual);
   T* y = static_cast<T*>(p.y);

@@ -23,6 +23,7 @@
 // bitwise reproducible. Rows up to kMlaProjectMaxRows; larger batches take XLA's dots.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -58,8 +59,8 @@ struct MlaProjectParams {
   const float* inv_freq;            // [dr / 2]
   float* q_full;                    // [B, H, r + dr]: q_nope W_uk^T | rotated q_rope
   float* new_latent;                // [B, r + dr]
-  float* kv_raw;                    // workspace: [B, r + dr], then the counter
-  unsigned int* kv_counter;
+  float* kv_raw;                    // workspace: [B, r + dr]
+  unsigned int* counters;           // [kMlaCounterWords]: zeroed before the launch (below)
 
   JAX_CLUSTER_HOST_DEVICE int64_t head_cols() const { return nope + rope; }
   JAX_CLUSTER_HOST_DEVICE int64_t latent_cols() const { return rank + rope; }
@@ -76,16 +77,25 @@ struct MlaOutputParams {
   const void* residual;             // [B, hidden] or nullptr
   void* y;                          // [B, hidden]
   float* partial;                   // workspace: mla_output_workspace_floats
+  unsigned int* counters;           // mla_project's counters: [kMlaOutputCounter + slice], zero at launch
 };
+
+// The arrival counters of a layer's two projection kernels, one buffer that mla_project
+// returns and mla_output takes (aliased in and out): [0] the latent tiles' counter of
+// mla_project, then one per W_o column slice of mla_output. mla_project's launcher zeroes
+// them all, so no memset sits between the attention kernels and mla_output, whose
+// programmatic launch then overlaps the merge kernel's tail.
+inline constexpr int64_t kMlaOutputCounter = 1;
+inline constexpr int64_t kMlaCounterWords = kMlaOutputCounter + kMlaClusterBlocks;
 
 // Clusters of the latent's kv_a GEMV: column tiles of a head's width.
 JAX_CLUSTER_HOST_DEVICE inline int64_t mla_project_latent_tiles(const MlaProjectParams& p) {
   return (p.latent_cols() + p.head_cols() - 1) / p.head_cols();
 }
 
-// The latent's rounded kv [B, r + dr], then (at a 16-byte offset) the tiles' counter.
+// The latent's rounded kv [B, r + dr].
 inline int64_t mla_project_workspace_floats(int64_t batch, int64_t latent_cols) {
-  return (batch * latent_cols + 3) / 4 * 4 + 4;
+  return std::max<int64_t>(1, batch * latent_cols);
 }
 
 // Columns of W_o each rank of a head's cluster owns (a multiple of 8).
@@ -94,9 +104,9 @@ JAX_CLUSTER_HOST_DEVICE inline int64_t mla_output_slice_cols(int64_t hidden) {
   return (per + 7) / 8 * 8;
 }
 
-// Per-head fp32 partials [H, B, hidden], then one counter per column slice.
+// Per-head fp32 partials [H, B, hidden].
 inline int64_t mla_output_workspace_floats(const MlaOutputParams& p) {
-  return p.num_heads * p.batch * p.hidden + kMlaClusterBlocks;
+  return p.num_heads * p.batch * p.hidden;
 }
 
 // Why the projection kernels cannot run these sizes, or "" (both ops; every platform runs

@@ -5,7 +5,6 @@
 #include <climits>
 #include <cmath>
 
-#include "jax_cluster/arrival.cuh"
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
 #include "jax_cluster/ptx.cuh"
@@ -23,13 +22,12 @@ static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in
 // per block, so their time is L2/DRAM round trips, not bytes.
 constexpr int kLoads = 16;
 
-// Shared memory of a block, in floats: the staged x chunk [N][kc] and the K-slice partials
-// [subs][kRowGroup][cols]; later (the last block) each warp's scores [E] and group bests [E],
-// then, where several threads sum a score's chunks, their slice sums [slices][N * E] (at
-// most kThreads). At most 40 KB: under the 48 KB a launch may take without opting in.
-inline int64_t route_smem_floats(int64_t n, int64_t kc, int64_t e) {
-  return std::max(n * kc + kRowGroup * kThreads, 2 * kWarps * e + kThreads);
-}
+// Shared memory, in floats: a partials block's staged x chunk [N][kc] and K-slice partials
+// [subs][kRowGroup][cols]; the select block's per-warp scores [E] and group bests [E], then
+// where several threads sum a score's chunks, their slice sums [slices][N * E] (at most
+// kThreads). Either at most 40 KB: under the 48 KB a launch may take without opting in.
+inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads; }
+inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads; }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
 __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
@@ -39,16 +37,15 @@ __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
   }
 }
 
+// Block c: the partial logits of K chunk c, [N][E] fp32, to the workspace.
 template <typename T, typename R>
-__global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParams p, int kc, int chunks) {
+__global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeRouteParams p, int kc) {
   extern __shared__ __align__(16) float smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
   const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
   const R* router = static_cast<const R*>(p.router);
   float* partial = static_cast<float*>(p.workspace);
-  unsigned* counter = reinterpret_cast<unsigned*>(static_cast<char*>(p.workspace) +
-                                                   (int64_t{chunks} * N * E * 4 + 15) / 16 * 16);
   ptx::griddep_wait();  // x is the previous kernel's
 
   // This chunk's partial logits: x[:, chunk] staged in fp32; column e's K rows split over
@@ -104,9 +101,16 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const MoeRouteParam
       __syncthreads();
     }
   }
-  ptx::griddep_launch_dependents();
+  ptx::griddep_launch_dependents();  // the select kernel may launch; it waits for every chunk
+}
 
-  if (!last_block_to_arrive(counter, static_cast<unsigned>(chunks))) return;  // the last selects
+// One block: the logits (the chunks' partials summed) and the selection, a warp per row.
+__global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRouteParams p, int chunks) {
+  extern __shared__ __align__(16) float smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e);
+  const float* partial = static_cast<const float*>(p.workspace);
+  ptx::griddep_wait();  // every chunk's partials are written
   // The logits: each (row, expert) pair's chunk partials summed by `slices` threads (chunks
   // slice, slice + slices, ... in order), the slice sums then added in slice order. One
   // slice sums straight into row n's scores (warp n's, as N <= kWarps).
@@ -199,11 +203,12 @@ template <typename T, typename R>
 cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
   const int kc = static_cast<int>(moe_route_chunk_rows(p.n, p.h, p.e, p.router_dtype));
   const int chunks = static_cast<int>(moe_route_chunks(p.n, p.h, p.e, p.router_dtype));
-  char* counter = static_cast<char*>(p.workspace) + (int64_t{chunks} * p.n * p.e * 4 + 15) / 16 * 16;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
-  const size_t smem = route_smem_floats(p.n, kc, p.e) * sizeof(float);
-  return launch_programmatic(moe_route_kernel<T, R>, dim3(static_cast<unsigned>(chunks)), dim3(kThreads), smem,
-                             true, stream, p, kc, chunks);
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(moe_route_partials_kernel<T, R>,
+                                                       dim3(static_cast<unsigned>(chunks)), dim3(kThreads),
+                                                       partials_smem_floats(p.n, kc) * sizeof(float), true, stream,
+                                                       p, kc));
+  return launch_programmatic(moe_route_select_kernel, dim3(1), dim3(kThreads),
+                             select_smem_floats(p.e) * sizeof(float), true, stream, p, chunks);
 }
 
 }  // namespace

@@ -12,11 +12,11 @@
 // sums in a fixed order, so its logits may differ from XLA's in the last bits and a pair of
 // scores within an ulp may rank the other way.
 //
-// CUDA: one kernel, grid (K chunks of H). Block c stages x[:, chunk c] in fp32 and writes
-// the chunk's fp32 partial logits [N][E] (each column's K rows split over the block's
-// threads, summed in a fixed order) to the workspace; the last block to arrive (a counter
-// the launcher zeroes) sums the chunks (a fixed split over its threads, a fixed order) and
-// selects: one warp per row. The router is a few hundred KB over tens of blocks, so a
+// CUDA: two kernels. Partials, grid (K chunks of H): block c stages x[:, chunk c] in fp32
+// and writes the chunk's fp32 partial logits [N][E] (each column's K rows split over the
+// block's threads, summed in a fixed order) to the workspace. Select, one block launched
+// programmatically behind it (no counter, so no memset in the stream): sums the chunks (a
+// fixed split over its threads, a fixed order) and selects, one warp per row. The router is a few hundred KB over tens of blocks, so a
 // block's time is memory round trips: each thread issues its loads in batches before using
 // them (a chunk is about kMoeRouteChunkBytes, one batch per thread at E = 64).
 // No float atomics: bitwise deterministic. Up to kMoeRouteMaxRows rows and
@@ -31,8 +31,8 @@
 
 namespace jax_cluster {
 
-// The last block selects with one warp per row and holds the logits [N][E] in shared
-// memory; more rows route in XLA (docs/moe_decode.md, "Not done").
+// The select kernel uses one warp per row and holds the logits [N][E] in shared memory;
+// more rows route in XLA (docs/moe_decode.md, "Not done").
 inline constexpr int64_t kMoeRouteMaxRows = 8;
 inline constexpr int64_t kMoeRouteMaxExperts = 512;  // per warp: the scores and group bests in shared memory
 inline constexpr int kMoeRouteThreads = 256;
@@ -65,9 +65,9 @@ inline int64_t moe_route_chunks(int64_t n, int64_t h, int64_t e, DType router_dt
   return (h + moe_route_chunk_rows(n, h, e, router_dtype) - 1) / moe_route_chunk_rows(n, h, e, router_dtype);
 }
 
-// Partial logits [chunks][N][E] fp32, then the counter (16-byte aligned).
+// Partial logits [chunks][N][E] fp32.
 inline int64_t moe_route_workspace_bytes(int64_t n, int64_t h, int64_t e, DType router_dtype) {
-  return (moe_route_chunks(n, h, e, router_dtype) * n * e * 4 + 15) / 16 * 16 + 16;
+  return moe_route_chunks(n, h, e, router_dtype) * n * e * 4;
 }
 
 // Why p is not a valid call of either handler, or "".
