@@ -22,6 +22,7 @@ and 8 machines x 8 GPUs (results/sp_attention_nvshmem_predicted.{md,json}).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -30,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"flux": (24, 128), "cogvideox": (48, 64)}
+# nvshmem: arrivals read in place; nvshmem-copy: every arrival copied out of the arena first
+BACKENDS = ("xla", "nvshmem", "nvshmem-copy")
 
 
 def _args(argv=None):
@@ -38,6 +41,8 @@ def _args(argv=None):
     ap.add_argument("--shapes", default="flux,cogvideox", help=f"of {sorted(SHAPES)}")
     ap.add_argument("--schedules", default="ring,torus,ulysses")
     ap.add_argument("--kernel", default="flash_attention", choices=["flash_attention", "xla"])
+    ap.add_argument("--copy-out", action="store_true",
+                    help="also rows 'nvshmem-copy': every arrival copied out of the arena (no in-place reads)")
     ap.add_argument("--part", default=None, help="merge into the table as this part (common.write_results)")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
     ap.add_argument("--sweep-mb", default="16,64,256",
@@ -75,7 +80,7 @@ def main(args) -> None:
 
     import common  # noqa: PLC0415
     from jax_cluster import parallel as sp  # noqa: PLC0415
-    from jax_cluster.parallel import nvshmem  # noqa: PLC0415
+    from jax_cluster.parallel import nvshmem, nvshmem_backend as nb  # noqa: PLC0415
 
     dtype = jnp.bfloat16
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -125,8 +130,12 @@ def main(args) -> None:
             for name in schedules:
                 plan = sp.plan(name, heads=heads, devices=jax.devices())
                 q, k, v = qkv(length, length, heads, hd, plan.sharding())
-                for backend in (("xla",) if name == "ulysses" else ("xla", "nvshmem")):
+                backends = ("xla", "nvshmem") + (("nvshmem-copy",) if args.copy_out else ())
+                for backend in (("xla",) if name == "ulysses" else backends):
                     case = f"{shape_name} b1 l{length} bf16 {name} {backend}"
+                    # nvshmem-copy: the NVSHMEM backend copying every arrival out (traced with the knob set)
+                    os.environ[nb.COPY_OUT_ENV] = "1" if backend == "nvshmem-copy" else "0"
+                    backend = backend.removesuffix("-copy")
                     f = jax.jit(lambda q, k, v, p=plan, b=backend: sp.sp_attention(q, k, v, p, kernel=kernel,
                                                                                     backend=b))
                     t0 = time.perf_counter()
@@ -136,9 +145,10 @@ def main(args) -> None:
                     run = layer_loop(lambda x, k, v, p=plan, b=backend: sp.sp_attention(x, k, v, p, kernel=kernel,
                                                                                          backend=b), iters)
                     us = common.time_fn(run, q, k, v, warmup=1, trials=3) / iters * 1e6
-                    row = {"case": case, "schedule": name, "backend": backend, "seq_len": length,
+                    row = {"case": case, "schedule": name, "backend": case.rsplit(" ", 1)[1], "seq_len": length,
                            "us": us, "one_gpu_us": one_us, "speedup_vs_one_gpu": one_us / us,
                            "bitwise_repeat": bool(np.array_equal(out1, out2)), "compile_s": round(compile_s, 1)}
+                    os.environ[nb.COPY_OUT_ENV] = "0"
                     if backend == "xla":
                         xla_out[name] = (out1, us)
                     else:
@@ -187,9 +197,9 @@ def transfer_sweep(arena_bytes, sizes_mb, iters=10):
         x = jax.make_array_from_callback((nbytes,), NamedSharding(mesh, P("x")),
                                          lambda i: np.ones((nbytes // 2,), jnp.bfloat16))
 
-        def by_put(y):
-            return nb._barrier(nb._wait(nb._put(y, region="x", arena=arena, peers=[1, 0]), y, region="x",
-                                        arena=arena), arena=arena)
+        def by_put(y):  # put, wait, copy out of the arena, barrier
+            arrived = nb._wait(nb._put(y, region="x", arena=arena, peers=[1, 0]), y, region="x", arena=arena)
+            return nb._barrier(nb._read(nb.ArenaSlot(arrived, "x", y.shape, y.dtype), arena=arena), arena=arena)
 
         steps = (("ppermute", lambda y: jax.lax.ppermute(y, "x", [(0, 1), (1, 0)])), ("nvshmem", by_put),
                  ("copy", jnp.flip))  # copy: what the arena's copy-out costs locally
@@ -241,8 +251,9 @@ def predict(table: Path, machines) -> tuple[list[dict], dict]:
         else:
             links = sp.Links(intra_bw=xla_bw, intra_latency=xla_lat)
             put = sp.Links(intra_bw=put_bw, intra_latency=put_lat)
-        return links, {"xla": sp.Transport(),
-                       "nvshmem": sp.Transport(copy_bw=copy_bw, per_slot_s=copy_lat, shift_links=put)}
+        copy = sp.Transport(copy_bw=copy_bw, per_slot_s=copy_lat, shift_links=put)
+        return links, {"xla": sp.Transport(), "nvshmem": dataclasses.replace(copy, in_place=True),
+                       "nvshmem-copy": copy}
     fit = {"xla_link": (xla_lat, xla_bw), "copy": (copy_lat, copy_bw), "nvshmem_put": (nv_lat - copy_lat, put_bw)}
 
     one_gpu = {}  # (heads, head_dim) -> [(flops, s)]
@@ -266,7 +277,7 @@ def predict(table: Path, machines) -> tuple[list[dict], dict]:
         for n, m in [(2, 1)] + [(k, 8) for k in machines]:
             links, transports = models_for(m == 1)
             for length in lengths:
-                for backend in ("xla", "nvshmem"):
+                for backend in BACKENDS:
                     res = sp.simulate(n, m, length, heads, hd, "bf16", kernel=kernel, schedules=("ring", "torus"),
                                       links=links, transport=transports[backend])
                     for name, r in res.items():
@@ -281,8 +292,8 @@ def predict(table: Path, machines) -> tuple[list[dict], dict]:
                                 row.update(measured_us=got, predicted_over_measured=r.latency_s * 1e6 / got)
                         out.append(row)
     for row in out:  # each nvshmem row against the same schedule on the XLA backend
-        if row["backend"] == "nvshmem" and "predicted_us" in row:
-            twin = next(r for r in out if r["case"] == row["case"].removesuffix("nvshmem") + "xla")
+        if row["backend"] != "xla" and "predicted_us" in row:
+            twin = next(r for r in out if r["case"] == row["case"].removesuffix(row["backend"]) + "xla")
             row["nvshmem_over_xla_time"] = row["predicted_us"] / twin["predicted_us"]
     print("fits: " + ", ".join(f"{k} {lat * 1e6:.1f} us + bytes / {bw / 1e9:.0f} GB/s" for k, (lat, bw) in fit.items()))
     return out, fit

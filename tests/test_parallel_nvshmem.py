@@ -183,6 +183,8 @@ def test_executor_puts_waits_and_one_barrier(name):
                                                                        kernel="xla"))(q, q, q))
     assert jaxpr.count(nvshmem_backend.PUT) == jaxpr.count(nvshmem_backend.WAIT) == len(arena.regions) > 0
     assert jaxpr.count(nvshmem_backend.BARRIER) == 1
+    # kernel="xla" cannot read the arena: every arrival is copied out before it is read
+    assert jaxpr.count(nvshmem_backend.READ) == len(arena.regions) and nvshmem_backend.ATTEND not in jaxpr
     assert "ppermute" not in jaxpr
     # each Shift's puts are tied (optimization_barrier) to what the rest of its step reads, so
     # XLA cannot run the step's attention first; the waits come at the step's end
@@ -190,6 +192,70 @@ def test_executor_puts_waits_and_one_barrier(name):
     assert jaxpr.count("optimization_barrier") >= len(shifts) > 0
     first_put = jaxpr.index(nvshmem_backend.PUT)
     assert first_put < jaxpr.index("optimization_barrier", first_put) < jaxpr.index(nvshmem_backend.WAIT)
+
+
+class _EmulatedPuts(nvshmem_backend.PutTransport):
+    """The transport with its device primitives emulated on CPU: a put is a ppermute into a
+    dict standing for the arena, a wait a token, a read the dict's value, the in-place
+    attention the op on the dict's values, the barrier nothing. Counts what ran."""
+
+    def __init__(self, arena):
+        super().__init__(arena, copy_out=False)
+        self.regions, self.count = {}, {"put": 0, "forward": 0, "read": 0, "in_place": 0}
+
+    def shift(self, schedule, op, env):
+        self.axes = tuple(schedule.layout.axis_names)
+        super().shift(schedule, op, env)
+
+    def _put(self, x, region, peers):
+        self.count["forward" if isinstance(x, nvshmem_backend.ArenaSlot) else "put"] += 1
+        src = self.regions[x.region] if isinstance(x, nvshmem_backend.ArenaSlot) else x
+        self.regions[region] = jax.lax.ppermute(src, self.axes, list(enumerate(peers)))
+        return jnp.zeros((1,), jnp.uint32)
+
+    def _wait(self, token, keep, region):
+        return token
+
+    def _read(self, slot):
+        self.count["read"] += 1
+        return self.regions[slot.region]
+
+    def _attention(self, qs, kvs, states, scale):
+        self.count["in_place"] += 1
+        val = lambda x: self.regions[x.region] if isinstance(x, nvshmem_backend.ArenaSlot) else x  # noqa: E731
+        return sp.flash_attention_kernel([val(q) for q in qs], [(val(k), val(v)) for k, v in kvs], states,
+                                         scale=scale)
+
+    def _barrier(self, out):
+        return out
+
+
+@pytest.mark.parametrize("name,machines,devices,reads,forwards", [
+    ("ring", 1, 2, 0, 0), ("ring", 1, 4, 0, 4), ("ring", 2, 4, 0, 2), ("torus", 2, 2, 1, 0), ("torus", 2, 4, 1, 0)])
+def test_arrived_slots_are_read_in_place(rng, name, machines, devices, reads, forwards):
+    """The transport's dataflow on CPU (device primitives emulated): arrived K/V (and Torus'
+    pulled Q) go to the attention in place, the ring forwards arrived K/V from the arena, only
+    what no kernel reads in place (Torus' pushed O, joined into the output) is copied out;
+    the result is bitwise the XLA backend's with the same kernel."""
+    p = sp.plan(name, heads=8, num_machines=machines, devices=jax.devices()[:devices])
+    shape = (1, 16 * devices, 8, 64)
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), p.sharding())
+               for _ in range(3))
+    sched = p.build(sp.AttnShape(*shape, 2))
+    tr = _EmulatedPuts(nvshmem.arena_layout(sched))
+    got = jax.jit(lambda q, k, v: nvshmem_backend.execute(sched, p.mesh, q, k, v, arena=tr.arena, transport=tr,
+                                                          kernel="flash_attention").astype(jnp.float32))(q, k, v)
+    want = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, kernel="flash_attention").astype(jnp.float32))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert tr.count["read"] == reads and tr.count["forward"] == forwards, tr.count
+    assert tr.count["in_place"] > 0 and tr.count["put"] + tr.count["forward"] == len(tr.arena.regions)
+
+
+def test_copy_out_knob_reads_every_arrival(monkeypatch):
+    monkeypatch.setenv(nvshmem_backend.COPY_OUT_ENV, "1")
+    assert nvshmem_backend.PutTransport(None).copy_out
+    monkeypatch.delenv(nvshmem_backend.COPY_OUT_ENV)
+    assert not nvshmem_backend.PutTransport(None).copy_out
 
 
 # -------------------------------------------------------------------------- fallback
@@ -254,6 +320,10 @@ _GPU_CHILD = """
         except nvshmem.ArenaTooSmallError as e:
             print("ARENA", e, flush=True)
         nvshmem.grow(nvshmem.arena_layout(p.build(sp.AttnShape(*shape, 2))).total_bytes)
+    if mode == "copy":  # every arrival copied out of the arena instead of read in place
+        import os
+        from jax_cluster.parallel import nvshmem_backend
+        os.environ[nvshmem_backend.COPY_OUT_ENV] = "1"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warning here is a failure
         f = jax.jit(lambda q, k, v: sp.sp_attention(q, k, v, p, backend="nvshmem"))
@@ -269,15 +339,18 @@ _GPU_CHILD = """
     same = bool(np.array_equal(np.asarray(o), np.asarray(o_xla)))
     print("RESULT", name, err, same)
     assert err < 2e-2, err
+    assert same, "the NVSHMEM backend differs from the XLA backend (the same kernel on the same chunks)"
 """
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ring", "torus"])
-def test_two_gpus_nvshmem_equals_single_device_attention(name):
+@pytest.mark.parametrize("name,mode", [("ring", "ok"), ("torus", "ok"), ("torus", "copy")])
+def test_two_gpus_nvshmem_equals_single_device_attention(name, mode):
+    """Against the reference, and bitwise against the XLA backend, with arrivals read in
+    place (ok) or copied out (copy)."""
     if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
         pytest.skip("needs 2 GPUs and the NVSHMEM module")
-    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), name, "ok"], 2, timeout=300, gpus=True,
+    res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), name, mode], 2, timeout=300, gpus=True,
                     env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "30"})
     out = [res.text(r) for r in range(2)]
     assert res.returncode == 0, out

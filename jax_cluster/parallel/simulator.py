@@ -85,12 +85,15 @@ class Transport:
 
     ``copy_bw``: bytes/s of copying a received slot out of a staging buffer on the receiver's
     compute stream, before the slot's first use (None: the transfer lands in place);
+    ``in_place``: the attention and a forwarding Shift read a staged slot where it is (only
+    its ``per_slot_s`` is paid); other reads still copy it out;
     ``per_slot_s``: a fixed cost per received slot on that stream (the signal wait and the
     copy's launch); ``per_call_s``: added once at the end (the NVSHMEM backend's barrier);
     ``shift_links``: the links a ``Shift`` travels (the puts'), where they differ from the
     collectives' (the all-to-alls stay XLA collectives)."""
 
     copy_bw: float | None = None
+    in_place: bool = False
     per_slot_s: float = 0.0
     per_call_s: float = 0.0
     shift_links: Links | None = None
@@ -154,12 +157,14 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
     launches = 0
     staged = [dict() for _ in range(p)]  # slot -> bytes still to copy out (Transport.copy_bw)
 
-    def settle(r, names):
-        """Copies device r's staged slots among ``names`` out on its compute stream."""
+    def settle(r, names, in_place=False):
+        """Copies device r's staged slots among ``names`` out on its compute stream (read in
+        place: only their waits)."""
         for n in names:
             if n in staged[r]:
                 start = max(stream[r], ready[r][n])
-                stream[r] = start + transport.per_slot_s + staged[r].pop(n) / transport.copy_bw
+                nbytes = staged[r].pop(n)
+                stream[r] = start + transport.per_slot_s + (0 if in_place else nbytes / transport.copy_bw)
                 busy[r] += stream[r] - start
                 ready[r][n] = stream[r]
 
@@ -168,8 +173,8 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
         Each channel carries its share of the op back to back at full bandwidth (bandwidth
         is shared among concurrent transfers); a transfer lands when both its channels are done."""
         lk = transport.shift_links if one_sided and transport.shift_links else links
-        for src, _, slot, _, _ in items:  # a staged source is copied out before it is sent on
-            settle(src, [slot])
+        for src, _, slot, _, _ in items:  # a staged source is copied out (or waited for) before it is sent on
+            settle(src, [slot], in_place=transport.in_place)
         loads: dict = {}
         for src, dst, slot, _, nbytes in items:
             if src == dst:
@@ -236,7 +241,7 @@ def simulate_schedule(schedule: Schedule, kernel: KernelModel | None = None, lin
             launches += 1
             names = list(op.q) + [x for kv in op.kv for x in kv]
             for r in range(p):
-                settle(r, names)
+                settle(r, names, in_place=transport.in_place)
                 start = max([stream[r]] + [ready[r][n] for n in names] + [state[r].get(q, 0.0) for q in op.q])
                 stream[r] = start + dt
                 busy[r] += dt

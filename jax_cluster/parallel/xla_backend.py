@@ -46,7 +46,8 @@ def _join_heads(xs, axis):
     return x.reshape(b, l, n * h, d)
 
 
-def _attend(kernel, scale, env, states, op: Attend):
+def attend(kernel, scale, env, states, op: Attend):
+    """Fold ``op``'s attention into ``states`` (one kernel call over its query and KV slots)."""
     if not op.kv:
         return
     kvs = [(env[k], env[v]) for k, v in op.kv]
@@ -69,9 +70,11 @@ def _attend(kernel, scale, env, states, op: Attend):
 
 class PpermuteTransport:
     """How the XLA backend moves a :class:`Shift`'s slots: one ``ppermute`` per slot, which XLA's
-    async collectives overlap with the step's attention. A transport has three hooks, called by
+    async collectives overlap with the step's attention. A transport has five hooks, called by
     :func:`run_local`: ``shift`` at the op, ``end_step`` after the step's ops (slots whose
-    arrival is completed there), ``finish`` on the output."""
+    arrival is completed there), ``attend`` for an :class:`Attend` (a transport whose slots
+    are not arrays may read them in place), ``read`` before any other op reads slots (they
+    must be arrays then), ``finish`` on the output."""
 
     def shift(self, schedule: Schedule, op: Shift, env: dict) -> None:
         n = schedule.layout.size(op.axis)
@@ -82,8 +85,25 @@ class PpermuteTransport:
     def end_step(self, env: dict) -> None:
         pass
 
+    def attend(self, kernel, scale, env: dict, states: dict, op: Attend) -> None:
+        attend(kernel, scale, env, states, op)
+
+    def read(self, env: dict, names) -> None:
+        pass
+
     def finish(self, out):
         return out
+
+
+def _reads(op, states) -> tuple[str, ...]:
+    """The slots an op other than Shift and Attend reads from ``env``."""
+    if isinstance(op, (AllToAll, JoinHeads)):
+        return tuple(op.src)
+    if isinstance(op, SplitHeads):
+        return (op.src,)
+    if isinstance(op, Finalize):  # a slot with a state is read through it
+        return tuple(s for s in op.src if s not in states)
+    raise TypeError(f"unknown op {op!r}")
 
 
 def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None, transport=None):
@@ -99,6 +119,8 @@ def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None, transport
     lay = schedule.layout
     for step in schedule.steps:
         for op in step.ops:
+            if not isinstance(op, (Shift, Attend)):
+                transport.read(env, _reads(op, states))
             if isinstance(op, AllToAll):
                 g = _axis_size(schedule, op.axes)
                 split, concat = (2, 1) if op.gather == "seq" else (1, 2)
@@ -117,7 +139,8 @@ def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None, transport
             elif isinstance(op, JoinHeads):
                 env[op.dst] = _join_heads([env[s] for s in op.src], op.axis)
             elif isinstance(op, Attend):
-                _attend(kernel, scale, env, states, op)
+                if op.kv:
+                    transport.attend(kernel, scale, env, states, op)
             elif isinstance(op, Finalize):
                 for s, d in zip(op.src, op.dst):
                     st = states.get(s)
@@ -125,6 +148,7 @@ def run_local(schedule: Schedule, q, k, v, *, kernel=None, scale=None, transport
             else:  # pragma: no cover
                 raise TypeError(f"unknown op {op!r}")
         transport.end_step(env)
+    transport.read(env, (schedule.output,))
     return transport.finish(env[schedule.output])
 
 

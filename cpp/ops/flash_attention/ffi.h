@@ -39,9 +39,36 @@ namespace jax_cluster {
 
 namespace ffi = xla::ffi;
 
-inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingArgs args,
+// A q, k or v chunk as decode sees it: its rows, element type and dimensions. The custom
+// call's chunks are its operands (flash_operand); the NVSHMEM backend's arena attention
+// (cpp/ops/nvshmem_attention/src/ffi.cc) also makes them from its symmetric arena.
+struct FlashOperand {
+  const void* data;
+  ffi::DataType type;
+  int64_t dims[4];
+  size_t rank;
+};
+
+inline FlashOperand flash_operand(const ffi::AnyBuffer& b) {
+  FlashOperand o{b.untyped_data(), b.element_type(), {0, 0, 0, 0}, b.dimensions().size()};
+  for (size_t i = 0; i < o.rank && i < 4; ++i) o.dims[i] = b.dimensions()[i];
+  return o;
+}
+
+inline std::string dims_str(const FlashOperand& o) {
+  std::string s = "[";
+  for (size_t i = 0; i < o.rank && i < 4; ++i) s += (i ? ", " : "") + std::to_string(o.dims[i]);
+  return s + (o.rank > 4 ? ", ...]" : "]");
+}
+
+// Decodes a call whose operands are laid out as the custom call's (q chunks, k chunks, v
+// chunks, then the incoming states) with chunk operand i (i < num_q + 2 num_kv) given by
+// `chunk(i)` -> ffi::ErrorOr<FlashOperand>; the states and results are args' and rets'.
+template <typename ChunkAt>
+ffi::ErrorOr<FlashAttentionParams> decode_flash_attention_chunks(ffi::RemainingArgs args,
                                                                  ffi::RemainingRets rets,
-                                                                 FlashAttentionAttrs a) {
+                                                                 FlashAttentionAttrs a,
+                                                                 ChunkAt chunk) {
   const int64_t num_q = a.num_q, num_kv = a.num_kv, state_mask = a.state_mask;
   const float scale = a.scale;
   const bool finalize = a.finalize;
@@ -80,15 +107,13 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingA
   p.num_q = static_cast<int>(num_q);
   p.num_kv = static_cast<int>(num_kv);
   ffi::DataType elem = ffi::DataType::INVALID;
-  auto check_qkv = [&](const ffi::AnyBuffer& buf, const std::string& name,
-                       int64_t* len) -> ffi::Error {
-    auto d = buf.dimensions();
-    if (d.size() != 4 || d[0] != p.batch || d[2] != p.heads || d[3] != p.head_dim ||
-        buf.element_type() != elem) {
+  auto check_qkv = [&](const FlashOperand& buf, const std::string& name, int64_t* len) -> ffi::Error {
+    const int64_t* d = buf.dims;
+    if (buf.rank != 4 || d[0] != p.batch || d[2] != p.heads || d[3] != p.head_dim || buf.type != elem) {
       return ffi_util::invalid("flash_attention: " + name + " must be [B=" +
                                std::to_string(p.batch) + ", L, H=" + std::to_string(p.heads) +
                                ", Dh=" + std::to_string(p.head_dim) +
-                               "] with q's dtype, got " + ffi_util::dims_str(d));
+                               "] with q's dtype, got " + dims_str(buf));
     }
     *len = d[1];
     return ffi::Error::Success();
@@ -96,14 +121,14 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingA
 
   // q chunks (q_0 fixes B, H, Dh and the dtype)
   for (int64_t i = 0; i < num_q; ++i) {
-    auto q = args.get<ffi::AnyBuffer>(i);
+    ffi::ErrorOr<FlashOperand> q = chunk(i);
     if (!q) return ffi::Unexpected(q.error());
     if (i == 0) {
-      auto d = q->dimensions();
-      if (d.size() != 4) return fail("q[0] must be [B, L, H, Dh], got " + ffi_util::dims_str(d));
-      auto dt = ffi_util::to_dtype(q->element_type(), "q");
+      const int64_t* d = q->dims;
+      if (q->rank != 4) return fail("q[0] must be [B, L, H, Dh], got " + dims_str(*q));
+      auto dt = ffi_util::to_dtype(q->type, "q");
       if (!dt) return ffi::Unexpected(dt.error());
-      elem = q->element_type();
+      elem = q->type;
       p.dtype = *dt;
       p.batch = d[0];
       p.heads = d[2];
@@ -112,12 +137,12 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingA
     }
     auto err = check_qkv(*q, "q[" + std::to_string(i) + "]", &p.q[i].len);
     if (err.failure()) return ffi::Unexpected(std::move(err));
-    p.q[i].q = q->untyped_data();
+    p.q[i].q = q->data;
   }
   // kv chunks
   for (int64_t j = 0; j < num_kv; ++j) {
-    auto k = args.get<ffi::AnyBuffer>(num_q + j);
-    auto v = args.get<ffi::AnyBuffer>(num_q + num_kv + j);
+    ffi::ErrorOr<FlashOperand> k = chunk(num_q + j);
+    ffi::ErrorOr<FlashOperand> v = chunk(num_q + num_kv + j);
     if (!k) return ffi::Unexpected(k.error());
     if (!v) return ffi::Unexpected(v.error());
     int64_t lk = 0, lv = 0;
@@ -126,7 +151,7 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingA
     err = check_qkv(*v, "v[" + std::to_string(j) + "]", &lv);
     if (err.failure()) return ffi::Unexpected(std::move(err));
     if (lk != lv) return fail("k[" + std::to_string(j) + "] and v[" + std::to_string(j) + "] lengths differ");
-    p.kv[j] = {k->untyped_data(), v->untyped_data(), lk};
+    p.kv[j] = {k->data, v->data, lk};
   }
   // states and results
   int64_t next = num_q + 2 * num_kv;
@@ -169,6 +194,16 @@ inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingA
     c.lse = static_cast<float*>((*lse)->untyped_data());
   }
   return p;
+}
+
+// The custom call: every chunk is an operand.
+inline ffi::ErrorOr<FlashAttentionParams> decode_flash_attention(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                                                 FlashAttentionAttrs a) {
+  return decode_flash_attention_chunks(args, rets, a, [&](int64_t i) -> ffi::ErrorOr<FlashOperand> {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b) return ffi::Unexpected(b.error());
+    return flash_operand(*b);
+  });
 }
 
 }  // namespace jax_cluster

@@ -11,6 +11,8 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_cluster_nvshmem_put);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_cluster_nvshmem_wait);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_cluster_nvshmem_barrier);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_cluster_nvshmem_read);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_cluster_nvshmem_flash_attention);
 
 namespace nb = nanobind;
 namespace rt = jax_cluster::nvshmem_rt;
@@ -38,6 +40,9 @@ NB_MODULE(_jax_cluster_nvshmem, m) {
     targets["jax_cluster_nvshmem_put"] = nb::capsule(reinterpret_cast<void*>(jax_cluster_nvshmem_put));
     targets["jax_cluster_nvshmem_wait"] = nb::capsule(reinterpret_cast<void*>(jax_cluster_nvshmem_wait));
     targets["jax_cluster_nvshmem_barrier"] = nb::capsule(reinterpret_cast<void*>(jax_cluster_nvshmem_barrier));
+    targets["jax_cluster_nvshmem_read"] = nb::capsule(reinterpret_cast<void*>(jax_cluster_nvshmem_read));
+    targets["jax_cluster_nvshmem_flash_attention"] =
+        nb::capsule(reinterpret_cast<void*>(jax_cluster_nvshmem_flash_attention));
     return targets;
   });
 }

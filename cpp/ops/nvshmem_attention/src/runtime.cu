@@ -159,6 +159,12 @@ void finalize() {
   g = State{};
 }
 
+std::string region(size_t offset, size_t nbytes, const char* what, uint8_t** ptr) {
+  if (auto e = check_range(offset, nbytes, what); !e.empty()) return e;
+  *ptr = g.arena + offset;
+  return {};
+}
+
 bool initialized() { return g.up; }
 int my_pe() { return g.pe; }
 int n_pes() { return g.npes; }
@@ -194,15 +200,19 @@ std::string put_signal(cudaStream_t stream, const void* src, size_t offset, size
   return err(cudaEventRecord(done, g.side), "put event");
 }
 
-std::string wait_copy(cudaStream_t stream, void* dst, size_t offset, size_t nbytes, size_t sig_offset,
-                      int64_t sig) {
-  if (auto e = check_range(offset, nbytes, "nvshmem wait"); !e.empty()) return e;
+std::string wait(cudaStream_t stream, size_t sig_offset, int64_t sig) {
+  if (auto e = check_range(sig_offset + 8 * (sig + 1), 0, "nvshmem wait"); !e.empty()) return e;
   auto it = g.put_done.find(sig);
   if (it == g.put_done.end()) return "nvshmem wait: slot signal " + std::to_string(sig) + " has no put before it";
   if (auto e = err(cudaStreamWaitEvent(stream, it->second, 0), "wait for the put"); !e.empty()) return e;
   wait_signal_kernel<<<1, 1, 0, stream>>>(signal_ptr(sig_offset, sig), g.timeout_ns, g.fault_dev, sig);
-  if (auto e = err(cudaGetLastError(), "wait kernel"); !e.empty()) return e;
-  return err(cudaMemcpyAsync(dst, g.arena + offset, nbytes, cudaMemcpyDeviceToDevice, stream), "copy out");
+  return err(cudaGetLastError(), "wait kernel");
+}
+
+std::string copy_out(cudaStream_t stream, void* dst, size_t offset, size_t nbytes) {
+  uint8_t* src = nullptr;
+  if (auto e = region(offset, nbytes, "nvshmem copy out", &src); !e.empty()) return e;
+  return err(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, stream), "copy out");
 }
 
 std::string barrier(cudaStream_t stream, size_t sig_offset, int64_t sig) {

@@ -39,15 +39,21 @@ uint64_t timeout_ns();
 const Fault* fault();  // host view of the fault record
 std::string describe_fault();
 
-// One-sided put of `nbytes` from `src` into `peer`'s arena at `offset`, then SET signal `sig`
-// (at `sig_offset` + 8 sig) to 1, on the side stream after `stream`'s work so far. Records the
-// completion event of slot `sig`. Returns an error string ("" = ok).
+// The local address of arena bytes [offset, offset + nbytes) in *ptr, or an error string
+// (not initialised, an earlier fault, past the arena's end).
+std::string region(size_t offset, size_t nbytes, const char* what, uint8_t** ptr);
+// One-sided put of `nbytes` from `src` (device memory, or this PE's own arena) into `peer`'s
+// arena at `offset`, then SET signal `sig` (at `sig_offset` + 8 sig) to 1, on the side stream
+// after `stream`'s work so far. Records the completion event of slot `sig`. Returns an error
+// string ("" = ok).
 std::string put_signal(cudaStream_t stream, const void* src, size_t offset, size_t nbytes, int peer,
                        size_t sig_offset, int64_t sig);
 // `stream` waits for the put of slot `sig` (issued by this PE), then for this PE's signal `sig`
-// (device kernel, timeout -> fault + trap), resets it, and copies the region into `dst`.
-std::string wait_copy(cudaStream_t stream, void* dst, size_t offset, size_t nbytes, size_t sig_offset,
-                      int64_t sig);
+// (device kernel, timeout -> fault + trap) and resets it: the slot's region has arrived and
+// `stream`'s later work may read it in place.
+std::string wait(cudaStream_t stream, size_t sig_offset, int64_t sig);
+// Copies an arrived region into `dst` (device memory) on `stream`.
+std::string copy_out(cudaStream_t stream, void* dst, size_t offset, size_t nbytes);
 // Every PE signals every other and waits (timeout) for n_pes - 1 arrivals on signal `sig`.
 std::string barrier(cudaStream_t stream, size_t sig_offset, int64_t sig);
 
