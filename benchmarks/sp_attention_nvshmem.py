@@ -308,7 +308,9 @@ NOTES = ("2 GPUs of one host as 2 processes (jax_cluster.parallel.launch), one G
          "(the link between the 'machines' is the GPUs' NVLink). us: one layer's attention inside a loop of layers in "
          "one jit (XLA's overlap flags on); one_gpu_us: the whole sequence on one GPU with the same local kernel "
          "(ideal speedup 2). vs_xla_backend: the same schedule with backend='xla' over its time. bitwise_repeat: two "
-         "calls gave the same bits; equal_to_xla: bitwise equal to the XLA backend's result.")
+         "calls gave the same bits; equal_to_xla: bitwise equal to the XLA backend's result. nvshmem: arrived K/V "
+         "(and Torus' pulled Q) read in place from the arena; nvshmem-copy: every arrival copied out first "
+         "($JAX_CLUSTER_NVSHMEM_COPY_OUT=1, the transport before in-place reads).")
 
 
 if __name__ == "__main__":
