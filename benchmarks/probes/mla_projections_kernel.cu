@@ -6,6 +6,9 @@
 //     -Icpp -Icpp/include benchmarks/probes/mla_projections_kernel.cu cpp/ops/mla_decode/cpu.cc -o /tmp/mlp
 //   /tmp/mlp B H hidden q_lora r dn dr dv   (q_lora 0: q from RMSNorm(x); biases and a
 //   residual always; MLA_TIME=1: also time 50 back-to-back calls of each kernel)
+// Built with -DJAX_CLUSTER_MLA_TIMELINE=1 it also prints each kernel's per-phase timeline
+// (projections.cuh's MlaMark stamps of every block) for one launch with the weights in L2
+// (after a launch of the same kernel) and one with L2 flushed first.
 // Prints the largest errors against the CPU computation and exits 1 above 2e-2 (relative to
 // the largest value).
 #include <algorithm>
@@ -47,6 +50,41 @@ float time_us(F&& launch) {
   CHECK(cudaEventElapsedTime(&ms, t0, t1));
   return ms * 20.f;
 }
+
+#if JAX_CLUSTER_MLA_TIMELINE
+// One launch of `launch` (kernel 0: mla_project, 1: mla_output) after `before`, then when
+// the blocks passed each phase boundary: first, median and last block, us from the first
+// block's start.
+template <typename F, typename G>
+void print_timeline(int kernel, const char* name, const char* when, F&& launch, G&& before) {
+  using namespace jax_cluster;
+  static std::vector<unsigned long long> zeros(2 * kMlaTimelineBlocks * kMlaTimelineMarks, 0ull);
+  CHECK(before());
+  CHECK(cudaMemcpyToSymbol(mla_timeline, zeros.data(), zeros.size() * 8));
+  CHECK(launch());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> t(zeros.size());
+  CHECK(cudaMemcpyFromSymbol(t.data(), mla_timeline, t.size() * 8));
+  const unsigned long long* k = t.data() + kernel * kMlaTimelineBlocks * kMlaTimelineMarks;
+  unsigned long long t0 = ~0ull;
+  for (int b = 0; b < kMlaTimelineBlocks; ++b) {
+    if (k[b * kMlaTimelineMarks]) t0 = std::min(t0, k[b * kMlaTimelineMarks]);
+  }
+  static const char* marks[kMlaTimelineMarks] = {"start", "waited", "staged", "gemv", "cluster sum",
+                                                 "second", "arrived", "end"};
+  std::printf("timeline %s (%s): us from the first block's start\n  %-12s %6s %7s %7s %7s\n", name, when, "mark",
+              "blocks", "first", "median", "last");
+  for (int m = 0; m < kMlaTimelineMarks; ++m) {
+    std::vector<double> v;
+    for (int b = 0; b < kMlaTimelineBlocks; ++b) {
+      if (k[b * kMlaTimelineMarks + m]) v.push_back((k[b * kMlaTimelineMarks + m] - t0) * 1e-3);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::printf("  %-12s %6zu %7.2f %7.2f %7.2f\n", marks[m], v.size(), v.front(), v[v.size() / 2], v.back());
+  }
+}
+#endif
 
 float rel_err(const std::vector<float>& got, const std::vector<float>& want) {
   float worst = 0.f, big = 1e-6f;
@@ -125,6 +163,22 @@ int main(int argc, char** argv) {
     std::printf("time: mla_project %.2f us (%.0f GB/s of weights), mla_output %.2f us (%.0f GB/s)\n", tp,
                 wp / (tp * 1e3), to, wo / (to * 1e3));
   }
+
+#if JAX_CLUSTER_MLA_TIMELINE
+  {
+    void* flush = nullptr;  // larger than L2: writing it evicts the weights
+    const size_t flush_bytes = size_t{256} << 20;
+    CHECK(cudaMalloc(&flush, flush_bytes));
+    auto project = [&] { return launch_mla_project(dp, nullptr); };
+    auto output = [&] { return launch_mla_output(dq, nullptr); };
+    auto cold = [&] { return cudaMemset(flush, 1, flush_bytes); };
+    print_timeline(0, "mla_project", "weights in L2", project, project);
+    print_timeline(0, "mla_project", "L2 flushed", project, cold);
+    print_timeline(1, "mla_output", "weights in L2", output, output);
+    print_timeline(1, "mla_output", "L2 flushed", output, cold);
+    CHECK(cudaFree(flush));
+  }
+#endif
 
   MlaProjectParams hp = p;
   hp.x = x.data(), hp.norm = norm.data(), hp.q_src = QL > 0 ? q_src.data() : nullptr, hp.w_q = w_q.data();

@@ -31,6 +31,13 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t local_addr, uint32_t ra
   return remote;
 }
 
+// The GPU's nanosecond clock, common to all SMs: phase timelines of a launch.
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Asks the copy engine to pull [p, p + bytes) into L2 (no registers, no completion to
 // wait for): used to start the next phase's stream before the current one ends.
 // p 16-byte aligned, bytes a multiple of 16.

@@ -144,9 +144,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   unsigned long long* timeline = reinterpret_cast<unsigned long long*>(ws + pl.timeline);
   auto mark = [&](int i) {
     if (threadIdx.x == 0 && blockIdx.x < kLayerTimelineMaxBlocks) {
-      unsigned long long t;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      timeline[1 + blockIdx.x * kLayerTimelineMarks + i] = t;
+      timeline[1 + blockIdx.x * kLayerTimelineMarks + i] = ptx::globaltimer();
       if (blockIdx.x == 0 && i == 0) timeline[0] = gridDim.x;
     }
   };

@@ -22,6 +22,36 @@
 
 namespace jax_cluster {
 
+// Per-phase timeline of the two kernels, for the probe only (benchmarks/probes/
+// mla_projections_kernel.cu built with -DJAX_CLUSTER_MLA_TIMELINE=1): thread 0 of every
+// block stamps the clock at each phase boundary (MlaMark) into a device array the probe
+// reads back. Compiled out otherwise.
+#ifndef JAX_CLUSTER_MLA_TIMELINE
+#define JAX_CLUSTER_MLA_TIMELINE 0
+#endif
+inline constexpr int kMlaTimelineBlocks = 1024, kMlaTimelineMarks = 8;
+enum MlaMark : int {
+  kMarkStart = 0,
+  kMarkWaited = 1,    // griddepcontrol.wait returned
+  kMarkStaged = 2,    // input rows staged in fp32 (project: RMSNorm(x))
+  kMarkGemv = 3,      // the block's K slice of its first GEMV summed in shared memory
+  kMarkCluster = 4,   // the cluster's sums read over DSMEM
+  kMarkSecond = 5,    // project: q rounded and rotated, or the latent's kv written;
+                      // output: the W_o GEMV done
+  kMarkArrived = 6,   // project: the absorption done; output: the head's partial written
+  kMarkEnd = 7,       // the block's last instruction (a slice's last head: after y)
+};
+#if JAX_CLUSTER_MLA_TIMELINE
+__device__ unsigned long long mla_timeline[2][kMlaTimelineBlocks][kMlaTimelineMarks];  // [kernel][block][mark]
+#endif
+__device__ __forceinline__ void mla_mark(int kernel, MlaMark m) {
+#if JAX_CLUSTER_MLA_TIMELINE
+  if (threadIdx.x == 0 && blockIdx.x < kMlaTimelineBlocks) mla_timeline[kernel][blockIdx.x][m] = ptx::globaltimer();
+#else
+  (void)kernel, (void)m;
+#endif
+}
+
 // Row groups of a GEMV over w columns (8 per lane).
 __host__ __device__ constexpr int mla_gemv_groups(int w) { return kMlaProjectThreads / (w / 8); }
 
@@ -151,6 +181,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const int64_t tile = unit - p.num_heads, hc = p.head_cols(), E = p.latent_cols();
   const int64_t qc = p.num_heads * p.head_cols();
   const bool q_from_x = p.q_src == nullptr;
+  mla_mark(0, kMarkStart);
   // This block's K rows of its GEMV and its weight slice.
   const int64_t K = latent || q_from_x ? p.hidden : p.q_in;
   const int64_t chunk = (K + C - 1) / C;
@@ -169,6 +200,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + unit * (p.nope + p.v_dim);
   if (!latent) mla_prefetch_rows(Wk, ldb, static_cast<int>(p.nope), nrows);
   ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
+  mla_mark(0, kMarkWaited);
 
   // Stage the input rows of the chunk in fp32: h = RMSNorm(x) (rounded as jnp rounds), or q_src.
   const int in_ld = static_cast<int>(chunk);
@@ -209,9 +241,12 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     }
   }
   __syncthreads();
+  mla_mark(0, kMarkStaged);
   mla_gemv<T, NB, (NB <= 2 ? 16 : NB == 4 ? 8 : 4)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
+  mla_mark(0, kMarkGemv);
   ptx::griddep_launch_dependents();  // the attention kernel may take the SMs this grid frees
   mla_cluster_sum<NB>(sums, w, full);
+  mla_mark(0, kMarkCluster);
 
   const int64_t half = p.rope / 2;
   const float* inv_freq = p.inv_freq;
@@ -226,7 +261,9 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
         __stcg(p.kv_raw + b * E + col, round_t<T>(full[b * w + c] + (bias != nullptr ? to_float(bias[col]) : 0.f)));
       }
     }
+    mla_mark(0, kMarkSecond);
     if (!last_block_to_arrive(p.counters, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
+    mla_mark(0, kMarkArrived);
     // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= p.batch) return;
@@ -249,6 +286,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
       out[p.rank + 2 * i] = round_t<T>(a * cs - bb * sn);
       out[p.rank + 2 * i + 1] = round_t<T>(a * sn + bb * cs);
     }
+    mla_mark(0, kMarkEnd);
     return;
   }
 
@@ -268,6 +306,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
       }
     }
   }
+  mla_mark(0, kMarkSecond);
   // Absorption of this rank's rows n of r: q_full[b, h, n] = q_nope . W_kv_b[n, h, :dn]. Items
   // (row, 8-column vector) spread over the threads, their loads issued together; per-item
   // partials through shared memory (reusing `red`), summed per row in vector order.
@@ -306,6 +345,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
       p.q_full[(b * p.num_heads + h) * E + n0 + n] = s;
     }
   }
+  mla_mark(0, kMarkEnd);
 }
 
 // ----------------------------------------------------------------------------- mla_output
@@ -319,6 +359,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   const int C = static_cast<int>(ptx::cluster_num_blocks());
   const int64_t h = blockIdx.x / C;
   const int dv = static_cast<int>(p.v_dim);
+  mla_mark(1, kMarkStart);
   // o_h = o_lat[b, h] W_uv_h over this rank's chunk of the r rows.
   const int64_t chunk = (p.rank + C - 1) / C, k0 = min(p.rank, rank * chunk);
   const int rows = static_cast<int>(min(chunk, p.rank - k0));
@@ -331,6 +372,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   mla_prefetch_rows(Wv, ldb, dv, static_cast<int>(rows));
   if (wo > 0) mla_prefetch_rows(Wo, p.hidden, wo, dv);
   ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
+  mla_mark(1, kMarkWaited);
 
   const int in_ld = static_cast<int>(chunk);
   for (int b = 0; b < NB; ++b) {
@@ -340,13 +382,17 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
     }
   }
   __syncthreads();
+  mla_mark(1, kMarkStaged);
   mla_gemv<T, NB, 4>(Wv, ldb, dv, static_cast<int>(rows), stage, in_ld, red, sums);
+  mla_mark(1, kMarkGemv);
   mla_cluster_sum<NB>(sums, dv, full);
+  mla_mark(1, kMarkCluster);
   for (int e = threadIdx.x; e < NB * dv; e += kMlaProjectThreads) full[e] = round_t<T>(full[e]);
   __syncthreads();
   ptx::griddep_launch_dependents();
   if (wo <= 0) return;
   mla_gemv<T, NB, (NB <= 4 ? 8 : 4)>(Wo, p.hidden, wo, dv, full, dv, red, sums);
+  mla_mark(1, kMarkSecond);
 
   // This head's partial of y's slice; the slice's last head sums them all in head order.
   float* part = p.partial;
@@ -355,7 +401,9 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
       __stcg(part + (h * p.batch + b) * p.hidden + c0 + c, sums[b * wo + c]);
     }
   }
-  if (!last_block_to_arrive(p.counters + kMlaOutputCounter + rank, static_cast<unsigned>(p.num_heads))) return;
+  const bool last = last_block_to_arrive(p.counters + kMlaOutputCounter + rank, static_cast<unsigned>(p.num_heads));
+  mla_mark(1, kMarkArrived);
+  if (!last) return;
   const T* bias = static_cast<const T*>(p.o_bias);
   const T* res = static_cast<const T*>(p.residual);
   T* y = static_cast<T*>(p.y);
@@ -375,6 +423,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
     if (res != nullptr) v = v + to_float(res[b * p.hidden + col]);
     y[b * p.hidden + col] = from_float<T>(v);
   }
+  mla_mark(1, kMarkEnd);
 }
 
 }  // namespace jax_cluster
