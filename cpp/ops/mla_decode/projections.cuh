@@ -210,12 +210,24 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     if (warp < NB) {
       float ss = 0.f;
       if (warp < p.batch) {
+        // four 16-byte loads per lane in flight (eight spill at 2 rows), summed in k order
+        constexpr int kLoads = 4;
         const T* row = static_cast<const T*>(p.x) + warp * p.hidden;
-        for (int64_t k = lane * 8; k < p.hidden; k += 256) {
-          float v[8];
-          unpack<T>(*reinterpret_cast<const uint4*>(row + k), v);
+        for (int64_t k0 = lane * 8; k0 < p.hidden; k0 += 256 * kLoads) {
+          uint4 u[kLoads];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) ss = fmaf(v[j], v[j], ss);
+          for (int i = 0; i < kLoads; ++i) {
+            if (k0 + 256 * i < p.hidden) u[i] = *reinterpret_cast<const uint4*>(row + k0 + 256 * i);
+          }
+#pragma unroll
+          for (int i = 0; i < kLoads; ++i) {
+            if (k0 + 256 * i < p.hidden) {
+              float v[8];
+              unpack<T>(u[i], v);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) ss = fmaf(v[j], v[j], ss);
+            }
+          }
         }
       }
       for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
@@ -264,27 +276,44 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
     mla_mark(0, kMarkSecond);
     if (!last_block_to_arrive(p.counters, static_cast<unsigned>(mla_project_latent_tiles(p)))) return;
     mla_mark(0, kMarkArrived);
-    // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]: a warp per row, sums in lane order.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp >= p.batch) return;
-    const float* kv = p.kv_raw + warp * E;
-    float ss = 0.f;
-    for (int c = lane; c < p.rank; c += 32) {
-      const float v = __ldcg(kv + c);
-      ss = fmaf(v, v, ss);
-    }
-    for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float rstd = rsqrtf(ss / static_cast<float>(p.rank) + p.latent_eps);
+    // new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])], the whole block on each row: this tail is
+    // on the critical path (the attention kernel waits for the grid), so a thread's values
+    // are loaded at once instead of a warp walking the row one round trip per 32 columns.
+    // Sum of squares: per thread over its columns, a shuffle tree per warp, warps in order.
+    constexpr int kPer = (kMlaProjectMaxCols + kMlaProjectThreads - 1) / kMlaProjectThreads;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const T* lnorm = static_cast<const T*>(p.kv_a_norm);
-    float* out = p.new_latent + warp * E;
-    for (int c = lane; c < p.rank; c += 32) out[c] = round_t<T>(to_float(lnorm[c]) * round_t<T>(__ldcg(kv + c) * rstd));
-    const int pos = mla_position(p.lengths, warp, p.capacity);
-    for (int i = lane; i < half; i += 32) {
-      float cs, sn;
-      mla_rope_angle(pos, inv_freq[i], p.rope_factor, &cs, &sn);
-      const float a = __ldcg(kv + p.rank + 2 * i), bb = __ldcg(kv + p.rank + 2 * i + 1);
-      out[p.rank + 2 * i] = round_t<T>(a * cs - bb * sn);
-      out[p.rank + 2 * i + 1] = round_t<T>(a * sn + bb * cs);
+    for (int b = 0; b < p.batch; ++b) {
+      const float* kv = p.kv_raw + b * E;
+      float v[kPer], g[kPer], ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int c = tid + j * kMlaProjectThreads;
+        v[j] = c < p.rank ? __ldcg(kv + c) : 0.f;
+        g[j] = c < p.rank ? to_float(lnorm[c]) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) ss = fmaf(v[j], v[j], ss);
+      for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) red[warp] = ss;
+      __syncthreads();
+      ss = 0.f;
+      for (int w8 = 0; w8 < kMlaProjectThreads / 32; ++w8) ss += red[w8];
+      const float rstd = rsqrtf(ss / static_cast<float>(p.rank) + p.latent_eps);
+      float* out = p.new_latent + b * E;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int c = tid + j * kMlaProjectThreads;
+        if (c < p.rank) out[c] = round_t<T>(g[j] * round_t<T>(v[j] * rstd));
+      }
+      for (int i = tid; i < half; i += kMlaProjectThreads) {
+        float cs, sn;
+        mla_rope_angle(mla_position(p.lengths, b, p.capacity), inv_freq[i], p.rope_factor, &cs, &sn);
+        const float a = __ldcg(kv + p.rank + 2 * i), bb = __ldcg(kv + p.rank + 2 * i + 1);
+        out[p.rank + 2 * i] = round_t<T>(a * cs - bb * sn);
+        out[p.rank + 2 * i + 1] = round_t<T>(a * sn + bb * cs);
+      }
+      __syncthreads();  // red is the next row's
     }
     mla_mark(0, kMarkEnd);
     return;
@@ -410,17 +439,20 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   for (int e = threadIdx.x; e < p.batch * wo; e += kMlaProjectThreads) {
     const int b = e / wo;  // 32-bit
     const int64_t col = c0 + e % wo;
+    // bias and residual asked for first; sixteen heads' loads in flight, summed in head order
+    const float bv = bias != nullptr ? to_float(bias[col]) : 0.f;
+    const float rv = res != nullptr ? to_float(res[b * p.hidden + col]) : 0.f;
     float s = 0.f;
-    for (int64_t g0 = 0; g0 < p.num_heads; g0 += 8) {  // eight heads' loads in flight, summed in order
-      float v[8];
+    for (int64_t g0 = 0; g0 < p.num_heads; g0 += 16) {
+      float v[16];
 #pragma unroll
-      for (int g = 0; g < 8; ++g) v[g] = g0 + g < p.num_heads ? __ldcg(part + ((g0 + g) * p.batch + b) * p.hidden + col) : 0.f;
+      for (int g = 0; g < 16; ++g) v[g] = g0 + g < p.num_heads ? __ldcg(part + ((g0 + g) * p.batch + b) * p.hidden + col) : 0.f;
 #pragma unroll
-      for (int g = 0; g < 8; ++g) s += v[g];
+      for (int g = 0; g < 16; ++g) s += v[g];
     }
-    if (bias != nullptr) s += to_float(bias[col]);
+    if (bias != nullptr) s += bv;
     float v = round_t<T>(s);
-    if (res != nullptr) v = v + to_float(res[b * p.hidden + col]);
+    if (res != nullptr) v = v + rv;
     y[b * p.hidden + col] = from_float<T>(v);
   }
   mla_mark(1, kMarkEnd);
