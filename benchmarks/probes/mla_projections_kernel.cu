@@ -170,7 +170,10 @@ int main(int argc, char** argv) {
     const size_t flush_bytes = size_t{256} << 20;
     CHECK(cudaMalloc(&flush, flush_bytes));
     auto project = [&] { return launch_mla_project(dp, nullptr); };
-    auto output = [&] { return launch_mla_output(dq, nullptr); };
+    auto output = [&] {  // its counters zeroed first, as mla_project does in the op
+      CHECK(cudaMemsetAsync(dq.counters, 0, kMlaCounterWords * sizeof(unsigned int)));
+      return launch_mla_output(dq, nullptr);
+    };
     auto cold = [&] { return cudaMemset(flush, 1, flush_bytes); };
     print_timeline(0, "mla_project", "weights in L2", project, project);
     print_timeline(0, "mla_project", "L2 flushed", project, cold);
