@@ -87,8 +87,7 @@ def _wait(token, keep, *, region, arena):
 def _read(slot: ArenaSlot, *, arena):
     """A copy of an arrived slot, as an array."""
     out = jax.ShapeDtypeStruct(slot.shape, slot.dtype)
-    return jax.ffi.ffi_call(READ, out)(slot.token,
-                                                              offset=np.int64(arena.regions[slot.region][0]))
+    return jax.ffi.ffi_call(READ, out)(slot.token, offset=np.int64(arena.regions[slot.region][0]))
 
 
 def _barrier(x, *, arena):

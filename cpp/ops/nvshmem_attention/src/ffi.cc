@@ -74,10 +74,10 @@ ffi::Error arena_flash_attention(cudaStream_t stream, ffi::RemainingArgs args, f
       if (!b) return ffi::Unexpected(b.error());
       return jax_cluster::flash_operand(*b);
     }
-    const int64_t nbytes = batch * rows[i] * heads * head_dim * 2;
-    uint8_t* p = nullptr;
     if (batch < 0 || rows[i] < 0 || heads < 0 || head_dim < 0)
       return ffi::Unexpected(ffi::Error::InvalidArgument("nvshmem flash_attention: negative chunk dimension"));
+    const int64_t nbytes = batch * rows[i] * heads * head_dim * 2;  // 16-bit elements
+    uint8_t* p = nullptr;
     if (auto e = rt::region(arena[i], nbytes, "nvshmem flash_attention", &p); !e.empty())
       return ffi::Unexpected(status(e));
     return FlashOperand{p, type, {batch, rows[i], heads, head_dim}, 4};
