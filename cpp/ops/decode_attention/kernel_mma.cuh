@@ -76,10 +76,21 @@ __device__ __forceinline__ int mma_out_dim(int mt, int r) {
   return 32 * MmaSplitTile<DH>::J32 + 4 * (rr >> 1) + 2 * half + (rr & 1);  // the 16-dim tail
 }
 
+// Shared memory of the lean form's Q' fragments (uint4 per k-step and lane).
+template <int DH>
+__host__ __device__ constexpr int mma_split_lean_smem_floats() {
+  return MmaSplitTile<DH>::KS * 32 * 4;
+}
+
 // One split block on tensor cores (shared memory as decode_attention_split_block's).
-template <typename T, int DH>
+// kLean: the form for 128 registers per thread (decoder_layer at two blocks per SM): Q'
+// fragments read from shared memory (q_frags, mma_split_lean_smem_floats) at each k-step
+// instead of held in registers, and one chunk buffer whose K half is reloaded with the
+// next chunk once the scores are in and its V half once the values are (the default form
+// keeps two whole chunks: the next one's loads in flight during all of this one's math).
+template <typename T, int DH, bool kLean = false>
 __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp, SplitItem item, float* q,
-                                                 float* warp_states) {
+                                                 float* warp_states, uint4* q_frags = nullptr) {
   using L = MmaSplitTile<DH>;
   constexpr int KS = L::KS, J32 = L::J32;
   const SplitBlock sb = begin_split<T, DH, L::kThreads>(dp, q, item);
@@ -89,22 +100,33 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
 
   // Q'^T (B of S^T) in the permuted order of the K fragments: k-step 2 j + h of group j
   // holds dims 32 j + 8 cq + 4 h + {0, 1} (b0) and + {2, 3} (b1); the tail's k-step dims
-  // 32 J32 + 4 cq + {0, 1} and + {2, 3}.
-  uint32_t qh[KS][2], ql[KS][2];
+  // 32 J32 + 4 cq + {0, 1} and + {2, 3}. Fragment {hi b0, hi b1, lo b0, lo b1} of k-step ks
+  // for lane (gq, cq).
   const float qscale = sb.p.scale * kLog2e;
+  auto q_fragment = [&](int ks, int fgq, int fcq) {
+    const int d0 = ks < 2 * J32 ? 32 * (ks >> 1) + 8 * fcq + 4 * (ks & 1) : 32 * J32 + 4 * fcq;
+    uint4 f;
+    const float a0 = fgq < G ? q[fgq * DH + d0] * qscale : 0.f;
+    const float b0 = fgq < G ? q[fgq * DH + d0 + 1] * qscale : 0.f;
+    const float a1 = fgq < G ? q[fgq * DH + d0 + 2] * qscale : 0.f;
+    const float b1 = fgq < G ? q[fgq * DH + d0 + 3] * qscale : 0.f;
+    split_pair<T>(a0, b0, f.x, f.z);
+    split_pair<T>(a1, b1, f.y, f.w);
+    return f;
+  };
+  uint4 qreg[kLean ? 1 : KS];
+  if constexpr (kLean) {
+    for (int e = threadIdx.x; e < KS * 32; e += L::kThreads) q_frags[e] = q_fragment(e >> 5, (e & 31) >> 2, e & 3);
+    __syncthreads();
+  } else {
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    const int d0 = ks < 2 * J32 ? 32 * (ks >> 1) + 8 * cq + 4 * (ks & 1) : 32 * J32 + 4 * cq;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int d = d0 + 2 * j;
-      const float a = gq < G ? q[gq * DH + d] * qscale : 0.f;
-      const float b = gq < G ? q[gq * DH + d + 1] * qscale : 0.f;
-      split_pair<T>(a, b, qh[ks][j], ql[ks][j]);
-    }
+    for (int ks = 0; ks < KS; ++ks) qreg[ks] = q_fragment(ks, gq, cq);
   }
 
   const int t0 = sb.t0, t_end = min(sb.t1, sb.c.len);
+  // Tokens per warp chunk, in 8s: the lean form at head_dim 128 takes 8 (the mma's other 8
+  // rows are zeros), so that a chunk's K and V fit beside O in 128 registers.
+  constexpr int kRows = kLean && DH > 96 ? 1 : 2;
   const int64_t row0 = sb.bg * dp.max_seq * DH;
   const T* K = static_cast<const T*>(dp.k_cache) + row0;
   const T* V = static_cast<const T*>(dp.v_cache) + row0;
@@ -119,28 +141,28 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
   struct Chunk {
     uint4 k[2][J32 + 1], v[2][J32 + 1];
   };
-  auto load = [&](int first, Chunk& ch) {
+  // One half (K or V) of the chunk at `first`: 16 bytes per 32-dim group and row.
+  auto load_rows = [&](int first, const T* base, uint4 (&rows)[2][J32 + 1]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = first + gq + 8 * r;
-      const bool ok = t < t_end;
-      const T* kp = K + static_cast<int64_t>(t) * DH;
-      const T* vp = V + static_cast<int64_t>(t) * DH;
+      const bool ok = t < t_end && r < kRows;
+      const T* p = base + static_cast<int64_t>(t) * DH;
 #pragma unroll
-      for (int j = 0; j < J32; ++j) {
-        ch.k[r][j] = ok ? ptx::ldg_stream_256(kp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
-        ch.v[r][j] = ok ? ptx::ldg_stream_256(vp + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
-      }
+      for (int j = 0; j < J32; ++j) rows[r][j] = ok ? ptx::ldg_stream_256(p + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
       if constexpr (L::kTail) {
-        const uint2 kt = ok ? ptx::ldg_stream8_256(kp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
-        const uint2 vt = ok ? ptx::ldg_stream8_256(vp + 32 * J32 + 4 * cq) : make_uint2(0, 0);
-        ch.k[r][J32] = make_uint4(kt.x, kt.y, 0, 0);
-        ch.v[r][J32] = make_uint4(vt.x, vt.y, 0, 0);
+        const uint2 tail = ok ? ptx::ldg_stream8_256(p + 32 * J32 + 4 * cq) : make_uint2(0, 0);
+        rows[r][J32] = make_uint4(tail.x, tail.y, 0, 0);
       }
     }
   };
-  auto attend = [&](int first, const Chunk& ch) {
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+  auto load = [&](int first, Chunk& ch) {
+    load_rows(first, K, ch.k);
+    load_rows(first, V, ch.v);
+  };
+  // S^T of the chunk at `first` (masked past t_end).
+  auto score = [&](int first, const Chunk& ch, float (&s)[4]) {
+    s[0] = s[1] = s[2] = s[3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const int j = ks < 2 * J32 ? ks >> 1 : J32;
@@ -149,12 +171,21 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
       const uint4& hi_row = ch.k[1][j];
       const uint32_t a[4] = {h ? lo_row.z : lo_row.x, h ? hi_row.z : hi_row.x,
                              h ? lo_row.w : lo_row.y, h ? hi_row.w : hi_row.y};
-      mma16816<T>(s, a, qh[ks][0], qh[ks][1]);
-      mma16816<T>(s, a, ql[ks][0], ql[ks][1]);
+      uint4 f;
+      if constexpr (kLean) {  // a volatile load: hoisted out of the loop it is registers again
+        f = ptx::lds128(q_frags + ks * 32 + lane);
+      } else {
+        f = qreg[ks];
+      }
+      mma16816<T>(s, a, f.x, f.y);
+      mma16816<T>(s, a, f.z, f.w);
     }
     const int tok = first + gq;
     if (tok >= t_end) s[0] = s[1] = -INFINITY;
-    if (tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+    if (kRows == 1 || tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+  };
+  // The online softmax's step with the chunk's scores, and O^T += V^T P^T.
+  auto absorb = [&](float (&s)[4], const Chunk& ch) {
     float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
@@ -201,21 +232,39 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
     }
   };
 
-  // Warp w takes chunks w, w + kWarps, ... of [t0, t_end), two buffers rolling: the next
-  // chunk's loads are in flight while this one's math runs.
-  constexpr int kStep = 16 * L::kWarps;
-  Chunk a, b;
-  int first = t0 + 16 * warp;
-  if (first < t_end) load(first, a);
-  while (first < t_end) {
-    const int next = first + kStep;
-    if (next < t_end) load(next, b);
-    attend(first, a);
-    if (next >= t_end) break;
-    const int after = next + kStep;
-    if (after < t_end) load(after, a);
-    attend(next, b);
-    first = after;
+  // Warp w takes chunks w, w + kWarps, ... of [t0, t_end).
+  constexpr int kStep = 8 * kRows * L::kWarps;
+  int first = t0 + 8 * kRows * warp;
+  if constexpr (kLean) {  // one buffer, each half refilled as soon as its math is done
+    Chunk ch;
+    if (first < t_end) load(first, ch);
+    while (first < t_end) {
+      const int next = first + kStep;
+      float s[4];
+      score(first, ch, s);
+      if (next < t_end) load_rows(next, K, ch.k);
+      absorb(s, ch);
+      if (next < t_end) load_rows(next, V, ch.v);
+      first = next;
+    }
+  } else {  // two buffers rolling: the next chunk's loads in flight while this one's math runs
+    Chunk a, b;
+    auto attend = [&](int at, const Chunk& ch) {
+      float s[4];
+      score(at, ch, s);
+      absorb(s, ch);
+    };
+    if (first < t_end) load(first, a);
+    while (first < t_end) {
+      const int next = first + kStep;
+      if (next < t_end) load(next, b);
+      attend(first, a);
+      if (next >= t_end) break;
+      const int after = next + kStep;
+      if (after < t_end) load(after, a);
+      attend(next, b);
+      first = after;
+    }
   }
   ptx::griddep_launch_dependents();
 

@@ -196,11 +196,11 @@ __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& 
 
 // MHA (G = 1): one split block on CUDA cores (q: (kDecodeAttentionMaxGroup + 2) DH floats,
 // warp_states: kBlockWarps kMaxH (DH + 2) floats of shared memory, 16-byte aligned).
-template <typename T, int DH>
+template <typename T, int DH, int U = kSplitTokenSteps>
 __device__ void decode_attention_split_block(const DecodeAttentionParams& dp, SplitItem item, float* q,
                                              float* warp_states) {
   const SplitBlock sb = begin_split<T, DH, kBlockThreads>(dp, q, item);
-  attend_cached<T, DH, 1, kSplitTokenSteps>(sb.p, sb.c, 1, q, sb.t0, min(sb.t1, sb.c.len),
+  attend_cached<T, DH, 1, U>(sb.p, sb.c, 1, q, sb.t0, min(sb.t1, sb.c.len),
                                             warp_states);
   ptx::griddep_launch_dependents();
   finish_split<T, DH, kBlockThreads, kBlockWarps>(dp, sb, q, warp_states);

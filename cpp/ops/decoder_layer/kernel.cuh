@@ -40,11 +40,23 @@ struct DecoderLayerArgs {
   float* ws;
 };
 
-// Dynamic shared memory of the kernel (floats): a GEMV unit's or an attention item's.
+// The attention phase's forms: at two blocks per SM (128 registers) the CUDA-core (MHA)
+// token loop keeps 4 token steps per warp in flight instead of 8 (twice the warps per SM)
+// and the tensor-core one (GQA) runs its lean form.
+inline constexpr bool kLayerLeanAttention = kLayerBlocksPerSm > 1;
+inline constexpr int kLayerTokenSteps = kLayerLeanAttention ? 4 : kSplitTokenSteps;
+
+// Dynamic shared memory of the kernel (floats): a GEMV unit's or an attention item's
+// (q, the warps' states, the lean form's Q' fragments).
+template <int DH>
+__host__ __device__ constexpr int decoder_layer_attention_floats() {
+  return (kDecodeAttentionMaxGroup + 2) * DH + kBlockWarps * kMaxH * (DH + 2);
+}
+static_assert(decoder_layer_attention_floats<80>() % 4 == 0, "the Q' fragments after it are 16-byte aligned");
 template <int NB, int DH>
 __host__ __device__ constexpr int decoder_layer_smem_floats() {
   const int gemv = layer_gemv_smem_floats<NB>();
-  const int attn = (kDecodeAttentionMaxGroup + 2) * DH + kBlockWarps * kMaxH * (DH + 2);
+  const int attn = decoder_layer_attention_floats<DH>() + (kLayerLeanAttention ? mma_split_lean_smem_floats<DH>() : 0);
   return gemv > attn ? gemv : attn;
 }
 
@@ -126,20 +138,18 @@ __device__ __forceinline__ float weight_at(const void* w, int64_t i) {
 }
 
 template <typename T, int NB, int DH>
-__global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const DecoderLayerArgs args) {
+__global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_layer_kernel(const DecoderLayerArgs args) {
   extern __shared__ __align__(16) float layer_smem[];
   float* smem = layer_smem;
   __shared__ float x_mean[NB], x_rstd[NB], h_mean[NB], h_rstd[NB];
   const DecoderLayerParams& p = args.p;
   const DecoderLayerPlan& pl = args.pl;
   float* ws = args.ws;
+  // Pointers recomputed from the kernel's parameters where used, not held across phases:
+  // at 128 registers per thread every live register counts.
   unsigned int* barriers = reinterpret_cast<unsigned int*>(ws + pl.counters);
-  unsigned int* tile_counters[kLayerGemvs];
-  float* partials[kLayerGemvs];
-  for (int i = 0; i < kLayerGemvs; ++i) {
-    tile_counters[i] = barriers + pl.tile_counter_off[i];
-    partials[i] = ws + pl.partials + pl.partial_off[i];
-  }
+  auto tile_counters = [&](int gi) { return reinterpret_cast<unsigned int*>(args.ws + pl.counters) + pl.tile_counter_off[gi]; };
+  auto partials = [&](int gi) { return args.ws + pl.partials + pl.partial_off[gi]; };
   // The per-phase timeline (plan.h): mark(i) stamps this block's i-th phase boundary.
   unsigned long long* timeline = reinterpret_cast<unsigned long long*>(ws + pl.timeline);
   auto mark = [&](int i) {
@@ -159,10 +169,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   float* h = ws + pl.h;
   float* act = ws + pl.act;
 
-  const LayerWeights<T> w_qkv{static_cast<const T*>(p.w_qkv), nullptr, cols, d};
-  const LayerWeights<T> w_up{static_cast<const T*>(p.w1), static_cast<const T*>(p.w2), f, d};
-  const LayerWeights<T> w_o{static_cast<const T*>(p.w_o), static_cast<const T*>(p.w3), d, hqd};
-  const LayerWeights<T> w_down{static_cast<const T*>(p.w3), nullptr, d, f};
+  auto w_qkv = [&] { return LayerWeights<T>{static_cast<const T*>(p.w_qkv), nullptr, cols, d}; };
+  auto w_up = [&] { return LayerWeights<T>{static_cast<const T*>(p.w1), static_cast<const T*>(p.w2), f, d}; };
+  auto w_o = [&] { return LayerWeights<T>{static_cast<const T*>(p.w_o), static_cast<const T*>(p.w3), d, hqd}; };
+  auto w_down = [&] { return LayerWeights<T>{static_cast<const T*>(p.w3), nullptr, d, f}; };
 
   // Walks GEMV gi's units (after `skip` units of the phase) in block-strided order.
   auto each_unit = [&](int gi, int64_t skip, auto&& fn) {
@@ -215,17 +225,17 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     }
   };
   each_unit(kGemvQkv, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv, tile, chunk, batch, smem, partials[kGemvQkv],
-                           tile_counters[kGemvQkv], norm_of_x(p.norm_w, p.norm_b), finish_qkv);
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv(), tile, chunk, batch, smem, partials(kGemvQkv),
+                           tile_counters(kGemvQkv), norm_of_x(p.norm_w, p.norm_b), finish_qkv);
   });
   if (parallel) {
     each_unit(kGemvUp, pl.gemv[kGemvQkv].units(), [&](int64_t tile, int64_t chunk) {
-      layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, partials[kGemvUp],
-                             tile_counters[kGemvUp], norm_of_x(p.post_norm_w, p.post_norm_b), finish_up);
+      layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
+                             tile_counters(kGemvUp), norm_of_x(p.post_norm_w, p.post_norm_b), finish_up);
     });
   }
   mark(1);
-  prefetch(kGemvO, w_o);
+  prefetch(kGemvO, w_o());
   layer_grid_barrier(barriers + 0);
   mark(2);
 
@@ -240,9 +250,10 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
       const SplitItem item{static_cast<int>(i % pl.splits), static_cast<int>(bg % p.num_kv_heads),
                            static_cast<int>(bg / p.num_kv_heads)};
       if (decode_attention_uses_tensor_cores(dp)) {
-        decode_attention_mma_split_block<T, DH>(dp, item, q, warp_states);
+        decode_attention_mma_split_block<T, DH, kLayerLeanAttention>(
+            dp, item, q, warp_states, reinterpret_cast<uint4*>(smem + decoder_layer_attention_floats<DH>()));
       } else {
-        decode_attention_split_block<T, DH>(dp, item, q, warp_states);
+        decode_attention_split_block<T, DH, kLayerTokenSteps>(dp, item, q, warp_states);
       }
       __syncthreads();
     }
@@ -267,7 +278,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
   if (parallel) {
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-      layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
+      layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
                              in, [&](int64_t t, const float* vals, int nb) {
                                const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
@@ -286,7 +297,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
 
   // ---- sequential: o-proj -> h (and its tile statistics)
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o, tile, chunk, batch, smem, partials[kGemvO], tile_counters[kGemvO],
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
                            attn_in, [&](int64_t t, float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
@@ -314,7 +325,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
                            });
   });
   mark(6);
-  prefetch(kGemvUp, w_up);
+  prefetch(kGemvUp, w_up());
   layer_grid_barrier(barriers + 3);
   mark(7);
 
@@ -325,19 +336,19 @@ __global__ void __launch_bounds__(kLayerThreads, 1) decoder_layer_kernel(const D
     return layer_norm ? v + weight_at<T>(p.post_norm_b, k) : v;
   };
   each_unit(kGemvUp, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up, tile, chunk, batch, smem, partials[kGemvUp],
-                           tile_counters[kGemvUp], norm_of_h, finish_up);
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
+                           tile_counters(kGemvUp), norm_of_h, finish_up);
   });
   mark(8);
-  prefetch(kGemvDown, w_down);
+  prefetch(kGemvDown, w_down());
   layer_grid_barrier(barriers + 4);
   mark(9);
 
   // ---- MLP down: y = h + act W_down (+ b_out)
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
-    layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down, tile, chunk, batch, smem, partials[kGemvDown],
-                           tile_counters[kGemvDown], act_in, [&](int64_t t, const float* vals, int nb) {
+    layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down(), tile, chunk, batch, smem, partials(kGemvDown),
+                           tile_counters(kGemvDown), act_in, [&](int64_t t, const float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvDown].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
                                const int b = e / tc;

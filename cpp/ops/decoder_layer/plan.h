@@ -22,6 +22,13 @@
 namespace jax_cluster {
 
 inline constexpr int kLayerThreads = 256;
+#ifndef JAX_CLUSTER_LAYER_BLOCKS_PER_SM
+#define JAX_CLUSTER_LAYER_BLOCKS_PER_SM 2
+#endif
+// Blocks of kLayerThreads per SM (the kernel's launch bounds): two give the GEMV phases 16
+// warps per SM to keep HBM busy, at 128 registers per thread, which the attention phase
+// meets with its lean forms (docs/decoder_layer.md). A probe build may set 1 (255 registers).
+inline constexpr int kLayerBlocksPerSm = JAX_CLUSTER_LAYER_BLOCKS_PER_SM;
 inline constexpr int kLayerTileCols = 256;           // GEMV tiles (a warp's 32 lanes x 8 columns)
 inline constexpr int kLayerMaxChunks = 32;           // K chunks per tile
 inline constexpr int kLayerStageFloats = 8192;       // staged input of a unit: B x chunk rows
