@@ -355,6 +355,10 @@ def test_kernel_plan_stays_inside_its_workspace(shape, batch):
             size = {n: offs[i + 1] - offs[i] for i, n in enumerate(names[:-1])}
             assert lay["counter_words"] <= size["counters"]
             used = []
+            items = batch * hkv
+            counters = [(lay["splits_done_off"], lay["splits_done_off"] + items),
+                        (lay["merged_off"], lay["merged_off"] + items)]
+            assert lay["merged_off"] + items <= lay["counter_words"]
             for i, g in enumerate(lay["gemvs"]):
                 if g["n"] == 0:
                     continue  # the parallel residual has no separate MLP down
@@ -364,13 +368,16 @@ def test_kernel_plan_stays_inside_its_workspace(shape, batch):
                 assert (g["chunks"] - 1) * g["chunk_rows"] < g["k"] <= g["chunks"] * g["chunk_rows"]
                 # the kernel stages its NB >= batch rows: batch 3 stages 4, batch 5 stages 8
                 assert lay["staged_rows"] * g["chunk_rows"] <= lay["stage_floats"] and g["chunk_rows"] % 32 == 0
-                assert g["tile_counter_off"] >= 8 and g["tile_counter_off"] + g["tiles"] <= lay["counter_words"]
+                counters.append((g["tile_counter_off"], g["tile_counter_off"] + g["tiles"]))
+                counters.append((g["tile_ready_off"], g["tile_ready_off"] + g["tiles"]))
                 end = g["partial_off"] + g["chunks"] * batch * g["tiles"] * g["tile_cols"]
                 assert end <= size["partials"], (i, grid)
-                used.append((i, g["partial_off"], end))
-            if parallel:  # QKV and MLP up run in the same phase: disjoint partials
-                (_, _, qkv_end), (_, up_off, _) = used[0], used[1]
-                assert up_off >= qkv_end
+                used.append((g["partial_off"], end))
+            # phases overlap in time (no grid barriers): every GEMV's partials and every
+            # counter range of its own
+            for spans in (used, counters):
+                spans.sort()
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
             assert 1 <= lay["splits"] <= lay["max_splits"]
             group = hq // hkv
             assert size["attn_partial"] >= batch * hkv * (lay["splits"] * group * (dh + 2) + 2 * dh)

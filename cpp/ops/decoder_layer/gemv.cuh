@@ -1,6 +1,8 @@
 // The one-launch layer's GEMV unit: B (<= 8) input rows times a 256-column tile of a
 // row-major [K, N] weight over one K chunk, by 8 warps on the tensor cores:
 //
+//   wait     the first steps' weight loads are issued, then the unit waits for its inputs
+//            (the items of earlier phases that produce them: `wait`, all threads)
 //   staging  the unit's input rows [B, chunk], built by the phase's functor (a norm of x or
 //            h, the attention output, the MLP activation), as two 16-bit halves each
 //            (hi = round(v), lo = round(v - hi)): the fp32 input to ~16 significant bits
@@ -14,7 +16,8 @@
 //   reduce   the two row groups' sums in group order (shared memory)
 //   finish   one chunk: the tile's [B, 256] sums go to the phase's epilogue; several:
 //            fp32 partials, and the unit that raises the tile's counter to `chunks` sums them
-//            in chunk order and runs the epilogue (threadfence-reduction)
+//            in chunk order and runs the epilogue (threadfence-reduction); then the tile's
+//            ready flag is raised for the units and items that read it
 // Every sum has a fixed order whoever arrives last: bitwise reproducible.
 #pragma once
 
@@ -59,12 +62,14 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
   return kLayerStageFloats + NB * 16 + kLayerRowGroups * NB * kLayerTileCols + NB * kLayerTileCols + 32;
 }
 
-// One unit (tile, chunk) of GEMV g. in(b, k): the fp32 input; finish(tile, vals, batch):
-// the epilogue of the tile's sums vals[b * 256 + v] (shared memory, all threads call it).
-template <typename T, int NB, typename In, typename Finish>
+// One unit (tile, chunk) of GEMV g. wait(): blocks until the chunk's inputs exist (all
+// threads call it; it ends with a block barrier); in(b, k): the fp32 input; finish(tile,
+// vals, batch): the epilogue of the tile's sums vals[b * 256 + v] (shared memory, all
+// threads call it); then ready[tile] is raised.
+template <typename T, int NB, typename Wait, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
-                                int batch, float* smem, float* partials, unsigned int* tile_counters, In in,
-                                Finish finish) {
+                                int batch, float* smem, float* partials, unsigned int* tile_counters,
+                                unsigned int* ready, Wait wait, In in, Finish finish) {
   constexpr int tc = kLayerTileCols, half = tc / 2, U = kLayerStepsInFlight, groups = kLayerRowGroups;
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int cs = layer_stage_stride(static_cast<int>(g.chunk_rows));
@@ -105,6 +110,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
 #pragma unroll
   for (int u = 0; u < U; ++u) load(wv[u], rg + u * groups);
 
+  wait();
   // Staged rows past the chunk's rows (up to its last 16-row step) are zeros: 0 x garbage
   // could be NaN.
   const int64_t staged_rows = 16 * static_cast<int64_t>(steps);
@@ -175,25 +181,9 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   __syncthreads();
   finish(tile, vals, batch);
   __syncthreads();
-}
-
-// Pulls the first `budget` bytes of a unit's weight rows into L2 (one prefetch per row
-// segment): issued before a grid barrier, so the next phase's first loads hit.
-template <typename T>
-__device__ void prefetch_layer_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
-                                    int64_t budget) {
-  const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
-  const int segments = g.paired ? 2 : 1;
-  const int seg_bytes = static_cast<int>(g.tile_cols * sizeof(T)) / segments;
-  const int64_t n = min(rows * segments, budget / seg_bytes);
-  for (int64_t e = threadIdx.x; e < n; e += kLayerThreads) {
-    const int64_t k = k0 + e / segments;
-    const int s = static_cast<int>(e % segments);
-    int64_t col = g.paired ? tile * (g.tile_cols / 2) : tile * g.tile_cols;
-    if (col >= g.n) return;
-    const T* m = g.paired ? (s ? w.b : w.a) : (k < w.split ? w.a : w.b - w.split * w.ld);
-    const int64_t cols = min(static_cast<int64_t>(seg_bytes / sizeof(T)), static_cast<int64_t>(g.n - col));
-    ptx::prefetch_l2(m + k * w.ld + col, static_cast<uint32_t>((cols * sizeof(T) + 15) / 16 * 16));
+  if (tid == 0) {
+    __threadfence();  // the epilogue's stores (ordered by the block barrier) before the flag
+    atomicAdd(ready + tile, 1u);
   }
 }
 

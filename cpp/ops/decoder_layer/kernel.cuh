@@ -1,6 +1,6 @@
 // The one-launch decoder layer (ClusterFusion++'s whole-layer dataflow, one persistent
 // grid): every block is resident at once (cooperative launch; the grid is the occupancy
-// limit), walks the phases of plan.h and meets the others at grid barriers between them.
+// limit) and walks the phases of plan.h in order:
 //
 //   up_front   x's row statistics (every block, for itself); QKV units (+ bias) -> qkv;
 //              parallel residual: MLP up units on Norm'(x) too -> act
@@ -11,12 +11,17 @@
 //   MLP up     Norm'(h) from the tiles' statistics; act = SwiGLU /  |   [attn | act]
 //              GeLU of the up GEMV                                  |   [W_o ; W_out] + b
 //   MLP down   y = h + act W_down (+ b_out), rounded once
-// Barriers: one gpu-scope counter each (zeroed before the launch), arrive = fence + add,
-// wait = acquire loads with nanosleep backoff; data produced in the launch is read through
-// L2 (ld.cg), never through the read-only path. Before waiting, a block may pull the first
-// rows of its next GEMV units into L2 (plan.prefetch_bytes; off by default: it lost).
-// Blocks never wait on anything but a barrier all blocks reach: no deadlock while all are
-// resident, which the cooperative launch guarantees (it fails otherwise).
+// Dependencies, not grid barriers: an item waits for exactly what it reads. An attention
+// item for the QKV tiles of its KV group, a merge item for its (row, KV head)'s splits, an
+// o-proj unit for the merged heads of its K chunk, an MLP-up unit for the h tiles of its
+// chunk, an MLP-down unit for the MLP-up tiles of its chunk. RMSNorm's MLP up starts on
+// those h tiles before h's statistics exist: it multiplies h * w_norm and scales the sums
+// by 1 / rms(h) in the epilogue, once every h tile is in (LayerNorm's needs the mean first).
+// Producer: stores, block barrier, fence, counter add (thread 0). Consumer: acquire loads of
+// the counter with nanosleep backoff (thread 0), block barrier, then reads through L2
+// (ld.cg), never through the read-only path. Every wait is on an earlier phase, which every
+// block finishes before it starts a later one: with all blocks resident (which the
+// cooperative launch guarantees, it fails otherwise) no wait can starve its producer.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -60,14 +65,24 @@ __host__ __device__ constexpr int decoder_layer_smem_floats() {
   return gemv > attn ? gemv : attn;
 }
 
-__device__ __forceinline__ void layer_grid_barrier(unsigned int* counter) {
+// Thread 0 waits until *counter >= target (the rest of the block waits at the caller's
+// block barrier).
+__device__ __forceinline__ void layer_wait(const unsigned int* counter, unsigned int target) {
+  if (threadIdx.x == 0) ptx::wait_counter_at_least(counter, target);
+}
+// Raises *counter once the block's stores so far are visible (all threads call it).
+__device__ __forceinline__ void layer_signal(unsigned int* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // the block's writes (ordered by the CTA barrier) before the arrival
+    __threadfence();  // the block's stores (ordered by the block barrier) before the count
     atomicAdd(counter, 1u);
-    ptx::wait_counter_at_least(counter, gridDim.x);
   }
-  __syncthreads();
+}
+// Thread 0 waits for the ready flags of the tiles holding columns [c0, c1) of a GEMV whose
+// tiles are `width` output columns wide.
+__device__ __forceinline__ void layer_wait_tiles(const unsigned int* ready, int64_t c0, int64_t c1, int64_t width) {
+  if (threadIdx.x != 0 || c1 <= c0) return;
+  for (int64_t t = c0 / width; t <= (c1 - 1) / width; ++t) ptx::wait_counter_at_least(ready + t, 1u);
 }
 
 __device__ __forceinline__ float layer_gelu(float v, bool tanh_form) {
@@ -147,8 +162,9 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   float* ws = args.ws;
   // Pointers recomputed from the kernel's parameters where used, not held across phases:
   // at 128 registers per thread every live register counts.
-  unsigned int* barriers = reinterpret_cast<unsigned int*>(ws + pl.counters);
-  auto tile_counters = [&](int gi) { return reinterpret_cast<unsigned int*>(args.ws + pl.counters) + pl.tile_counter_off[gi]; };
+  auto words = [&] { return reinterpret_cast<unsigned int*>(args.ws + pl.counters); };
+  auto tile_counters = [&](int gi) { return words() + pl.tile_counter_off[gi]; };
+  auto ready = [&](int gi) { return words() + pl.tile_ready_off[gi]; };
   auto partials = [&](int gi) { return args.ws + pl.partials + pl.partial_off[gi]; };
   // The per-phase timeline (plan.h): mark(i) stamps this block's i-th phase boundary.
   unsigned long long* timeline = reinterpret_cast<unsigned long long*>(ws + pl.timeline);
@@ -160,8 +176,9 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   };
   mark(0);
   const int batch = static_cast<int>(p.batch);
-  const int64_t d = p.hidden, f = p.inter, hqd = p.num_q_heads * DH;
+  const int64_t d = p.hidden, f = p.inter, hqd = p.num_q_heads * DH, hkv = p.num_kv_heads;
   const int64_t cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
   const bool layer_norm = p.norm == NormKind::kLayer, parallel = p.parallel_residual;
   const T* x = static_cast<const T*>(p.x);
   float* qkv = ws + pl.qkv;
@@ -180,14 +197,22 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     const int64_t first = (blockIdx.x + gridDim.x - skip % gridDim.x) % gridDim.x;
     for (int64_t u = first; u < g.units(); u += gridDim.x) fn(u % g.tiles, u / g.tiles);
   };
-  auto prefetch = [&](int gi, const LayerWeights<T>& w) {
-    int64_t budget = pl.prefetch_bytes;
-    each_unit(gi, 0, [&](int64_t tile, int64_t chunk) {
-      if (budget <= 0) return;
-      prefetch_layer_unit<T>(pl.gemv[gi], w, tile, chunk, budget);
-      budget -= pl.gemv[gi].chunk_rows * pl.gemv[gi].tile_cols * static_cast<int64_t>(sizeof(T));
-    });
+  auto rows_of = [&](int gi, int64_t chunk, int64_t& k0, int64_t& k1) {
+    const LayerGemv& g = pl.gemv[gi];
+    k0 = chunk * g.chunk_rows;
+    k1 = min(g.k, k0 + g.chunk_rows);
   };
+  // Output columns per tile of MLP up: act's (a paired tile holds gate and up halves).
+  const int64_t up_width = pl.gemv[kGemvUp].paired ? kLayerTileCols / 2 : kLayerTileCols;
+  // Thread 0: waits for the merged attention output of the heads in attn columns [c0, c1),
+  // every row.
+  auto wait_heads = [&](int64_t c0, int64_t c1) {
+    if (threadIdx.x != 0 || c1 <= c0) return;
+    for (int64_t g = c0 / DH / group; g <= (c1 - 1) / DH / group; ++g) {
+      for (int b = 0; b < batch; ++b) ptx::wait_counter_at_least(words() + pl.merged_off + b * hkv + g, 1u);
+    }
+  };
+  auto no_wait = [] {};
   auto norm_of_x = [&](const void* nw, const void* nb) {
     return [=](int b, int64_t k) {
       const float v = (to_float(x[b * d + k]) - x_mean[b]) * x_rstd[b] * weight_at<T>(nw, k);
@@ -205,72 +230,81 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
       if (c < cols) __stcg(qkv + b * cols + c, vals[e] + weight_at<T>(p.qkv_bias, c));
     }
   };
-  auto finish_up = [&](int64_t tile, const float* vals, int nb) {
+  // scale[b]: RMSNorm's 1 / rms(h) when MLP up multiplied h * w_norm (else null).
+  auto finish_up = [&](int64_t tile, const float* vals, int nb, const float* scale) {
     const int tc = static_cast<int>(pl.gemv[kGemvUp].tile_cols), half = tc / 2;
     if (pl.gemv[kGemvUp].paired) {  // act = silu(gate) * up
       for (int e = threadIdx.x; e < nb * half; e += kLayerThreads) {
         const int b = e / half, c = e % half;
         const int64_t col = tile * half + c;
-        const float g = vals[b * tc + c], u = vals[b * tc + half + c];
+        const float sc = scale != nullptr ? scale[b] : 1.f;
+        const float g = vals[b * tc + c] * sc, u = vals[b * tc + half + c] * sc;
         if (col < f) __stcg(act + b * f + col, g / (1.f + __expf(-g)) * u);
       }
     } else {
       for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
         const int b = e / tc;
         const int64_t col = tile * tc + e % tc;
+        const float sc = scale != nullptr ? scale[b] : 1.f;
         if (col < f) {
-          __stcg(act + b * f + col, layer_gelu(vals[e] + weight_at<T>(p.b1, col), p.mlp == MlpKind::kGeluTanh));
+          __stcg(act + b * f + col,
+                 layer_gelu(vals[e] * sc + weight_at<T>(p.b1, col), p.mlp == MlpKind::kGeluTanh));
         }
       }
     }
   };
   each_unit(kGemvQkv, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv(), tile, chunk, batch, smem, partials(kGemvQkv),
-                           tile_counters(kGemvQkv), norm_of_x(p.norm_w, p.norm_b), finish_qkv);
+                           tile_counters(kGemvQkv), ready(kGemvQkv), no_wait, norm_of_x(p.norm_w, p.norm_b),
+                           finish_qkv);
   });
   if (parallel) {
     each_unit(kGemvUp, pl.gemv[kGemvQkv].units(), [&](int64_t tile, int64_t chunk) {
       layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
-                             tile_counters(kGemvUp), norm_of_x(p.post_norm_w, p.post_norm_b), finish_up);
+                             tile_counters(kGemvUp), ready(kGemvUp), no_wait,
+                             norm_of_x(p.post_norm_w, p.post_norm_b),
+                             [&](int64_t t, const float* vals, int nb) { finish_up(t, vals, nb, nullptr); });
     });
   }
   mark(1);
-  prefetch(kGemvO, w_o());
-  layer_grid_barrier(barriers + 0);
-  mark(2);
 
-  // ---- attention
+  // ---- attention: each item once the QKV tiles of its KV group are in
   {
     const DecodeAttentionParams& dp = args.dp;
-    const int64_t items = p.batch * p.num_kv_heads * pl.splits;
+    const int64_t items = p.batch * hkv * pl.splits;
     float* q = smem;
     float* warp_states = smem + (kDecodeAttentionMaxGroup + 2) * DH;
     for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
       const int64_t bg = i / pl.splits;
-      const SplitItem item{static_cast<int>(i % pl.splits), static_cast<int>(bg % p.num_kv_heads),
-                           static_cast<int>(bg / p.num_kv_heads)};
+      const SplitItem item{static_cast<int>(i % pl.splits), static_cast<int>(bg % hkv), static_cast<int>(bg / hkv)};
+      const int64_t g = item.g;
+      layer_wait_tiles(ready(kGemvQkv), g * group * DH, (g + 1) * group * DH, kLayerTileCols);  // q
+      layer_wait_tiles(ready(kGemvQkv), hqd + g * DH, hqd + (g + 1) * DH, kLayerTileCols);      // k
+      layer_wait_tiles(ready(kGemvQkv), hqd + (hkv + g) * DH, hqd + (hkv + g + 1) * DH, kLayerTileCols);  // v
+      __syncthreads();
       if (decode_attention_uses_tensor_cores(dp)) {
         decode_attention_mma_split_block<T, DH, kLayerLeanAttention>(
             dp, item, q, warp_states, reinterpret_cast<uint4*>(smem + decoder_layer_attention_floats<DH>()));
       } else {
         decode_attention_split_block<T, DH, kLayerTokenSteps>(dp, item, q, warp_states);
       }
-      __syncthreads();
+      // One split: the item wrote its heads' output and the new k, v; else its partial.
+      layer_signal(words() + (pl.splits > 1 ? pl.splits_done_off : pl.merged_off) + bg);
     }
-    mark(3);
+    mark(2);
     if (pl.splits > 1) {
-      layer_grid_barrier(barriers + 1);
-      for (int64_t bg = blockIdx.x; bg < p.batch * p.num_kv_heads; bg += gridDim.x) {
+      for (int64_t bg = blockIdx.x; bg < p.batch * hkv; bg += gridDim.x) {
+        layer_wait(words() + pl.splits_done_off + bg, static_cast<unsigned int>(pl.splits));
+        __syncthreads();
         write_new_kv<T, DH>(dp, bg, threadIdx.x, kLayerThreads);
         for (int e = threadIdx.x; e < dp.group * DH; e += kLayerThreads) {
           __stcg(attn + bg * dp.group * DH + e, merge_splits<DH>(dp, bg, e / DH, e % DH));
         }
+        layer_signal(words() + pl.merged_off + bg);
       }
     }
   }
-  mark(4);
-  layer_grid_barrier(barriers + 2);
-  mark(5);
+  mark(3);
 
   // ---- parallel residual: y = x + attn W_o + b_o + act W_out + b_out, done
   auto store_y = [&](int b, int64_t c, float v) { static_cast<T*>(p.y)[b * d + c] = from_float<T>(v); };
@@ -278,10 +312,17 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   if (parallel) {
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
+      int64_t k0, k1;
+      rows_of(kGemvO, chunk, k0, k1);
+      auto wait = [&] {
+        wait_heads(k0, min(k1, hqd));
+        layer_wait_tiles(ready(kGemvUp), max(k0, hqd) - hqd, k1 - hqd, up_width);
+        __syncthreads();
+      };
       layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
-                             in, [&](int64_t t, const float* vals, int nb) {
+                             ready(kGemvO), wait, in, [&](int64_t t, const float* vals, int nb) {
                                const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
-                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
+                               for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
                                  const int b = e / tc;
                                  const int64_t c = t * tc + e % tc;
                                  if (c < d) {
@@ -291,14 +332,20 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
                                }
                              });
     });
-    mark(6);
+    mark(4);
     return;
   }
 
-  // ---- sequential: o-proj -> h (and its tile statistics)
+  // ---- sequential: o-proj -> h (and its tile statistics), each unit once its heads are merged
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
+    int64_t k0, k1;
+    rows_of(kGemvO, chunk, k0, k1);
+    auto wait = [&] {
+      wait_heads(k0, k1);
+      __syncthreads();
+    };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
-                           attn_in, [&](int64_t t, float* vals, int nb) {
+                           ready(kGemvO), wait, attn_in, [&](int64_t t, float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
                                const int b = e / tc;
@@ -324,31 +371,56 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
                              }
                            });
   });
-  mark(6);
-  prefetch(kGemvUp, w_up());
-  layer_grid_barrier(barriers + 3);
-  mark(7);
+  mark(4);
 
-  // ---- MLP up on Norm'(h)
-  layer_h_stats<NB>(p, pl, ws, h_mean, h_rstd);
-  auto norm_of_h = [=](int b, int64_t k) {
-    const float v = (__ldcg(h + b * d + k) - h_mean[b]) * h_rstd[b] * weight_at<T>(p.post_norm_w, k);
-    return layer_norm ? v + weight_at<T>(p.post_norm_b, k) : v;
+  // ---- MLP up on Norm'(h). h's statistics need every h tile: RMSNorm stages h * w_norm as
+  // soon as the unit's own h tiles are in and scales by 1 / rms(h) in the epilogue;
+  // LayerNorm (mean subtracted first) waits for all of h before staging.
+  bool have_h_stats = false;
+  auto h_stats = [&] {  // all threads; once per block
+    if (have_h_stats) return;
+    layer_wait_tiles(ready(kGemvO), 0, d, kLayerTileCols);
+    __syncthreads();
+    layer_h_stats<NB>(p, pl, ws, h_mean, h_rstd);
+    have_h_stats = true;
   };
   each_unit(kGemvUp, 0, [&](int64_t tile, int64_t chunk) {
+    int64_t k0, k1;
+    rows_of(kGemvUp, chunk, k0, k1);
+    auto wait = [&] {
+      if (layer_norm) {
+        h_stats();
+      } else {
+        layer_wait_tiles(ready(kGemvO), k0, k1, kLayerTileCols);
+        __syncthreads();
+      }
+    };
+    auto in = [=](int b, int64_t k) {
+      const float v = __ldcg(h + b * d + k);
+      if (!layer_norm) return v * weight_at<T>(p.post_norm_w, k);
+      return (v - h_mean[b]) * h_rstd[b] * weight_at<T>(p.post_norm_w, k) + weight_at<T>(p.post_norm_b, k);
+    };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
-                           tile_counters(kGemvUp), norm_of_h, finish_up);
+                           tile_counters(kGemvUp), ready(kGemvUp), wait, in,
+                           [&](int64_t t, const float* vals, int nb) {
+                             h_stats();
+                             finish_up(t, vals, nb, layer_norm ? nullptr : h_rstd);
+                           });
   });
-  mark(8);
-  prefetch(kGemvDown, w_down());
-  layer_grid_barrier(barriers + 4);
-  mark(9);
+  mark(5);
 
-  // ---- MLP down: y = h + act W_down (+ b_out)
+  // ---- MLP down: y = h + act W_down (+ b_out), each unit once the act tiles of its chunk are in
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
+    int64_t k0, k1;
+    rows_of(kGemvDown, chunk, k0, k1);
+    auto wait = [&] {
+      layer_wait_tiles(ready(kGemvUp), k0, k1, up_width);
+      __syncthreads();
+    };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down(), tile, chunk, batch, smem, partials(kGemvDown),
-                           tile_counters(kGemvDown), act_in, [&](int64_t t, const float* vals, int nb) {
+                           tile_counters(kGemvDown), ready(kGemvDown), wait, act_in,
+                           [&](int64_t t, const float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvDown].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
                                const int b = e / tc;
@@ -357,7 +429,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
                              }
                            });
   });
-  mark(10);
+  mark(6);
 }
 
 }  // namespace jax_cluster

@@ -4,8 +4,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
 #include "ops/decoder_layer/kernel.cuh"
@@ -36,17 +34,6 @@ DecodeAttentionParams attention_params(const DecoderLayerParams& p, const Decode
   return dp;
 }
 
-// Tuning knobs read once from the environment, for measuring what they buy:
-// JAX_CLUSTER_LAYER_PREFETCH: bytes of its next GEMV units' weights a block pulls into L2
-// before each grid barrier (default 0: the pulls cost more at the barrier than they saved).
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* env = std::getenv(name);
-  return env == nullptr ? fallback : static_cast<int64_t>(std::atoll(env));
-}
-int64_t prefetch_bytes() {
-  static const int64_t bytes = env_int("JAX_CLUSTER_LAYER_PREFETCH", 0);
-  return bytes;
-}
 template <typename T, int NB, int DH>
 cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) {
   auto* kernel = decoder_layer_kernel<T, NB, DH>;
@@ -57,7 +44,6 @@ cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) 
   DecoderLayerArgs args{};
   args.p = p;
   args.pl = plan_decoder_layer(p, grid);
-  args.pl.prefetch_bytes = prefetch_bytes();
   args.dp = attention_params(p, args.pl, ws);
   args.ws = ws;
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(

@@ -34,6 +34,7 @@ nb::dict layout(const DecoderLayerParams& p, int64_t grid) {
     d["paired"] = g.paired;
     d["partial_off"] = pl.partial_off[i];
     d["tile_counter_off"] = pl.tile_counter_off[i];
+    d["tile_ready_off"] = pl.tile_ready_off[i];
     gemvs.append(d);
   }
   out["gemvs"] = gemvs;
@@ -44,6 +45,8 @@ nb::dict layout(const DecoderLayerParams& p, int64_t grid) {
       {"floats", pl.floats}};
   for (const auto& [name, off] : regions) out[name] = off;
   out["counter_words"] = pl.counter_words;
+  out["splits_done_off"] = pl.splits_done_off;
+  out["merged_off"] = pl.merged_off;
   out["stage_floats"] = kLayerStageFloats;
   out["staged_rows"] = layer_staged_rows(p.batch);
   out["max_chunks"] = kLayerMaxChunks;

@@ -3,11 +3,15 @@
 // where everything lives in the workspace. Plain data computed on the host from the shapes
 // and the grid (blocks resident at once); the kernel (kernel.cuh) only walks it.
 //
-// Phases, each ended by a grid barrier (the next needs all of its results):
+// Phases, in the order every block walks them:
 //   sequential:  up_front (QKV)          -> attention [-> merge] -> o-proj (h = x + a)
 //                -> MLP up (Norm'(h))    -> MLP down (y = h + m)
 //   parallel:    up_front (QKV, MLP up on Norm'(x)) -> attention [-> merge]
 //                -> out (y = x + a + m: o-proj and MLP down as one GEMV over [attn | act])
+// No grid barrier between them: each item waits only for the items of earlier phases whose
+// results it reads (counters in the workspace: a GEMV tile's readiness, a (row, KV head)'s
+// splits and merge). Every wait points at an earlier phase and every block walks the phases
+// in order, so with all blocks resident every wait ends.
 // A GEMV unit multiplies a K chunk of its B input rows by a tile of 256 columns;
 // with several chunks per tile the units write fp32 partials and the last one to arrive
 // (a per-tile counter) sums them in chunk order: no float atomics, bitwise reproducible.
@@ -52,19 +56,19 @@ struct DecoderLayerPlan {
   int64_t grid;                    // blocks, all resident
   LayerGemv gemv[kLayerGemvs];     // parallel residual: kGemvO is [attn | act] x [W_o ; W_out]
   int64_t splits;                  // attention token splits
-  int64_t prefetch_bytes;          // of its next GEMV units' weights a block pulls into L2
-                                   // before a barrier (launch.cu: JAX_CLUSTER_LAYER_PREFETCH)
-  // Workspace offsets in floats (counters first: zeroed before every launch). GEMVs of
-  // different phases share the partials region; the parallel residual's MLP up, which runs
-  // beside QKV, has its own part of it.
+  // Workspace offsets in floats (counters first: zeroed before every launch). Each GEMV has
+  // its own partials: phases overlap in time.
   int64_t counters, partials, qkv, attn_partial, attn, h, h_stats, act, timeline, floats;
+  // Counter words: per GEMV, its tiles' arrived chunks and their readiness (the epilogue
+  // ran); per (row, KV head), its finished splits and its merged output.
   int64_t counter_words;
-  int64_t partial_off[kLayerGemvs], tile_counter_off[kLayerGemvs];
+  int64_t partial_off[kLayerGemvs], tile_counter_off[kLayerGemvs], tile_ready_off[kLayerGemvs];
+  int64_t splits_done_off, merged_off;
 };
 
 // The per-phase timeline every launch leaves in the workspace (docs/decoder_layer.md):
 // u64 [0] = blocks, then per block kLayerTimelineMarks globaltimer stamps (ns).
-inline constexpr int kLayerTimelineMarks = 12;
+inline constexpr int kLayerTimelineMarks = 7;
 inline constexpr int64_t kLayerTimelineMaxBlocks = 1024;
 
 // K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
@@ -141,20 +145,21 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
     const LayerGemv& g = pl.gemv[i];
     return ((g.paired ? 2 * g.n : g.n) + kLayerTileCols - 1) / kLayerTileCols;
   };
-  pl.counter_words = 8;  // grid barriers
+  pl.counter_words = 0;
   for (int i = 0; i < kLayerGemvs; ++i) {
     pl.tile_counter_off[i] = pl.counter_words;
-    pl.counter_words += max_tiles(i);
+    pl.tile_ready_off[i] = pl.counter_words + max_tiles(i);
+    pl.counter_words += 2 * max_tiles(i);
   }
+  pl.splits_done_off = pl.counter_words;
+  pl.merged_off = pl.splits_done_off + b * hkv;
+  pl.counter_words = pl.merged_off + b * hkv;
   pl.counters = take(pl.counter_words);
-  auto partial_floats = [&](int i) {
-    const LayerGemv& g = pl.gemv[i];
-    return kLayerMaxChunks * b * ((g.paired ? 2 * g.n : g.n) + kLayerTileCols);
-  };
   int64_t partial = 0;
   for (int i = 0; i < kLayerGemvs; ++i) {
-    pl.partial_off[i] = i == kGemvUp && p.parallel_residual ? partial_floats(kGemvQkv) : 0;
-    partial = std::max(partial, pl.partial_off[i] + partial_floats(i));
+    const LayerGemv& g = pl.gemv[i];
+    pl.partial_off[i] = partial;
+    partial += kLayerMaxChunks * b * ((g.paired ? 2 * g.n : g.n) + kLayerTileCols);
   }
   pl.partials = take(partial);
   pl.qkv = take(b * cols);
