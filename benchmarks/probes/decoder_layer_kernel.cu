@@ -47,7 +47,7 @@ void time_launches(jax_cluster::DecoderLayerParams d, int n, double bytes) {
   unsigned long long start = ~0ull;
   for (int64_t b = 0; b < blocks; ++b) start = std::min(start, tl[1 + b * kLayerTimelineMarks]);
   std::printf("timeline (median block, us from the first start):");
-  for (int m = 1; m < kLayerTimelineMarks - 1; ++m) {
+  for (int m = 1; m < kLayerTimelineMarks; ++m) {
     std::vector<double> t;
     for (int64_t b = 0; b < blocks; ++b) {
       const unsigned long long v = tl[1 + b * kLayerTimelineMarks + m];
