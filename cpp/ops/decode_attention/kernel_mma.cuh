@@ -17,6 +17,9 @@
 // these rates the tensor cores idle either way). The loads carry a 256-byte L2
 // prefetch-size hint. What was tried and lost (a cp.async ring with ldmatrix, loads-then-
 // math of two chunks): docs/decode_attention.md.
+// decoder_layer runs a lean form of the same block (kLean, 128 registers per thread): Q'
+// from shared memory, one chunk buffer refilled half by half, 8-token chunks at head_dim
+// 128 (docs/decoder_layer.md).
 #pragma once
 
 #include <cuda_bf16.h>
