@@ -63,7 +63,7 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
 }
 
 // One unit (tile, chunk) of GEMV g. wait(): blocks until the chunk's inputs exist (all
-// threads call it; it ends with a block barrier); in(b, k): the fp32 input; finish(tile,
+// threads call it; a wait on other blocks ends with a block barrier); in(b, k): the fp32 input; finish(tile,
 // vals, batch): the epilogue of the tile's sums vals[b * 256 + v] (shared memory, all
 // threads call it); then ready[tile] is raised.
 template <typename T, int NB, typename Wait, typename In, typename Finish>

@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   // soon as the unit's own h tiles are in and scales by 1 / rms(h) in the epilogue;
   // LayerNorm (mean subtracted first) waits for all of h before staging.
   bool have_h_stats = false;
-  auto h_stats = [&] {  // all threads; once per block
+  auto ensure_h_stats = [&] {  // all threads; once per block
     if (have_h_stats) return;
     layer_wait_tiles(ready(kGemvO), 0, d, kLayerTileCols);
     __syncthreads();
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     rows_of(kGemvUp, chunk, k0, k1);
     auto wait = [&] {
       if (layer_norm) {
-        h_stats();
+        ensure_h_stats();
       } else {
         layer_wait_tiles(ready(kGemvO), k0, k1, kLayerTileCols);
         __syncthreads();
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
                            tile_counters(kGemvUp), ready(kGemvUp), wait, in,
                            [&](int64_t t, const float* vals, int nb) {
-                             h_stats();
+                             ensure_h_stats();
                              finish_up(t, vals, nb, layer_norm ? nullptr : h_rstd);
                            });
   });
