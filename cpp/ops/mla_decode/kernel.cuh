@@ -3,7 +3,8 @@
 // Split kernel: one block per (token split, 16-head tile, row), 4 warps. The heads are the
 // M dimension of m16n8k16 mma.sync, so every cache token is read once for 16 heads (all of
 // DeepSeek-V2-Lite's; V2's 128 heads are 8 tiles whose re-reads of a token hit L2). Per
-// 32-token stage, with the next stage's cp.async loads in flight (2 stages, 2 blocks/SM):
+// 32-token stage, the next stage's cp.async loads in flight (2 stages, both issued at the
+// split's start; 2 blocks/SM):
 //   S = Q K^T     [16 heads x 32 tokens] over E = r + dr, the k-steps split between the
 //                 warps (warp w: k-steps w, w + 4, ...; its Q fragments stay in registers,
 //                 so the stage is read from shared memory once); the four partial S summed
@@ -172,15 +173,18 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   }
   const int tiles = t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
 
-  if (tiles > 0) load_stage(t0, 0);
-  cp_async_commit();
-  for (int i = 0; i < tiles; ++i) {
-    cp_async_wait<0>();
-    __syncthreads();  // stage i landed for every thread; stage i - 1 is free
-    if (i + 1 < tiles) load_stage(t0 + (i + 1) * L::kTokens, (i + 1) % L::kStages);
+  // Every stage in flight from the start (a 64-token split is two stages: both HBM round
+  // trips overlap); a stage's buffer is refilled kStages tiles ahead once it is read.
+#pragma unroll
+  for (int st = 0; st < L::kStages; ++st) {
+    if (st < tiles) load_stage(t0 + st * L::kTokens, st);
     cp_async_commit();
-    const uint32_t kv_base = ptx::smem_addr(kv_s + (i % L::kStages) * L::kStageBytes);
-    const int first = t0 + i * L::kTokens;
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    cp_async_wait<L::kStages - 1>();
+    __syncthreads();  // this tile's stage landed for every thread
+    const uint32_t kv_base = ptx::smem_addr(kv_s + (tile % L::kStages) * L::kStageBytes);
+    const int first = t0 + tile * L::kTokens;
 
     // This warp's share of S over all 32 tokens (4 n-tiles, independent accumulators).
     float acc[4][4] = {};
@@ -280,6 +284,11 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
         mma16816<T>(o[2 * np + 1], pa[kk], vb[2], vb[3]);
       }
     }
+    if (tile + L::kStages < tiles) {
+      __syncthreads();  // every warp is done with this stage's buffer
+      load_stage(t0 + (tile + L::kStages) * L::kTokens, tile % L::kStages);
+    }
+    cp_async_commit();  // a group per iteration, empty or not: the wait above counts them
   }
   ptx::griddep_launch_dependents();
 
