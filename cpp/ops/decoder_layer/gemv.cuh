@@ -2,7 +2,9 @@
 // row-major [K, N] weight over one K chunk, by 8 warps on the tensor cores:
 //
 //   wait     the first steps' weight loads are issued, then the unit waits for its inputs
-//            (the items of earlier phases that produce them: `wait`, all threads)
+//            (the items of earlier phases that produce them: `wait`), a segment of
+//            kLayerStageSegmentRows K rows at a time, each just before the stream needs it:
+//            the stream starts on the first segment while later ones are still produced
 //   staging  the unit's input rows [B, chunk], built by the phase's functor (a norm of x or
 //            h, the attention output, the MLP activation), as two 16-bit halves each
 //            (hi = round(v), lo = round(v - hi)): the fp32 input to ~16 significant bits
@@ -50,6 +52,13 @@ struct LayerWeights {
 // (64 KB per SM) fit in 128 registers (docs/decoder_layer.md). A probe build may set another.
 inline constexpr int kLayerStepsInFlight = JAX_CLUSTER_LAYER_STEPS_IN_FLIGHT;
 inline constexpr int kLayerRowGroups = 2;  // warps = 4 column quarters x 2 row groups
+#ifndef JAX_CLUSTER_LAYER_STAGE_SEGMENT_ROWS
+#define JAX_CLUSTER_LAYER_STAGE_SEGMENT_ROWS 256
+#endif
+// A unit waits for and stages its inputs in segments of this many K rows (aligned to
+// multiples of it in K), each once the stream reaches it; 0: the whole chunk before the
+// stream. A multiple of the producers' granularity keeps a segment's producers few.
+inline constexpr int64_t kLayerStageSegmentRows = JAX_CLUSTER_LAYER_STAGE_SEGMENT_ROWS;
 // Staged row stride (16-bit elements) for a chunk of `rows` (a multiple of 32): an odd number
 // of 32-byte blocks, so the B fragments' 8-byte loads are conflict-free.
 __host__ __device__ constexpr int layer_stage_stride(int rows) { return rows + 16; }
@@ -62,10 +71,10 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
   return kLayerStageFloats + NB * 16 + kLayerRowGroups * NB * kLayerTileCols + NB * kLayerTileCols + 32;
 }
 
-// One unit (tile, chunk) of GEMV g. wait(): blocks until the chunk's inputs exist (all
-// threads call it; a wait on other blocks ends with a block barrier); in(b, k): the fp32 input; finish(tile,
-// vals, batch): the epilogue of the tile's sums vals[b * 256 + v] (shared memory, all
-// threads call it); then ready[tile] is raised.
+// One unit (tile, chunk) of GEMV g. wait(k_begin, k_end): returns once the inputs of K rows
+// [k_begin, k_end) exist (all threads call it; it may wait in thread 0 only: a block barrier
+// follows); in(b, k): the fp32 input; finish(tile, vals, batch): the epilogue of the tile's
+// sums vals[b * 256 + v] (shared memory, all threads call it); then ready[tile] is raised.
 template <typename T, int NB, typename Wait, typename In, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
                                 int batch, float* smem, float* partials, unsigned int* tile_counters,
@@ -110,34 +119,58 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
 #pragma unroll
   for (int u = 0; u < U; ++u) load(wv[u], rg + u * groups);
 
-  wait();
-  // Staged rows past the chunk's rows (up to its last 16-row step) are zeros: 0 x garbage
-  // could be NaN.
+  // Stages the chunk's rows [staged, r) and the rest of the segment r falls in, once wait()
+  // says they exist; the last segment also zeros the rows past the chunk's, up to its last
+  // 16-row step (0 x garbage could be NaN). Rows the stream reads are never rewritten.
   const int64_t staged_rows = 16 * static_cast<int64_t>(steps);
-  for (int64_t e = tid; e < NB * staged_rows; e += kLayerThreads) {
-    const int b = static_cast<int>(e / staged_rows);
-    const int64_t r = e % staged_rows;
-    const float x = b < batch && r < rows ? in(b, k0 + r) : 0.f;
-    const T hi = from_float<T>(x);
-    stage_hi[b * cs + r] = hi;
-    stage_lo[b * cs + r] = from_float<T>(x - to_float(hi));
-  }
+  int64_t staged = 0;
+  auto stage_to = [&](int64_t r) {
+    int64_t end = staged_rows;
+    if (kLayerStageSegmentRows > 0) {
+      const int64_t seg_end = (k0 + r + kLayerStageSegmentRows - 1) / kLayerStageSegmentRows * kLayerStageSegmentRows - k0;
+      if (seg_end < rows) end = seg_end;
+    }
+    wait(k0 + staged, k0 + min(end, rows));
+    __syncthreads();
+    const int64_t n = end - staged;
+    for (int64_t e = tid; e < NB * n; e += kLayerThreads) {
+      const int b = static_cast<int>(e / n);
+      const int64_t kr = staged + e % n;
+      const float x = b < batch && kr < rows ? in(b, k0 + kr) : 0.f;
+      const T hi = from_float<T>(x);
+      stage_hi[b * cs + kr] = hi;
+      stage_lo[b * cs + kr] = from_float<T>(x - to_float(hi));
+    }
+    staged = end;
+    __syncthreads();
+  };
   float acc[4][4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
   }
-  __syncthreads();
-  gemv_mma_stream(wv, rg, groups, steps, [&](const uint4 (&w4)[4], int ss) {
-    uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
-    if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
-      bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
-      bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
+  // gemv_mma_stream's order (warp: steps rg, rg + groups, ...; U buffers), an iteration of
+  // groups x U steps at a time for every warp, so that the staging barriers are uniform.
+  constexpr int kIterSteps = groups * U;
+  for (int it = 0; it * kIterSteps < steps; ++it) {
+    const int64_t need = min(staged_rows, 16 * static_cast<int64_t>(kIterSteps) * (it + 1));
+    if (need > staged) stage_to(need);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ss = it * kIterSteps + rg + u * groups;
+      if (ss < steps) {
+        uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
+        if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
+          bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
+          bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
+        }
+        gemv_mma_step<T>(wv[u], bh.x, bh.y, acc);
+        gemv_mma_step<T>(wv[u], bl.x, bl.y, acc);
+      }
+      load(wv[u], ss + kIterSteps);
     }
-    gemv_mma_step<T>(w4, bh.x, bh.y, acc);
-    gemv_mma_step<T>(w4, bl.x, bl.y, acc);
-  }, load);
+  }
   // acc[q] = {(col, row), (col, row + 1), (col + 1, row), (col + 1, row + 1)}, col = v + 2q,
   // row = 2 cl of the batch.
 #pragma unroll

@@ -197,11 +197,6 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     const int64_t first = (blockIdx.x + gridDim.x - skip % gridDim.x) % gridDim.x;
     for (int64_t u = first; u < g.units(); u += gridDim.x) fn(u % g.tiles, u / g.tiles);
   };
-  auto rows_of = [&](int gi, int64_t chunk, int64_t& k0, int64_t& k1) {
-    const LayerGemv& g = pl.gemv[gi];
-    k0 = chunk * g.chunk_rows;
-    k1 = min(g.k, k0 + g.chunk_rows);
-  };
   // Output columns per tile of MLP up: act's (a paired tile holds gate and up halves).
   const int64_t up_width = pl.gemv[kGemvUp].paired ? kLayerTileCols / 2 : kLayerTileCols;
   // Thread 0: waits for the merged attention output of the heads in attn columns [c0, c1),
@@ -212,7 +207,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
       for (int b = 0; b < batch; ++b) ptx::wait_counter_at_least(words() + pl.merged_off + b * hkv + g, 1u);
     }
   };
-  auto no_wait = [] {};
+  auto no_wait = [](int64_t, int64_t) {};
   auto norm_of_x = [&](const void* nw, const void* nb) {
     return [=](int b, int64_t k) {
       const float v = (to_float(x[b * d + k]) - x_mean[b]) * x_rstd[b] * weight_at<T>(nw, k);
@@ -312,12 +307,9 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   if (parallel) {
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-      int64_t k0, k1;
-      rows_of(kGemvO, chunk, k0, k1);
-      auto wait = [&] {
-        wait_heads(k0, min(k1, hqd));
-        layer_wait_tiles(ready(kGemvUp), max(k0, hqd) - hqd, k1 - hqd, up_width);
-        __syncthreads();
+      auto wait = [&](int64_t kb, int64_t ke) {
+        wait_heads(kb, min(ke, hqd));
+        layer_wait_tiles(ready(kGemvUp), max(kb, hqd) - hqd, ke - hqd, up_width);
       };
       layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
                              ready(kGemvO), wait, in, [&](int64_t t, const float* vals, int nb) {
@@ -338,14 +330,8 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
 
   // ---- sequential: o-proj -> h (and its tile statistics), each unit once its heads are merged
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
-    int64_t k0, k1;
-    rows_of(kGemvO, chunk, k0, k1);
-    auto wait = [&] {
-      wait_heads(k0, k1);
-      __syncthreads();
-    };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
-                           ready(kGemvO), wait, attn_in, [&](int64_t t, float* vals, int nb) {
+                           ready(kGemvO), wait_heads, attn_in, [&](int64_t t, float* vals, int nb) {
                              const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
                              for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
                                const int b = e / tc;
@@ -385,14 +371,11 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     have_h_stats = true;
   };
   each_unit(kGemvUp, 0, [&](int64_t tile, int64_t chunk) {
-    int64_t k0, k1;
-    rows_of(kGemvUp, chunk, k0, k1);
-    auto wait = [&] {
+    auto wait = [&](int64_t kb, int64_t ke) {
       if (layer_norm) {
         ensure_h_stats();
       } else {
-        layer_wait_tiles(ready(kGemvO), k0, k1, kLayerTileCols);
-        __syncthreads();
+        layer_wait_tiles(ready(kGemvO), kb, ke, kLayerTileCols);
       }
     };
     auto in = [=](int b, int64_t k) {
@@ -412,12 +395,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   // ---- MLP down: y = h + act W_down (+ b_out), each unit once the act tiles of its chunk are in
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
-    int64_t k0, k1;
-    rows_of(kGemvDown, chunk, k0, k1);
-    auto wait = [&] {
-      layer_wait_tiles(ready(kGemvUp), k0, k1, up_width);
-      __syncthreads();
-    };
+    auto wait = [&](int64_t kb, int64_t ke) { layer_wait_tiles(ready(kGemvUp), kb, ke, up_width); };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down(), tile, chunk, batch, smem, partials(kGemvDown),
                            tile_counters(kGemvDown), ready(kGemvDown), wait, act_in,
                            [&](int64_t t, const float* vals, int nb) {
