@@ -54,4 +54,23 @@ __device__ __forceinline__ void gemv_mma_stream(uint4 (&wv)[U][4], int rg, int g
   }
 }
 
+// gemv_mma_stream in the same step order, but every warp of the block runs the same
+// iterations (iteration i: steps [i groups U, (i + 1) groups U); load then also gets steps
+// past the last, which it must leave unread), and before(i), called by all of them at the
+// start of each, may hold a block barrier (decoder_layer stages its inputs there). A form
+// of its own: the per-warp loop above keeps swiglu's and moe_decode's registers lower.
+template <int U, typename Math, typename Load, typename Before>
+__device__ __forceinline__ void gemv_mma_stream_uniform(uint4 (&wv)[U][4], int rg, int groups, int steps,
+                                                        Math&& math, Load&& load, Before&& before) {
+  for (int i = 0; i * groups * U < steps; ++i) {
+    before(i);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ss = i * groups * U + rg + u * groups;
+      if (ss < steps) math(wv[u], ss);
+      load(wv[u], ss + groups * U);
+    }
+  }
+}
+
 }  // namespace jax_cluster

@@ -150,27 +150,19 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[q][j] = 0.f;
   }
-  // gemv_mma_stream's order (warp: steps rg, rg + groups, ...; U buffers), an iteration of
-  // groups x U steps at a time for every warp, so that the staging barriers are uniform.
-  constexpr int kIterSteps = groups * U;
-  for (int it = 0; it * kIterSteps < steps; ++it) {
-    const int64_t need = min(staged_rows, 16 * static_cast<int64_t>(kIterSteps) * (it + 1));
-    if (need > staged) stage_to(need);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ss = it * kIterSteps + rg + u * groups;
-      if (ss < steps) {
-        uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
-        if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
-          bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
-          bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
-        }
-        gemv_mma_step<T>(wv[u], bh.x, bh.y, acc);
-        gemv_mma_step<T>(wv[u], bl.x, bl.y, acc);
-      }
-      load(wv[u], ss + kIterSteps);
+  // Each iteration of the stream (groups x U steps) first stages the rows it reads.
+  gemv_mma_stream_uniform(wv, rg, groups, steps, [&](const uint4 (&w4)[4], int ss) {
+    uint2 bh = make_uint2(0u, 0u), bl = make_uint2(0u, 0u);
+    if (gl < NB) {  // B: input row gl at the step's rows 4 cl..4 cl + 3
+      bh = *reinterpret_cast<const uint2*>(stage_hi + gl * cs + 16 * ss + 4 * cl);
+      bl = *reinterpret_cast<const uint2*>(stage_lo + gl * cs + 16 * ss + 4 * cl);
     }
-  }
+    gemv_mma_step<T>(w4, bh.x, bh.y, acc);
+    gemv_mma_step<T>(w4, bl.x, bl.y, acc);
+  }, load, [&](int i) {
+    const int64_t need = min(staged_rows, 16 * static_cast<int64_t>(groups * U) * (i + 1));
+    if (need > staged) stage_to(need);
+  });
   // acc[q] = {(col, row), (col, row + 1), (col + 1, row), (col + 1, row + 1)}, col = v + 2q,
   // row = 2 cl of the batch.
 #pragma unroll
