@@ -99,6 +99,11 @@ if [ "$SANITIZE" = 1 ]; then
   # (decoder_layer's racecheck inside JAX: the tool segfaults at its attention phase, as for
   # decode_attention; the probes below check it.)
   sanitize memcheck decoder_layer decoder_layer
+  # mla_decode's whole step through JAX (its kernels' racecheck: the probes below). With
+  # programmatic launches memcheck segfaults inside this process (H200) on the 4-split paged
+  # case, with the kernels' own probes clean: plain launches (clean).
+  JAX_CLUSTER_PDL=0 step sanitize-memcheck-mla sanitize_memcheck_mla.log timeout 150 compute-sanitizer \
+    --tool memcheck --kernel-name kns=mla_ --error-exitcode 9 python3 benchmarks/sanitize_targets.py --only=mla_decode
   # (decode_attention's kernels: compute-sanitizer itself segfaults at their first launch in a
   # JAX process, with and without programmatic launches, on H200; they are checked outside
   # JAX by the probes below.)

@@ -5,7 +5,7 @@ sanitizers finish quickly, but cover every cluster size and both dtype widths. E
 result is checked: the collectives bitwise against the CPU handler (same order of
 operations), the other ops against the jnp reference.
 
-    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,moe_decode,...]
+    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,moe_decode,mla_decode,...]
         [--head-dims=64,128] [--pipelines=registers,tma] [--dataflows=split_token,split_head]
         [--variants=gemv,tma] [--flash-kernel=mma|wgmma]
 """
@@ -229,6 +229,43 @@ def moe_decode(dtypes):
     print("moe_decode ok")
 
 
+def mla_decode(dtypes):
+    """The whole mla_decode step on its kernels (mla_project, the split and merge kernels,
+    mla_output) through JAX: V2-Lite's attention widths (16 heads, r 512, dr 64) on a narrow
+    hidden size, batch 1 and 3, one and several token splits, contiguous and paged (64-token
+    pages, shuffled); vs the fp32 reference."""
+    rng = np.random.default_rng(0)
+    heads, rank, nope, rope, v, hidden = 16, 512, 128, 64, 128, 256
+    for dtype in dtypes:
+        f = lambda *s, sc=None, off=0.0: jnp.asarray(  # noqa: E731
+            rng.standard_normal(s) * (s[0] ** -0.5 if sc is None else sc) + off, dtype)
+        w = dict(norm=f(hidden, sc=0.2, off=1.0), q=f(hidden, heads * (nope + rope)), kv_a=f(hidden, rank + rope),
+                 kv_a_norm=f(rank, sc=0.2, off=1.0), kv_b=f(rank, heads * (nope + v)), o=f(heads * v, hidden))
+        inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, rope, 2) / rope), jnp.float32)
+        kw = dict(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                  scale=(nope + rope) ** -0.5, eps=1e-6, residual=True)
+        for batch, s_max, splits in ((1, 320, 1), (1, 320, 4), (3, 200, 3)):
+            x, cache = f(batch, hidden, sc=1.0), f(batch, s_max, rank + rope, sc=1.0)
+            lengths = jnp.asarray(rng.integers(s_max // 2, s_max, batch), jnp.int32)
+            ref_y, ref_c = jc.mla_decode(x, w, cache, lengths, inv_freq, impl="reference", **kw)
+            config = jc.MlaDecodeConfig(splits=splits, projections="kernels")
+            for paged in (False, True):
+                if paged:  # 64-token pages, the pool shuffled
+                    blocks = -(-s_max // 64)
+                    table = jnp.asarray(rng.permutation(batch * blocks).reshape(batch, blocks), jnp.int32)
+                    padded = jnp.pad(cache, ((0, 0), (0, blocks * 64 - s_max), (0, 0)))
+                    pool = jnp.zeros((batch * blocks, 64, rank + rope), dtype).at[table.reshape(-1)].set(
+                        padded.reshape(batch * blocks, 64, rank + rope))
+                    args, extra = (x, w, pool, lengths, inv_freq), dict(block_table=table)
+                else:
+                    args, extra = (x, w, cache, lengths, inv_freq), {}
+                print("mla_decode", jnp.dtype(dtype).name, batch, s_max, splits, "paged" if paged else "", flush=True)
+                y, _ = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw, **extra))(*args)
+                err = _rel_err(y, ref_y)
+                assert err < 2e-2, (batch, splits, paged, err)
+    print("mla_decode ok")
+
+
 def decoder_layer(dtypes):
     """The one-launch layer kernel: Llama (GQA 4, SwiGLU in paired tiles) and GPT-NeoX (MHA,
     parallel and sequential residual, biases, partial rotary), batch 1 and 3, one and several
@@ -288,6 +325,8 @@ if __name__ == "__main__":
         linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("moe_decode"):
         moe_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("mla_decode"):
+        mla_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("decoder_layer"):
         decoder_layer((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("flash_attention"):  # --flash-kernel=mma|wgmma: one of its CUDA kernels
