@@ -233,6 +233,46 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
         print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
 
 
+def gpu_stream_events(run: Callable) -> list[tuple[str, int, int, str]]:
+    """(stream, start_ns, duration_ns, name) of every GPU activity CUPTI records during one
+    run() (kernels and memcpys, every stream of every local GPU), in start order; run is
+    called once first (compilation). Empty where no GPU was traced (a CPU backend)."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(run())
+    out = tempfile.mkdtemp()
+    with jax.profiler.trace(out):
+        jax.block_until_ready(run())
+    files = glob.glob(out + "/**/*.xplane.pb", recursive=True)
+    if not files:
+        return []
+    data = ProfileData.from_file(files[0])
+    events = [(f"{pl.name.removeprefix('/device:')} {ln.name}", e.start_ns, e.duration_ns, e.name)
+              for pl in data.planes if pl.name.startswith("/device:GPU")
+              for ln in pl.lines if "Stream" in ln.name for e in ln.events]
+    return sorted(events, key=lambda t: t[1])
+
+
+def print_streams(label: str, run: Callable, first: int = 60) -> None:
+    """Every GPU stream's activity in one run() (gpu_stream_events): per stream the count and
+    busy time, then the first `first` activities of all streams in start order with their
+    offsets, so that overlap between streams (a copy beside a kernel) shows."""
+    events = gpu_stream_events(run)
+    if not events:
+        print(f"streams {label}: no GPU activity in the trace", flush=True)
+        return
+    t0, end = events[0][1], max(s + d for _, s, d, _ in events)
+    print(f"streams {label}: {len(events)} activities over {(end - t0) / 1e3:.1f} us", flush=True)
+    for stream in sorted({e[0] for e in events}):
+        mine = [e for e in events if e[0] == stream]
+        print(f"    {stream}: {len(mine)}, busy {sum(d for _, _, d, _ in mine) / 1e3:.1f} us", flush=True)
+    for stream, start, dur, name in events[:first]:
+        print(f"    t={(start - t0) / 1e3:9.1f} dur={dur / 1e3:8.1f}  {stream[-18:]:18s} {name[:60]}", flush=True)
+
+
 def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",
                   extra: dict | None = None, part: str | None = None) -> Path:
     """Writes results/<name>.json and <name>.md: this run's device, versions, date, command,

@@ -6,7 +6,7 @@ sequence on one GPU, then ring and torus with ``backend="xla"`` and ``backend="n
 Every nvshmem row also says whether two runs were bitwise equal and whether the result is
 bitwise equal to the XLA backend's (it should be: the same kernels on the same chunks).
 
-    python benchmarks/sp_attention_nvshmem.py [--lengths 16384,65536] [--shapes flux,cogvideox]
+    python benchmarks/sp_attention_nvshmem.py [--lengths 16384,65536] [--shapes flux,cogvideox] [--trace]
 
 starts itself as 2 processes (one GPU each, jax_cluster.parallel.launch); rank 0 writes
 results/sp_attention_nvshmem.{md,json} after every case. It ends with a bare transfer sweep
@@ -44,6 +44,8 @@ def _args(argv=None):
     ap.add_argument("--copy-out", action="store_true",
                     help="also rows 'nvshmem-copy': every arrival copied out of the arena (no in-place reads)")
     ap.add_argument("--part", default=None, help="merge into the table as this part (common.write_results)")
+    ap.add_argument("--trace", action="store_true",
+                    help="after each ring / torus row, every GPU stream's activity in one call (common.print_streams)")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds before the launcher kills both ranks")
     ap.add_argument("--sweep-mb", default="16,64,256",
                     help="bare transfers after the layers: MB each GPU sends per round, by ppermute and by put ('': none)")
@@ -159,6 +161,8 @@ def main(args) -> None:
                     rows.append(row)
                     say(f"  {case:44s} {us:10.1f} us  x{one_us / us:.3f} of one GPU  "
                         f"repeat-equal={row['bitwise_repeat']} {row.get('equal_to_xla', '')}")
+                    if args.trace and name != "ulysses":  # each rank prints its own GPU's streams
+                        common.print_streams(case, lambda f=f: f(q, k, v))  # f: compiled with its knob
                     if rank == 0:
                         common.write_results("sp_attention_nvshmem", rows, columns=COLUMNS, notes=NOTES, part=args.part)
                 del q, k, v
