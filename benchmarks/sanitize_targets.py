@@ -260,9 +260,11 @@ def mla_decode(dtypes):
                 else:
                     args, extra = (x, w, cache, lengths, inv_freq), {}
                 print("mla_decode", jnp.dtype(dtype).name, batch, s_max, splits, "paged" if paged else "", flush=True)
-                y, _ = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw, **extra))(*args)
+                y, c = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw, **extra))(*args)
                 err = _rel_err(y, ref_y)
                 assert err < 2e-2, (batch, splits, paged, err)
+                if not paged:  # the step's latent token written at lengths[b], nothing else touched
+                    assert _rel_err(c, ref_c) < 2e-2, (batch, splits)
     print("mla_decode ok")
 
 
