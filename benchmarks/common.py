@@ -188,17 +188,11 @@ def measure_bandwidth(gib: float = 1.0) -> float:
     return measured[method]
 
 
-def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2,
-                   top: int = 8) -> None:
-    """Kernel timeline of `repeat` back-to-back run() (each one jitted call doing `calls`
-    steps), from CUPTI through jax.profiler: per-kernel time per step, idle gaps between
-    kernels on the busiest GPU stream, the steady step period (median spacing of a kernel
-    that runs once per step; the largest spacing shows the gap between calls) and the first
-    `first` kernels; the `top` kernels by time per step. run is called once before the traced
-    calls (compilation, tuning)."""
+def _profile(run: Callable, repeat: int = 1):
+    """jax.profiler's ProfileData of `repeat` back-to-back run() (run called once before,
+    untraced: compilation, tuning), or None where the trace wrote nothing."""
     import glob
     import tempfile
-    from collections import defaultdict
 
     from jax.profiler import ProfileData
 
@@ -207,9 +201,29 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
     with jax.profiler.trace(out):
         outs = [run() for _ in range(repeat)]
         jax.block_until_ready(outs[-1])
-    data = ProfileData.from_file(glob.glob(out + "/**/*.xplane.pb", recursive=True)[0])
-    lines = [ln for pl in data.planes if pl.name.startswith("/device:GPU")
-             for ln in pl.lines if "Stream" in ln.name]
+    files = glob.glob(out + "/**/*.xplane.pb", recursive=True)
+    return ProfileData.from_file(files[0]) if files else None
+
+
+def _gpu_stream_lines(data) -> list[tuple[str, object]]:
+    """(device, line) of every GPU stream line in a ProfileData (none for None or a CPU)."""
+    if data is None:
+        return []
+    return [(pl.name.removeprefix("/device:"), ln) for pl in data.planes if pl.name.startswith("/device:GPU")
+            for ln in pl.lines if "Stream" in ln.name]
+
+
+def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repeat: int = 2,
+                   top: int = 8) -> None:
+    """Kernel timeline of `repeat` back-to-back run() (each one jitted call doing `calls`
+    steps), from CUPTI through jax.profiler: per-kernel time per step, idle gaps between
+    kernels on the busiest GPU stream, the steady step period (median spacing of a kernel
+    that runs once per step; the largest spacing shows the gap between calls) and the first
+    `first` kernels; the `top` kernels by time per step. run is called once before the traced
+    calls (compilation, tuning)."""
+    from collections import defaultdict
+
+    lines = [ln for _, ln in _gpu_stream_lines(_profile(run, repeat))]
     line = max(lines, key=lambda ln: len(list(ln.events)))
     evs = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events), key=lambda t: t[0])
     steps = calls * repeat
@@ -233,34 +247,18 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
         print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
 
 
-def gpu_stream_events(run: Callable) -> list[tuple[str, int, int, str]]:
-    """(stream, start_ns, duration_ns, name) of every GPU activity CUPTI records during one
-    run() (kernels and memcpys, every stream of every local GPU), in start order; run is
-    called once first (compilation). Empty where no GPU was traced (a CPU backend)."""
-    import glob
-    import tempfile
-
-    from jax.profiler import ProfileData
-
-    jax.block_until_ready(run())
-    out = tempfile.mkdtemp()
-    with jax.profiler.trace(out):
-        jax.block_until_ready(run())
-    files = glob.glob(out + "/**/*.xplane.pb", recursive=True)
-    if not files:
-        return []
-    data = ProfileData.from_file(files[0])
-    events = [(f"{pl.name.removeprefix('/device:')} {ln.name}", e.start_ns, e.duration_ns, e.name)
-              for pl in data.planes if pl.name.startswith("/device:GPU")
-              for ln in pl.lines if "Stream" in ln.name for e in ln.events]
+def stream_events(data) -> list[tuple[str, int, int, str]]:
+    """(stream, start_ns, duration_ns, name) of every GPU activity in a ProfileData (kernels
+    and memcpys, every stream of every local GPU), in start order; [] for None or a CPU."""
+    events = [(f"{dev} {ln.name}", e.start_ns, e.duration_ns, e.name)
+              for dev, ln in _gpu_stream_lines(data) for e in ln.events]
     return sorted(events, key=lambda t: t[1])
 
 
-def print_streams(label: str, run: Callable, first: int = 60) -> None:
-    """Every GPU stream's activity in one run() (gpu_stream_events): per stream the count and
-    busy time, then the first `first` activities of all streams in start order with their
-    offsets, so that overlap between streams (a copy beside a kernel) shows."""
-    events = gpu_stream_events(run)
+def print_stream_events(label: str, events, first: int = 60) -> None:
+    """Per stream the count and busy time, then the first `first` activities of all streams
+    in start order with their offsets, so that overlap between streams (a copy beside a
+    kernel) shows."""
     if not events:
         print(f"streams {label}: no GPU activity in the trace", flush=True)
         return
@@ -271,6 +269,11 @@ def print_streams(label: str, run: Callable, first: int = 60) -> None:
         print(f"    {stream}: {len(mine)}, busy {sum(d for _, _, d, _ in mine) / 1e3:.1f} us", flush=True)
     for stream, start, dur, name in events[:first]:
         print(f"    t={(start - t0) / 1e3:9.1f} dur={dur / 1e3:8.1f}  {stream[-18:]:18s} {name[:60]}", flush=True)
+
+
+def print_streams(label: str, run: Callable, first: int = 60) -> None:
+    """Every GPU stream's activity in one traced run() (print_stream_events)."""
+    print_stream_events(label, stream_events(_profile(run)), first)
 
 
 def write_results(name: str, rows: Sequence[dict], *, columns: Sequence[str], notes: str = "",

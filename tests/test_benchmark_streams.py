@@ -1,0 +1,48 @@
+"""benchmarks/common.py's stream timeline (sp_attention_nvshmem.py --trace): the events of
+every GPU stream line of a profile, in start order, and their printout; a CPU trace has none."""
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import jax
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _common():
+    spec = importlib.util.spec_from_file_location("_bench_common", ROOT / "benchmarks" / "common.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _event(start, dur, name):
+    return NS(start_ns=start, duration_ns=dur, name=name)
+
+
+def test_stream_events_merge_the_gpu_streams_in_start_order(capsys):
+    common = _common()
+    data = NS(planes=[
+        NS(name="/host:CPU", lines=[NS(name="Stream #0", events=[_event(0, 5, "host")])]),
+        NS(name="/device:GPU:0", lines=[
+            NS(name="Stream #7(compute)", events=[_event(1000, 4000, "attention"), _event(9000, 500, "wait")]),
+            NS(name="Stream #9(memcpy)", events=[_event(2000, 3000, "MemcpyD2D")]),
+            NS(name="XLA Ops", events=[_event(0, 1, "not a stream")])]),
+    ])
+    events = common.stream_events(data)
+    assert [e[3] for e in events] == ["attention", "MemcpyD2D", "wait"]
+    assert events[1] == ("GPU:0 Stream #9(memcpy)", 2000, 3000, "MemcpyD2D")
+    common.print_stream_events("case", events)
+    out = capsys.readouterr().out
+    assert "3 activities over 8.5 us" in out
+    assert "GPU:0 Stream #7(compute): 2, busy 4.5 us" in out and "GPU:0 Stream #9(memcpy): 1, busy 3.0 us" in out
+    assert "t=      1.0 dur=     3.0" in out  # the copy, 1 us after the attention started
+
+
+def test_print_streams_on_a_cpu_says_there_is_no_gpu_activity(capsys):
+    common = _common()
+    x = jax.device_put(jnp.ones((64, 64)), jax.devices("cpu")[0])  # CPU work even beside a GPU
+    f = jax.jit(lambda x: x @ x)
+    common.print_streams("cpu", lambda: f(x))
+    assert "streams cpu: no GPU activity in the trace" in capsys.readouterr().out
