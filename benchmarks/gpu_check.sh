@@ -87,7 +87,9 @@ if [ "$SANITIZE" = 1 ]; then
     local tag="${tool}_${filter}_${only//,/+}"
     # racecheck does not follow programmatic launches (H100: it segfaulted at the first
     # attention kernel launched with PDL, and ran with plain launches): plain launches.
-    local pdl=1; [ "$tool" = racecheck ] && pdl=0
+    # (SANITIZE_PDL=0 sanitize ...: plain launches for a target whose process the tool
+    # crashes with them)
+    local pdl=${SANITIZE_PDL:-1}; [ "$tool" = racecheck ] && pdl=0
     JAX_CLUSTER_PDL=$pdl step "sanitize-$tag" "sanitize_$tag.log" timeout 150 compute-sanitizer \
       --tool "$tool" --kernel-name "kns=$filter" --error-exitcode 9 \
       python3 benchmarks/sanitize_targets.py --only="$only" "$@"
@@ -102,8 +104,7 @@ if [ "$SANITIZE" = 1 ]; then
   # mla_decode's whole step through JAX (its kernels' racecheck: the probes below). With
   # programmatic launches memcheck segfaults inside this process (H200) on the 4-split paged
   # case, with the kernels' own probes clean: plain launches (clean).
-  JAX_CLUSTER_PDL=0 step sanitize-memcheck-mla sanitize_memcheck_mla.log timeout 150 compute-sanitizer \
-    --tool memcheck --kernel-name kns=mla_ --error-exitcode 9 python3 benchmarks/sanitize_targets.py --only=mla_decode
+  SANITIZE_PDL=0 sanitize memcheck mla_ mla_decode
   # (decode_attention's kernels: compute-sanitizer itself segfaults at their first launch in a
   # JAX process, with and without programmatic launches, on H200; they are checked outside
   # JAX by the probes below.)
