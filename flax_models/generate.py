@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "has one), or per component of attention, mlp, layer: attention=fused,mlp=fused "
                         "(default auto; see docs/models.md)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                   help="default: the checkpoint's dtype; for presets bf16 on GPU, fp32 on CPU")
+                   help="default: the checkpoint's dtype; for presets bf16, or fp32 on CPU unless an "
+                        "op runs fused")
     p.add_argument("--batch", type=_positive_int, default=None,
                    help="rows (the prompts are repeated to fill it); default: one row per prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -101,8 +102,10 @@ def _prepare(args):
         dtype = parse_dtype(args.dtype)
     elif path is not None:
         dtype = checkpoint_dtype(read_config(path))
-    else:
-        dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    else:  # a preset: bf16 on a GPU; on CPU fp32, or bf16 where an op is asked to run fused
+        # (the jax_cluster kernels and their CPU handlers take 16-bit activations)
+        fused = impl == "fused" or (isinstance(impl, tuple) and any(v == "fused" for _, v in impl))
+        dtype = jnp.bfloat16 if jax.default_backend() != "cpu" or fused else jnp.float32
     tokenizer = load_tokenizer(path) if path is not None else None
     prompts = args.prompt or ["The quick brown fox"]
     batch = args.batch or len(prompts)

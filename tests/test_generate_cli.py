@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import flax_models
@@ -181,6 +182,19 @@ def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
         return
     assert main(argv + ["--no-progress"]) == 0
     assert "moe: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
+
+
+def test_cli_preset_dtype_follows_fused_impl(capsys):
+    """Presets on CPU default to float32, and to bfloat16 when an op is asked to run fused (the
+    kernels' CPU handlers take 16-bit activations): the fused commands run without --dtype."""
+    if jax.default_backend() != "cpu" or not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode",
+                                                                                   "swiglu", "attention_block")):
+        pytest.skip("CPU with the jax_cluster ops")
+    for model, impl, dtype in (("tiny-llama", "auto", "float32"), ("tiny-llama", "attention=fused,mlp=fused", "bfloat16"),
+                               ("tiny-deepseek", "fused", "bfloat16")):
+        assert main(["--model", model, "--impl", impl, "--max-new-tokens", "2", "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert f"{dtype})" in out, (model, impl, out)
 
 
 def test_cli_per_component_impl(capsys):
