@@ -116,7 +116,9 @@ def _prepare(args):
         routes = decode_routes(abstract_model(cfg, dtype, impl), batch,
                                cache_slots(tokens.shape[1] + args.max_new_tokens), impl)
     except (ValueError, RuntimeError) as e:
-        raise UsageError(str(e)) from None
+        hint = (" (the fused kernels take 16-bit activations: pass --dtype bf16 or fp16)"
+                if jnp.dtype(dtype) == jnp.dtype(jnp.float32) and "float32" in str(e) else "")
+        raise UsageError(str(e) + hint) from None
     return cfg, path, dtype, impl, sampling, tokenizer, rows, routes
 
 

@@ -184,9 +184,10 @@ def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
     assert "moe: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
 
 
-def test_cli_preset_dtype_follows_fused_impl(capsys):
+def test_cli_preset_dtype_follows_fused_impl(capsys, monkeypatch):
     """Presets on CPU default to float32, and to bfloat16 when an op is asked to run fused (the
-    kernels' CPU handlers take 16-bit activations): the fused commands run without --dtype."""
+    kernels' CPU handlers take 16-bit activations): the fused commands run without --dtype;
+    fp32 asked for explicitly with a fused op gets the error and what to pass instead."""
     if jax.default_backend() != "cpu" or not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode",
                                                                                    "swiglu", "attention_block")):
         pytest.skip("CPU with the jax_cluster ops")
@@ -195,6 +196,8 @@ def test_cli_preset_dtype_follows_fused_impl(capsys):
         assert main(["--model", model, "--impl", impl, "--max-new-tokens", "2", "--no-progress"]) == 0
         out = capsys.readouterr().out
         assert f"{dtype})" in out, (model, impl, out)
+    err = _usage_error(capsys, monkeypatch, ["--model", "tiny-llama", "--impl", "mlp=fused", "--dtype", "fp32"])
+    assert "no kernel for dtype float32" in err and "pass --dtype bf16 or fp16" in err, err
 
 
 def test_cli_per_component_impl(capsys):
