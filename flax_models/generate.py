@@ -103,7 +103,7 @@ def _prepare(args):
     elif path is not None:
         dtype = checkpoint_dtype(read_config(path))
     else:  # a preset: bf16 on a GPU; on CPU fp32, or bf16 where an op is asked to run fused
-        # (the jax_cluster kernels and their CPU handlers take 16-bit activations)
+        # (jax_cluster.swiglu, the fused MLP, takes 16-bit activations only, on CPU too)
         fused = impl == "fused" or (isinstance(impl, tuple) and any(v == "fused" for _, v in impl))
         dtype = jnp.bfloat16 if jax.default_backend() != "cpu" or fused else jnp.float32
     tokenizer = load_tokenizer(path) if path is not None else None
@@ -116,7 +116,7 @@ def _prepare(args):
         routes = decode_routes(abstract_model(cfg, dtype, impl), batch,
                                cache_slots(tokens.shape[1] + args.max_new_tokens), impl)
     except (ValueError, RuntimeError) as e:
-        hint = (" (the fused kernels take 16-bit activations: pass --dtype bf16 or fp16)"
+        hint = (" (a fused op here takes 16-bit activations: pass --dtype bf16 or fp16)"
                 if jnp.dtype(dtype) == jnp.dtype(jnp.float32) and "float32" in str(e) else "")
         raise UsageError(str(e) + hint) from None
     return cfg, path, dtype, impl, sampling, tokenizer, rows, routes
