@@ -191,7 +191,8 @@ def test_cli_preset_dtype_follows_fused_impl(capsys, monkeypatch):
     if jax.default_backend() != "cpu" or not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode",
                                                                                    "swiglu", "attention_block")):
         pytest.skip("CPU with the jax_cluster ops")
-    for model, impl, dtype in (("tiny-llama", "auto", "float32"), ("tiny-llama", "attention=fused,mlp=fused", "bfloat16"),
+    for model, impl, dtype in (("tiny-llama", "auto", "float32"),
+                               ("tiny-llama", "attention=fused,mlp=fused", "bfloat16"),
                                ("tiny-deepseek", "fused", "bfloat16")):
         assert main(["--model", model, "--impl", impl, "--max-new-tokens", "2", "--no-progress"]) == 0
         out = capsys.readouterr().out
