@@ -10,12 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+# Mistral and Qwen2 are Llama's layer: Qwen2 with q, k, v biases, either with a sliding
+# attention window (LlamaConfig.from_hf).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
     "GPTNeoXForCausalLM": "gpt_neox",
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
-MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt_neox", "deepseek_v2": "deepseek_v2"}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt_neox": "gpt_neox",
+               "deepseek_v2": "deepseek_v2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,20 @@ def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def _attention_window(cfg: Mapping[str, Any]) -> int | None:
+    """The sliding attention window of a Mistral or Qwen2 config; None where every layer
+    attends to every earlier token."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    if cfg.get("model_type") == "qwen2":
+        return int(window) if cfg.get("use_sliding_window") else None
+    return int(window)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -90,7 +109,8 @@ class LlamaConfig:
     rope: RopeConfig = RopeConfig()
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False  # Llama's attention_bias sets both; Qwen2 has q, k, v biases only
+    o_bias: bool = False
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
@@ -98,10 +118,15 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
+        """Llama, Mistral and Qwen2 configs. A sliding attention window caps the context at the
+        window: up to it, sliding-window attention is attention over every earlier token."""
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Llama: unsupported hidden_act {act!r} (only 'silu')")
         heads = int(cfg["num_attention_heads"])
+        bias = bool(cfg.get("attention_bias") or False)
+        context = int(cfg.get("max_position_embeddings", 4096))
+        window = _attention_window(cfg)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -113,9 +138,10 @@ class LlamaConfig:
             rope=RopeConfig.from_hf(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            qkv_bias=bias or cfg.get("model_type") == "qwen2",
+            o_bias=bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=min(context, window) if window else context,
             eos_token_ids=_eos(cfg),
         )
 

@@ -74,10 +74,10 @@ def llama_specs(cfg) -> list[Spec]:
         outs = (hq * d, hkv * d, hkv * d)
         specs.append(Spec((*t, "qkv", "kernel"), (Source(
             tuple(n + ".weight" for n in names), tuple((o, h) for o in outs), _concat_t),)))
-        if cfg.attention_bias:
+        if cfg.qkv_bias:
             specs.append(Spec((*t, "qkv", "bias"), (Source(
                 tuple(n + ".bias" for n in names), tuple((o,) for o in outs), _concat),)))
-        _linear(specs, (*t, "o"), f"{p}.self_attn.o_proj", hq * d, h, cfg.attention_bias)
+        _linear(specs, (*t, "o"), f"{p}.self_attn.o_proj", hq * d, h, cfg.o_bias)
         for ours, theirs, din, dout in (("gate", "gate_proj", h, cfg.intermediate_size),
                                         ("up", "up_proj", h, cfg.intermediate_size),
                                         ("down", "down_proj", cfg.intermediate_size, h)):

@@ -1,4 +1,5 @@
-"""Llama-2 / Llama-3 decoder (GQA, Llama-3 RoPE scaling, RMSNorm, SwiGLU, tied or untied head).
+"""Llama-2 / Llama-3 decoder (GQA, Llama-3 RoPE scaling, RMSNorm, SwiGLU, tied or untied head);
+Mistral and Qwen2 (q, k, v biases) checkpoints load into it (flax_models.config).
 
 Q, K and V projections are stored fused, one [hidden, (Hq + 2 Hkv) D] kernel with columns
 [Q heads | K heads | V heads], the layout jax_cluster.attention_block takes.
@@ -22,8 +23,8 @@ class LlamaLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.qkv = Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o = Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.qkv = Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 

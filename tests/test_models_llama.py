@@ -61,3 +61,59 @@ def test_llama_fused_with_mlp_biases_names_them(tmp_path):
     hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
     with pytest.raises(RuntimeError, match="impl='fused' for decoder_layer: MLP biases"):
         compare_logits(hf, model, prompt_lengths=(5,), decode_steps=1)
+
+
+# Mistral and Qwen2 load into the Llama model (flax_models.config): Qwen2's q, k, v biases (no
+# o_proj bias); a sliding window caps the context at the window, inside which it is exact.
+FAMILY = {
+    "qwen2-gqa2-tied": (transformers.Qwen2Config, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                       num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral-gqa4-hd32": (transformers.MistralConfig, dict(hidden_size=128, intermediate_size=160, num_attention_heads=8,
+                                                           num_key_value_heads=2, head_dim=32, sliding_window=None)),
+    "mistral-window64": (transformers.MistralConfig, dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                          num_key_value_heads=4, sliding_window=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_llama_family_matches_transformers(name, tmp_path):
+    config_class, kw = FAMILY[name]
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path)
+    c = model.config
+    assert (c.qkv_bias, c.o_bias) == ((True, False) if name.startswith("qwen2") else (False, False))
+    assert c.max_position_embeddings == (64 if name == "mistral-window64" else BASE["max_position_embeddings"])
+    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)  # 28 tokens: inside the window
+    assert err["prefill"] <= TOL, err
+    assert err["decode"] <= TOL, err
+
+
+def test_qwen2_fused_layers_on_cpu_match_transformers(tmp_path):
+    """Qwen2's q, k, v biases through jax_cluster.decoder_layer's C++ CPU handler."""
+    from flax_models import ops  # noqa: PLC0415
+
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    config_class, kw = FAMILY["qwen2-gqa2-tied"]
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="fused")
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    assert [str(r) for r in routes] == ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"]
+
+
+def test_sliding_window_config_rules():
+    """Which configs attend through a window, and the context it caps."""
+    from flax_models.config import LlamaConfig  # noqa: PLC0415
+
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=4096)
+    assert LlamaConfig.from_hf(dict(base, model_type="mistral", sliding_window=1024)).max_position_embeddings == 1024
+    assert LlamaConfig.from_hf(dict(base, model_type="mistral", sliding_window=None)).max_position_embeddings == 4096
+    qwen = dict(base, model_type="qwen2", sliding_window=1024)
+    assert LlamaConfig.from_hf(dict(qwen, use_sliding_window=False)).max_position_embeddings == 4096
+    assert LlamaConfig.from_hf(dict(qwen, use_sliding_window=True)).max_position_embeddings == 1024
+    types = dict(qwen, use_sliding_window=True, layer_types=["full_attention", "full_attention"])
+    assert LlamaConfig.from_hf(types).max_position_embeddings == 4096
+    assert LlamaConfig.from_hf(dict(types, layer_types=["full_attention", "sliding_attention"])
+                               ).max_position_embeddings == 1024
+    assert LlamaConfig.from_hf(dict(base, model_type="llama", attention_bias=True)).o_bias
