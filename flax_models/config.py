@@ -109,12 +109,16 @@ class LlamaConfig:
     rope: RopeConfig = RopeConfig()
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Llama's attention_bias sets both; Qwen2 has q, k, v biases only
-    o_bias: bool = False
+    attention_bias: bool = False  # q, k, v (and o_proj unless o_proj_bias says otherwise)
+    o_proj_bias: bool | None = None  # None: attention_bias (Llama); Qwen2: False
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias if self.o_proj_bias is None else self.o_proj_bias
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -138,8 +142,8 @@ class LlamaConfig:
             rope=RopeConfig.from_hf(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bias or cfg.get("model_type") == "qwen2",
-            o_bias=bias,
+            attention_bias=bias or cfg.get("model_type") == "qwen2",
+            o_proj_bias=bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=min(context, window) if window else context,
             eos_token_ids=_eos(cfg),

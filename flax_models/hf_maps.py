@@ -74,7 +74,7 @@ def llama_specs(cfg) -> list[Spec]:
         outs = (hq * d, hkv * d, hkv * d)
         specs.append(Spec((*t, "qkv", "kernel"), (Source(
             tuple(n + ".weight" for n in names), tuple((o, h) for o in outs), _concat_t),)))
-        if cfg.qkv_bias:
+        if cfg.attention_bias:
             specs.append(Spec((*t, "qkv", "bias"), (Source(
                 tuple(n + ".bias" for n in names), tuple((o,) for o in outs), _concat),)))
         _linear(specs, (*t, "o"), f"{p}.self_attn.o_proj", hq * d, h, cfg.o_bias)

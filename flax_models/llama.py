@@ -23,7 +23,7 @@ class LlamaLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.qkv = Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.qkv = Linear(cfg.hidden_size, (hq + 2 * hkv) * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.o = Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)

@@ -80,7 +80,7 @@ def test_llama_family_matches_transformers(name, tmp_path):
     config_class, kw = FAMILY[name]
     hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path)
     c = model.config
-    assert (c.qkv_bias, c.o_bias) == ((True, False) if name.startswith("qwen2") else (False, False))
+    assert (c.attention_bias, c.o_bias) == ((True, False) if name.startswith("qwen2") else (False, False))
     assert c.max_position_embeddings == (64 if name == "mistral-window64" else BASE["max_position_embeddings"])
     err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)  # 28 tokens: inside the window
     assert err["prefill"] <= TOL, err
