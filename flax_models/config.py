@@ -129,6 +129,7 @@ class LlamaConfig:
             raise ValueError(f"Llama: unsupported hidden_act {act!r} (only 'silu')")
         heads = int(cfg["num_attention_heads"])
         bias = bool(cfg.get("attention_bias") or False)
+        qwen2 = cfg.get("model_type") == "qwen2"  # q, k, v always with biases, o_proj never
         context = int(cfg.get("max_position_embeddings", 4096))
         window = _attention_window(cfg)
         return cls(
@@ -142,8 +143,8 @@ class LlamaConfig:
             rope=RopeConfig.from_hf(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias or cfg.get("model_type") == "qwen2",
-            o_proj_bias=bias,
+            attention_bias=bias or qwen2,
+            o_proj_bias=bias and not qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=min(context, window) if window else context,
             eos_token_ids=_eos(cfg),

@@ -186,8 +186,9 @@ def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
 
 def test_cli_preset_dtype_follows_fused_impl(capsys, monkeypatch):
     """Presets on CPU default to float32, and to bfloat16 when an op is asked to run fused (the
-    fused MLP, jax_cluster.swiglu, takes 16-bit activations only): the fused commands run without --dtype;
-    fp32 asked for explicitly with a fused op gets the error and what to pass instead."""
+    fused MLP, jax_cluster.swiglu, takes 16-bit activations only): the fused commands run
+    without --dtype; fp32 asked for explicitly with a fused op gets the error and what to pass
+    instead."""
     if jax.default_backend() != "cpu" or not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode",
                                                                                    "swiglu", "attention_block")):
         pytest.skip("CPU with the jax_cluster ops")

@@ -117,3 +117,4 @@ def test_sliding_window_config_rules():
     assert LlamaConfig.from_hf(dict(types, layer_types=["full_attention", "sliding_attention"])
                                ).max_position_embeddings == 1024
     assert LlamaConfig.from_hf(dict(base, model_type="llama", attention_bias=True)).o_bias
+    assert not LlamaConfig.from_hf(dict(qwen, attention_bias=True)).o_bias  # Qwen2's o_proj has none
