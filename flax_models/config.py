@@ -18,9 +18,10 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "GPTNeoXForCausalLM": "gpt_neox",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2",  # V2's layer with V3's router (topk_method noaux_tc)
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt_neox": "gpt_neox",
-               "deepseek_v2": "deepseek_v2"}
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ class LlamaConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias or qwen2,
-            o_proj_bias=bias and not qwen2,
+            o_proj_bias=False if qwen2 else None,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=min(context, window) if window else context,
             eos_token_ids=_eos(cfg),
@@ -223,7 +224,7 @@ class DeepseekV2Config:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     routed_scaling_factor: float = 1.0
-    topk_method: str = "greedy"
+    topk_method: str = "greedy"  # greedy, group_limited_greedy (V2), noaux_tc (V3: sigmoid scores)
     n_group: int | None = None
     topk_group: int | None = None
     norm_topk_prob: bool = False
@@ -252,11 +253,18 @@ class DeepseekV2Config:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"DeepSeek-V2: unsupported hidden_act {act!r} (only 'silu')")
-        method = cfg.get("topk_method") or "greedy"
-        if method not in ("greedy", "group_limited_greedy"):
+        v3 = cfg.get("model_type") == "deepseek_v3" or "DeepseekV3ForCausalLM" in (cfg.get("architectures") or ())
+        method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"DeepSeek-V2: unsupported topk_method {method!r}")
-        if cfg.get("scoring_func", "softmax") != "softmax":
-            raise ValueError(f"DeepSeek-V2: unsupported scoring_func {cfg['scoring_func']!r} (only 'softmax')")
+        scoring = cfg.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax")
+        if scoring != ("sigmoid" if method == "noaux_tc" else "softmax"):
+            raise ValueError(f"DeepSeek-V2: unsupported scoring_func {scoring!r} with topk_method {method!r} "
+                             "(noaux_tc scores with sigmoid, the others with softmax)")
+        if method == "noaux_tc" and not (cfg.get("n_group") and cfg.get("topk_group")):
+            raise ValueError("DeepSeek-V3: topk_method 'noaux_tc' needs n_group and topk_group")
+        if cfg.get("rope_interleave", True) is False:
+            raise ValueError("DeepSeek: only interleaved rotary dimensions are supported (rope_interleave false)")
         q_lora = cfg.get("q_lora_rank")
         return cls(
             vocab_size=int(cfg["vocab_size"]),

@@ -157,6 +157,8 @@ def deepseek_v2_specs(cfg) -> list[Spec]:
         e, im = cfg.n_routed_experts, cfg.moe_intermediate_size
         mt = (*t, "moe")
         specs.append(_one((*mt, "router"), f"{m}.gate.weight", (e, h), _t))
+        if cfg.topk_method == "noaux_tc":
+            specs.append(_one((*mt, "score_bias"), f"{m}.gate.e_score_correction_bias", (e,)))
         for ours, theirs, shape in (("w_gate", "gate_proj", (im, h)), ("w_up", "up_proj", (im, h)),
                                     ("w_down", "down_proj", (h, im))):
             per_expert = Source(tuple(f"{m}.experts.{j}.{theirs}.weight" for j in range(e)), (shape,) * e, _stack_t)

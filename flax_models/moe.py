@@ -1,5 +1,5 @@
 """DeepSeek-V2 mixture of experts: softmax router, top-k (greedy or group-limited greedy), routed
-SwiGLU experts and always-on shared experts.
+SwiGLU experts and always-on shared experts; DeepSeek-V3's sigmoid router (noaux_tc) too.
 
 Two ways to run the routed experts in jnp, same result (:func:`experts_xla` picks): for few
 (token, expert) pairs (decode) gather the chosen experts' weights, reading only those; for many
@@ -20,16 +20,23 @@ from .layers import SwiGLU, _param, silu
 
 
 def route(x, router, *, top_k, method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
-          routed_scaling_factor=1.0):
+          routed_scaling_factor=1.0, score_bias=None):
     """x [N, H], router [H, E] -> (weights [N, k] float32, expert ids [N, k] int32).
 
-    scores = softmax(x @ router) in float32. group_limited_greedy first keeps the topk_group groups
-    (of E / n_group experts) with the highest best score. As in DeepSeek-V2's reference, weights are
-    renormalised to sum 1 when norm_topk_prob (and k > 1), otherwise scaled by routed_scaling_factor.
+    greedy / group_limited_greedy (DeepSeek-V2): scores = softmax(x @ router) in float32;
+    group_limited_greedy first keeps the topk_group groups (of E / n_group experts) with the highest
+    best score. Weights are renormalised to sum 1 when norm_topk_prob (and k > 1), otherwise scaled
+    by routed_scaling_factor.
+
+    noaux_tc (DeepSeek-V3): scores = sigmoid(x @ router); the experts are chosen by scores +
+    score_bias [E] (the load-balancing correction), within the topk_group groups whose two best
+    biased scores sum highest; the weights are the chosen experts' unbiased scores, renormalised
+    when norm_topk_prob, then scaled by routed_scaling_factor.
     """
-    scores = jax.nn.softmax(
-        jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST), axis=-1
-    )
+    logits = jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    if method == "noaux_tc":
+        return _route_noaux_tc(logits, score_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    scores = jax.nn.softmax(logits, axis=-1)
     n, e = scores.shape
     if method == "group_limited_greedy":
         group_best = scores.reshape(n, n_group, e // n_group).max(axis=-1)
@@ -44,6 +51,21 @@ def route(x, router, *, top_k, method="greedy", n_group=None, topk_group=None, n
     else:
         weights = weights * routed_scaling_factor
     return weights, ids.astype(jnp.int32)
+
+
+def _route_noaux_tc(logits, score_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    scores = jax.nn.sigmoid(logits)
+    n, e = scores.shape
+    choice = scores + (0.0 if score_bias is None else score_bias.astype(jnp.float32))
+    group_best2 = jax.lax.top_k(choice.reshape(n, n_group, e // n_group), 2)[0].sum(axis=-1)
+    _, groups = jax.lax.top_k(group_best2, topk_group)
+    keep = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], groups].set(True)
+    choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.astype(jnp.int32)
 
 
 def experts_gather(x, weights, ids, w_gate, w_up, w_down):
@@ -88,6 +110,8 @@ class MoE(nnx.Module):
         self.w_up = _param(rngs, (e, h, i), dtype)
         self.w_down = _param(rngs, (e, i, h), dtype)
         self.shared = SwiGLU(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
+        # DeepSeek-V3's load-balancing correction of the expert choice (float32, as trained)
+        self.score_bias = _param(rngs, (e,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
 
     def __call__(self, x, residual=None, *, impl="xla"):
         """x [..., H] (normalised) -> routed + shared (+ residual): the block :func:`ops.moe`."""
@@ -99,5 +123,6 @@ class MoE(nnx.Module):
                     residual=None if residual is None else residual.reshape(-1, h), impl=impl,
                     top_k=c.num_experts_per_tok, topk_method=c.topk_method, n_group=c.n_group,
                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-                    routed_scaling_factor=c.routed_scaling_factor)
+                    routed_scaling_factor=c.routed_scaling_factor,
+                    **({} if self.score_bias is None else {"score_bias": self.score_bias[...]}))
         return y.reshape(shape)

@@ -14,7 +14,7 @@ from jax_cluster.ops.decoder_layer import decoder_layer
 from jax_cluster.ops.flash_attention import FlashAttentionConfig, flash_attention
 from jax_cluster.ops.linear import LinearConfig, linear
 from jax_cluster.ops.mla_decode import MlaDecodeConfig, mla_decode
-from jax_cluster.ops.moe_decode import MoeDecodeConfig, moe_decode
+from jax_cluster.ops.moe_decode import MoeDecodeConfig, moe_decode, moe_experts
 from jax_cluster.ops.swiglu import SwigluConfig, swiglu, swiglu_tp
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "linear",
     "mla_decode",
     "moe_decode",
+    "moe_experts",
     "reference",
     "register_targets",
     "swiglu",

@@ -8,6 +8,7 @@ the model is still compared, and the formula itself is tested against hand-compu
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -204,3 +205,64 @@ def test_softmax_scale_formula_against_hand_computed_values():
                                       mscale_all_dim=0.707)) == pytest.approx(192 ** -0.5)
     assert mla.softmax_scale(_v2_lite(rope_type="yarn", factor=40.0,
                                       original_max_position_embeddings=4096)) == pytest.approx(192 ** -0.5)
+
+
+# DeepSeek-V3's layer is V2's with a sigmoid router whose expert choice adds a correction bias
+# (topk_method noaux_tc): the router runs in jnp, the routed experts on jax_cluster.moe_experts.
+V3 = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+          num_key_value_heads=4,
+          kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+          num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+          norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def _v3_roundtrip(tmp_path, impl, dtype="fp32", **overrides):
+    """A random tiny DeepSeek-V3 whose correction biases are not zero (they pick experts the
+    scores alone would not), saved and loaded."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**BASE, **{**V3, **overrides})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.5)
+    hf.save_pretrained(str(tmp_path))
+    return hf, from_pretrained(tmp_path, dtype=dtype, impl=impl)
+
+
+def test_deepseek_v3_matches_transformers(tmp_path):
+    hf, model = _v3_roundtrip(tmp_path, "xla")
+    assert model.config.topk_method == "noaux_tc"
+    bias = model.layers[1].moe.score_bias[...]
+    np.testing.assert_array_equal(np.asarray(bias), hf.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
+    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
+    assert err["prefill"] <= TOL, err
+    assert err["decode"] <= TOL, err
+
+
+def test_deepseek_v3_fused_on_cpu_matches_transformers(tmp_path, monkeypatch):
+    """fp32 decode with MLA on mla_decode and the routed and shared experts on moe_experts (C++
+    CPU handlers; the dense layer's SwiGLU on XLA: swiglu has no float32 path)."""
+    if not (ops.fused_available("mla_decode") and ops.fused_available("moe_experts")):
+        pytest.skip("jax_cluster.mla_decode / moe_experts not available")
+    hf, model = _v3_roundtrip(tmp_path, "fused")
+    swiglu_mlp = ops.swiglu_mlp
+    monkeypatch.setattr(ops, "swiglu_mlp", lambda *a, impl, **k: swiglu_mlp(*a, impl="xla", **k))
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    routes = [str(r) for r in routes]
+    assert "moe: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+    assert not any(r.startswith("moe shared experts") for r in routes), routes  # inside the call
+
+
+def test_deepseek_v3_config_rules():
+    base = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=8, hidden_size=8,
+                intermediate_size=8, num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=2,
+                qk_rope_head_dim=2, v_head_dim=2, n_routed_experts=4, n_group=2, topk_group=1)
+    assert DeepseekV2Config.from_hf(base).topk_method == "noaux_tc"
+    with pytest.raises(ValueError, match="noaux_tc scores with sigmoid"):
+        DeepseekV2Config.from_hf(dict(base, scoring_func="softmax"))
+    with pytest.raises(ValueError, match="needs n_group and topk_group"):
+        DeepseekV2Config.from_hf(dict(base, n_group=None))
+    with pytest.raises(ValueError, match="rope_interleave"):
+        DeepseekV2Config.from_hf(dict(base, rope_interleave=False))

@@ -301,6 +301,27 @@ def test_moe_experts_given_routing(rng):
         _check(jc.ops.moe_decode.moe_experts(args["x"], weights, ids, *w, extra["residual"], impl=impl), ref, "float16")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_experts_with_shared_experts(rng, dtype):
+    """moe_experts(shared=...) is moe_decode for the same routing: the shared experts in the
+    call (the CPU handler, float32 too; widths 64 and 40), every impl against moe_decode's
+    reference, and bitwise equal to moe_decode under "cuda"."""
+    for width in (64, 40):
+        args, extra = _inputs(rng, 3, 64, 32, 8, dtype, shared=width, residual=True)
+        kw = dict(top_k=2, **GROUPED)
+        # the router's custom call, as moe_decode(impl="cuda") routes (bitwise comparable below)
+        weights, ids = md._route(args["x"], args["router"], dict(top_k=2, norm_topk_prob=False,
+                                                                 routed_scaling_factor=1.0, **GROUPED), "cuda")
+        w = (args["w_gate"], args["w_up"], args["w_down"])
+        ref = jc.moe_decode(**args, **extra, **kw, impl="reference")
+        for impl in ("reference", "xla", "cuda"):
+            out = jc.moe_experts(args["x"], weights, ids, *w, extra["residual"], shared=extra["shared"], impl=impl)
+            _check(out, ref, dtype)
+        fused = jc.moe_decode(**args, **extra, **kw, impl="cuda")
+        out = jc.moe_experts(args["x"], weights, ids, *w, extra["residual"], shared=extra["shared"], impl="cuda")
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(fused))
+
+
 def test_invalid_ids(rng):
     """Concrete ids outside [0, E) are rejected before anything runs; traced ones give an
     all-NaN row in every impl (the other rows are computed normally)."""

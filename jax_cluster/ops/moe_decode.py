@@ -348,18 +348,20 @@ def _check_shared(op: str, shared, h: int, dtype) -> None:
 
 
 # ----------------------------------------------------------------------------- public
-def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, impl: str = "auto",
-                config: MoeDecodeConfig | None = None):
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, shared: dict | None = None,
+                impl: str = "auto", config: MoeDecodeConfig | None = None):
     """The routed experts alone: y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n])
-    (+ residual), [N, H] in x.dtype.
+    (+ residual), [N, H] in x.dtype; then the shared experts, as moe_decode adds them.
 
-    weights float32 [N, k], ids int32 [N, k] (a router's output; k <= E). ids known at trace
-    time outside [0, E) raise a ValueError; traced ones there give an all-NaN row (every
-    impl). impl / config: as moe_decode.
+    weights float32 [N, k], ids int32 [N, k] (a router's output; k <= E): for routers
+    moe_decode does not have (DeepSeek-V3's sigmoid scores with a correction bias). ids known
+    at trace time outside [0, E) raise a ValueError; traced ones there give an all-NaN row
+    (every impl). shared / impl / config: as moe_decode.
     """
     op = "moe_experts"
     _check_call(op, impl, config)
     n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
+    _check_shared(op, shared, h, x.dtype)
     if getattr(ids, "ndim", None) != 2 or ids.shape[0] != n or jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
         raise ValueError(f"{op}: ids must be int32 [N={n}, k], got {jnp.dtype(ids.dtype).name} {tuple(ids.shape)}")
     k = ids.shape[1]
@@ -370,7 +372,20 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, impl: s
         vals = np.asarray(ids)
         if vals.size and (vals.min() < 0 or vals.max() >= e):
             raise ValueError(f"{op}: ids must be in [0, E={e}); got min {vals.min()}, max {vals.max()}")
-    return _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config)[0]
+    y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
+    return _shared_after(op, x, shared, shared_done, y, impl)
+
+
+def _shared_after(op: str, x, shared, shared_done: bool, y, impl: str):
+    """y + the shared experts through jax_cluster.swiglu when the call did not run them."""
+    if shared is None or shared_done:
+        return y
+    try:
+        return swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
+    except ValueError as e:  # name the op the caller called, and why swiglu runs
+        raise ValueError(f"{op}: the shared experts run through jax_cluster.swiglu here (past "
+                         f"{_SHARED_IN_CALL_ROWS} rows on a GPU, or a width Is that is not a multiple of 8), "
+                         f"which refuses them: {e}") from e
 
 
 def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
@@ -407,11 +422,4 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
         return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
     weights, ids = _route(x, router, route, impl)
     y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
-    if shared is not None and not shared_done:
-        try:
-            y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y, impl=impl)
-        except ValueError as e:  # name the op the caller called, and why swiglu runs
-            raise ValueError(f"{op}: the shared experts run through jax_cluster.swiglu here (past "
-                             f"{_SHARED_IN_CALL_ROWS} rows on a GPU, or a width Is that is not a multiple of 8), "
-                             f"which refuses them: {e}") from e
-    return y
+    return _shared_after(op, x, shared, shared_done, y, impl)
