@@ -104,6 +104,13 @@ def test_deepseek_v2_fused_moe_on_cpu_matches_transformers(name, tmp_path, monke
     hf, model = hf_roundtrip(cfg, tmp_path, impl="fused")
     if not hf_has_mscale(hf, cfg):
         _align_hf_scale(hf, model.config)
+    routes = _fp32_fused_decode_matches(hf, model, monkeypatch)
+    assert "mla_decode: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+
+
+def _fp32_fused_decode_matches(hf, model, monkeypatch) -> list[str]:
+    """8 fused fp32 decode steps within TOL of transformers, the dense SwiGLU on XLA (swiglu has no
+    float32 path) and the MoE on the CPU handler; returns the routes."""
     swiglu_mlp = ops.swiglu_mlp
     monkeypatch.setattr(ops, "swiglu_mlp", lambda *a, impl, **k: swiglu_mlp(*a, impl="xla", **k))
     with ops.record_routes() as routes:
@@ -111,7 +118,7 @@ def test_deepseek_v2_fused_moe_on_cpu_matches_transformers(name, tmp_path, monke
     assert err["decode"] <= TOL, err
     routes = [str(r) for r in routes]
     assert "moe: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
-    assert "mla_decode: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+    return routes
 
 
 # H, the dense and the shared SwiGLU widths multiples of 64: every decode block has a fused op.
@@ -245,13 +252,7 @@ def test_deepseek_v3_fused_on_cpu_matches_transformers(tmp_path, monkeypatch):
     if not (ops.fused_available("mla_decode") and ops.fused_available("moe_experts")):
         pytest.skip("jax_cluster.mla_decode / moe_experts not available")
     hf, model = _v3_roundtrip(tmp_path, "fused")
-    swiglu_mlp = ops.swiglu_mlp
-    monkeypatch.setattr(ops, "swiglu_mlp", lambda *a, impl, **k: swiglu_mlp(*a, impl="xla", **k))
-    with ops.record_routes() as routes:
-        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
-    assert err["decode"] <= TOL, err
-    routes = [str(r) for r in routes]
-    assert "moe: jax_cluster (C++ CPU handler, no GPU)" in routes, routes
+    routes = _fp32_fused_decode_matches(hf, model, monkeypatch)
     assert not any(r.startswith("moe shared experts") for r in routes), routes  # inside the call
 
 
