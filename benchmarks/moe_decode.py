@@ -1,4 +1,4 @@
-"""moe_decode (DeepSeek-V2's MoE layer at decode) vs jnp, DeepSeek-V2-Lite and DeepSeek-V2 shapes.
+"""moe_decode (DeepSeek's MoE layer at decode) vs jnp, DeepSeek-V2-Lite, V2 and V3 shapes.
 
 Rows per case (model, batch): ours = jax_cluster.moe_decode(impl="cuda") (router in XLA, the
 custom call with the routed and the shared experts); gather = flax_models'
@@ -16,7 +16,9 @@ for x, times their w_gate, w_up, w_down + the shared experts + the router + x, r
 / the HBM bandwidth measured in the same run; active_experts = those distinct experts, the mean
 over the layers.
 
-Run: python benchmarks/moe_decode.py [--models v2-lite v2] [--batches 1 4 16 64] [--dtype bf16]
+V3's router (noaux_tc) gets a random correction bias per layer (score_bias).
+
+Run: python benchmarks/moe_decode.py [--models v2-lite v2 v3] [--batches 1 4 16 64] [--dtype bf16]
      python benchmarks/moe_decode.py --tiny      (CPU smoke check of the script: tiny shapes, the
                                                   ops' C++ CPU handlers; writes moe_decode_tiny.*)
 """
@@ -35,13 +37,16 @@ from flax_models.ops import _add_residual, swiglu_mlp_xla
 from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 # hidden, routed-expert width, experts, top-k, shared experts (one SwiGLU of width shared * inter),
-# routing, layers per call (DeepSeek-V2's layer is 7.5 GB of bf16 expert weights: one fits)
+# routing, layers per call (DeepSeek-V2's layer is 7.5 GB of bf16 expert weights, V3's 22.5 GB: one fits)
 MODELS = {
     "v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6, shared=2, layers=2,
                     routing=dict(topk_method="greedy", routed_scaling_factor=1.0)),
     "v2": dict(hidden=5120, inter=1536, experts=160, top_k=6, shared=2, layers=1,
                routing=dict(topk_method="group_limited_greedy", n_group=8, topk_group=3,
                             routed_scaling_factor=16.0)),
+    "v3": dict(hidden=7168, inter=2048, experts=256, top_k=8, shared=1, layers=1,
+               routing=dict(topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                            routed_scaling_factor=2.5)),
     # --tiny: the script's smoke check on CPU (shared width 64: jax_cluster.swiglu takes it)
     "tiny": dict(hidden=64, inter=32, experts=8, top_k=2, shared=2, layers=2,
                  routing=dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
@@ -62,8 +67,11 @@ def layer_weights(key, m, dtype):
     def f(k, *s):  # one matrix at a time: the fp32 temporary of V2's experts is 5 GB
         return jax.jit(lambda k: (jax.random.normal(k, s, jnp.float32) * s[-2] ** -0.5).astype(dtype))(k)
 
-    return dict(router=f(ks[0], h, e), w_gate=f(ks[1], e, h, i), w_up=f(ks[2], e, h, i), w_down=f(ks[3], e, i, h),
-                shared=dict(w_gate=f(ks[4], h, i_s), w_up=f(ks[5], h, i_s), w_down=f(ks[6], i_s, h)))
+    w = dict(router=f(ks[0], h, e), w_gate=f(ks[1], e, h, i), w_up=f(ks[2], e, h, i), w_down=f(ks[3], e, i, h),
+             shared=dict(w_gate=f(ks[4], h, i_s), w_up=f(ks[5], h, i_s), w_down=f(ks[6], i_s, h)))
+    if m["routing"]["topk_method"] == "noaux_tc":  # V3's correction bias, float32 as trained
+        w["score_bias"] = jax.random.normal(jax.random.fold_in(key, 7), (e,), jnp.float32) * 0.1
+    return w
 
 
 def routing_kw(m):
@@ -75,7 +83,7 @@ def ours_layer(m):
 
     def step(x, w):
         return jc.moe_decode(x, w["router"], w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], residual=x,
-                             impl="cuda", **kw)
+                             score_bias=w.get("score_bias"), impl="cuda", **kw)
 
     return step
 
@@ -86,7 +94,7 @@ def jnp_layer(m, experts):
     method = kw.pop("topk_method")
 
     def step(x, w):
-        weights, ids = route(x, w["router"], method=method, **kw)
+        weights, ids = route(x, w["router"], method=method, score_bias=w.get("score_bias"), **kw)
         y = _add_residual(experts(x, weights, ids, w["w_gate"], w["w_up"], w["w_down"]), x)
         return swiglu_mlp_xla(x, residual=y, **w["shared"])
 
@@ -119,7 +127,8 @@ def bench_case(name, batch, dtype, bandwidth, rng):
     x = jnp.asarray(rng.standard_normal((batch, h)), dtype)
     kw = routing_kw(m)
     method = kw.pop("topk_method")
-    active = [len(np.unique(np.asarray(route(x, w["router"], method=method, **kw)[1]))) for w in ws]
+    active = [len(np.unique(np.asarray(route(x, w["router"], method=method, score_bias=w.get("score_bias"), **kw)[1])))
+              for w in ws]
     expected = float(np.mean(active))  # every timed layer routes this x
     layers = {"ours": ours_layer(m), "gather": jnp_layer(m, experts_gather), "ragged": jnp_layer(m, experts_grouped)}
     ys = {k: np.asarray(jax.jit(f)(x, ws[0]), np.float32) for k, f in layers.items()}

@@ -226,6 +226,17 @@ def moe_decode(dtypes):
                 x, router, wg, wu, wd))
             err = _rel_err(y, ref)
             assert err < 1e-2, (n, err)
+        # DeepSeek-V3's router (noaux_tc) in the router kernel: E 256 over H 7168, 1 and 8 rows
+        xr, router3 = f(8, 7168), f(7168, 256, sc=7168 ** -0.5)
+        bias = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.float32)
+        route = dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, score_bias=bias)
+        for n in (1, 8):
+            print("moe_route noaux_tc", jnp.dtype(dtype).name, n, flush=True)
+            w, ids = jax.jit(lambda x, r: jc.ops.moe_decode._route(x, r, route, "cuda"))(xr[:n], router3)
+            rw, rids = jc.reference.moe_route(xr[:n], router3, **route)
+            assert (np.asarray(ids) == np.asarray(rids)).all(), n
+            assert _rel_err(np.asarray(w), np.asarray(rw)) < 1e-4, n
     print("moe_decode ok")
 
 

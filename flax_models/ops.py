@@ -457,33 +457,23 @@ def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="au
     shared_impl: None runs the shared experts with the routed ones (inside the op when it runs);
     an impl runs them afterwards as their own swiglu block (:func:`swiglu_mlp`) with that impl.
 
-    A router moe_decode does not have (DeepSeek-V3's noaux_tc) runs in jnp; the routed and
-    shared experts then run on ``jax_cluster.moe_experts``, which takes the chosen ids and weights.
+    DeepSeek-V3's router (topk_method noaux_tc, with ``score_bias``) runs in the op's router
+    kernel as V2's do.
     """
-    routed_in_jnp = routing.get("topk_method") == "noaux_tc"
-    op_name = "moe_experts" if routed_in_jnp else "moe_decode"
     n = x.shape[0]
     too_many = impl == "auto" and n > MOE_DECODE_MAX_ROWS
     has_bias = shared is not None and any(shared.get(k) is not None for k in ("b_gate", "b_up", "b_down"))
     unsupported = "shared-expert biases" if has_bias and shared_impl is None else ""
     if not unsupported and too_many:
         unsupported = f"{n} rows > {MOE_DECODE_MAX_ROWS}: the jnp formulation (gather or grouped ragged_dot)"
-    chosen = _choose(impl, "moe", op_name, x.dtype, unsupported=unsupported)
+    chosen = _choose(impl, "moe", "moe_decode", x.dtype, unsupported=unsupported)
     if chosen is None:
         return moe_xla(x, router, w_gate, w_up, w_down, shared=shared, residual=residual,
                        shared_impl=impl if shared_impl is None else shared_impl, **routing)
     op, op_impl = chosen
     inside = None if (shared is None or shared_impl is not None) else {k: shared[k] for k in _SHARED_KEYS}
-    if routed_in_jnp:
-        from .moe import route  # noqa: PLC0415  (moe.py imports this module)
-
-        r = dict(routing)
-        weights, ids = route(x, router, top_k=r.pop("top_k"), method=r.pop("topk_method"), **r)
-        head, routing = (weights, ids), {}  # moe_experts takes the routing, not the router
-    else:
-        head = (router,)
     try:
-        y = _run("moe", op_name, op, op_impl, x, *head, w_gate, w_up, w_down, shared=inside, residual=residual,
+        y = _run("moe", "moe_decode", op, op_impl, x, router, w_gate, w_up, w_down, shared=inside, residual=residual,
                  _inner={"swiglu": "moe shared experts"},
                  _auto_why="impl=auto: the routed-experts kernel where its checks pass, else XLA", **routing)
     except ValueError as e:

@@ -288,19 +288,38 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads, kv_lor
 
 
 def moe_route(x, router, *, top_k: int, topk_method: str = "greedy", n_group=None, topk_group=None,
-              norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0):
-    """DeepSeek-V2's router: x [N, H], router [H, E] -> (weights float32 [N, k], ids int32 [N, k]).
+              norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0, score_bias=None):
+    """DeepSeek-V2's and V3's routers: x [N, H], router [H, E] -> (weights float32 [N, k], ids int32 [N, k]).
 
-    scores = softmax(x @ router) in fp32 (Precision.HIGHEST). "group_limited_greedy" first
+    logits = x @ router in fp32 (Precision.HIGHEST).
+
+    greedy / group_limited_greedy (V2): scores = softmax(logits); group_limited_greedy first
     keeps the topk_group groups (of E / n_group experts) with the highest best score (the
     others' scores become 0). The top_k scores are renormalised to sum 1 when norm_topk_prob
-    (and top_k > 1), otherwise multiplied by routed_scaling_factor. Every impl of
-    moe_decode routes with this function (it runs in XLA: tiny next to the experts).
+    (and top_k > 1), otherwise multiplied by routed_scaling_factor.
+
+    noaux_tc (V3): scores = sigmoid(logits); the experts are chosen by scores + score_bias [E]
+    (the load-balancing correction; None: zeros) within the topk_group groups whose two best
+    biased scores sum highest; the weights are the chosen experts' unbiased scores,
+    renormalised when norm_topk_prob, then scaled by routed_scaling_factor.
+
+    Every impl of moe_decode routes to this contract; flax_models' route() writes the same jnp.
     """
-    scores = jax.nn.softmax(
-        jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
-        axis=-1)
-    n, e = scores.shape
+    logits = jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    n, e = logits.shape
+    if topk_method == "noaux_tc":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + (0.0 if score_bias is None else jnp.asarray(score_bias, jnp.float32))
+        group_best2 = jax.lax.top_k(choice.reshape(n, n_group, e // n_group), 2)[0].sum(axis=-1)
+        _, groups = jax.lax.top_k(group_best2, topk_group)
+        keep = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, top_k)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * routed_scaling_factor, ids.astype(jnp.int32)
+    scores = jax.nn.softmax(logits, axis=-1)
     if topk_method == "group_limited_greedy":
         group_best = scores.reshape(n, n_group, e // n_group).max(axis=-1)
         _, groups = jax.lax.top_k(group_best, topk_group)
@@ -342,7 +361,7 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None):
 
 def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
                topk_group=None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0, shared=None,
-               residual=None):
+               residual=None, score_bias=None):
     """DeepSeek-V2's MoE layer at decode: routed experts (+ residual), then the shared experts.
 
     x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
@@ -353,7 +372,7 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     """
     weights, ids = moe_route(x, router, top_k=top_k, topk_method=topk_method, n_group=n_group,
                              topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                             routed_scaling_factor=routed_scaling_factor)
+                             routed_scaling_factor=routed_scaling_factor, score_bias=score_bias)
     y = moe_experts(x, weights, ids, w_gate, w_up, w_down, residual)
     if shared is not None:
         y = swiglu(x, shared["w_gate"], shared["w_up"], shared["w_down"], y)

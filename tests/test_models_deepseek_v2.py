@@ -215,7 +215,7 @@ def test_softmax_scale_formula_against_hand_computed_values():
 
 
 # DeepSeek-V3's layer is V2's with a sigmoid router whose expert choice adds a correction bias
-# (topk_method noaux_tc): the router runs in jnp, the routed experts on jax_cluster.moe_experts.
+# (topk_method noaux_tc): under impl fused the router runs in moe_decode's router call as V2's does.
 V3 = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
           num_key_value_heads=4,
           kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
@@ -247,10 +247,10 @@ def test_deepseek_v3_matches_transformers(tmp_path):
 
 
 def test_deepseek_v3_fused_on_cpu_matches_transformers(tmp_path, monkeypatch):
-    """fp32 decode with MLA on mla_decode and the routed and shared experts on moe_experts (C++
-    CPU handlers; the dense layer's SwiGLU on XLA: swiglu has no float32 path)."""
-    if not (ops.fused_available("mla_decode") and ops.fused_available("moe_experts")):
-        pytest.skip("jax_cluster.mla_decode / moe_experts not available")
+    """fp32 decode with MLA on mla_decode and V3's router, the routed and shared experts on
+    moe_decode (C++ CPU handlers; the dense layer's SwiGLU on XLA: swiglu has no float32 path)."""
+    if not (ops.fused_available("mla_decode") and ops.fused_available("moe_decode")):
+        pytest.skip("jax_cluster.mla_decode / moe_decode not available")
     hf, model = _v3_roundtrip(tmp_path, "fused")
     routes = _fp32_fused_decode_matches(hf, model, monkeypatch)
     assert not any(r.startswith("moe shared experts") for r in routes), routes  # inside the call

@@ -2,8 +2,9 @@
 flax_models' route() (same ids and weights), reference vs an independent float64
 computation, every impl on CPU (the C++ handler for "cuda", float32 too), jit, vmap,
 invalid ids, every validation error; on a GPU the CUDA kernels for float16 / bfloat16,
-N in {1, 3, 16, 64} (and more rows than a pass holds), both routing methods, shared experts
-and residual, every column tile, V2-Lite and DeepSeek-V2 shapes, bitwise determinism."""
+N in {1, 3, 16, 64} (and more rows than a pass holds), every routing method (V2's greedy and
+group-limited, V3's noaux_tc), shared experts and residual, every column tile, V2-Lite,
+DeepSeek-V2 and V3 router shapes, bitwise determinism."""
 
 import dataclasses
 import re
@@ -24,6 +25,17 @@ from jax_cluster.testing import TOLERANCE, on_cpu, rel_l2
 DTYPES = ["float16", "bfloat16"]
 GREEDY = dict(topk_method="greedy")
 GROUPED = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)
+NOAUX = dict(topk_method="noaux_tc", n_group=4, topk_group=2)  # + score_bias [E]: _routing
+METHODS = [GREEDY, GROUPED, NOAUX]
+METHOD_IDS = ["greedy", "group_limited", "noaux_tc"]
+
+
+def _routing(method: dict, e: int, seed: int = 0) -> dict:
+    """method's routing arguments for E experts: noaux_tc gets a random correction bias large
+    enough to change the choice the scores alone would make."""
+    if method.get("topk_method") != "noaux_tc":
+        return dict(method)
+    return dict(method, score_bias=jnp.asarray(np.random.default_rng(seed).standard_normal(e) * 0.5, jnp.float32))
 
 
 def _arr(rng, shape, dtype, scale=1.0):
@@ -67,7 +79,7 @@ def _run(kwargs, args, extra, device=None):
 
 
 # ---------------------------------------------------------------- the router
-@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+@pytest.mark.parametrize("method", METHODS, ids=METHOD_IDS)
 @pytest.mark.parametrize("norm", [False, True])
 def test_router_matches_flax_models(rng, method, norm):
     """The op's router (reference.moe_route) and flax_models' route() give the same ids and
@@ -77,13 +89,14 @@ def test_router_matches_flax_models(rng, method, norm):
     for dtype, (n, h, e, k) in (("float32", (7, 64, 8, 3)), ("bfloat16", (33, 96, 16, 4)), ("float16", (1, 64, 64, 6))):
         x, router = _arr(rng, (n, h), dtype), _arr(rng, (h, e), dtype, h ** -0.5)
         kw = dict(top_k=k, norm_topk_prob=norm, routed_scaling_factor=1.5)
-        groups = dict(n_group=method.get("n_group"), topk_group=method.get("topk_group"))
+        routing = _routing(method, e)
+        groups = {key: v for key, v in routing.items() if key != "topk_method"}
         w_flax, ids_flax = jax.jit(lambda x, r: route(x, r, method=method["topk_method"], **groups, **kw))(x, router)
-        w_op, ids_op = jax.jit(lambda x, r: reference.moe_route(x, r, **method, **kw))(x, router)
+        w_op, ids_op = jax.jit(lambda x, r: reference.moe_route(x, r, **routing, **kw))(x, router)
         np.testing.assert_array_equal(np.asarray(ids_op), np.asarray(ids_flax))
         np.testing.assert_array_equal(np.asarray(w_op), np.asarray(w_flax))
         assert ids_op.dtype == jnp.int32 and w_op.dtype == jnp.float32
-        if method is GROUPED:  # every chosen expert lies in one of the topk_group kept groups
+        if method is not GREEDY:  # every chosen expert lies in one of the topk_group kept groups
             assert (np.asarray([len(set(r)) for r in np.asarray(ids_op) // (e // 4)]) <= 2).all()
 
 
@@ -113,13 +126,14 @@ def _cpu():
 
 
 @pytest.mark.parametrize("dtype", ["float32"] + DTYPES)
-@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+@pytest.mark.parametrize("method", METHODS, ids=METHOD_IDS)
 def test_cpu_impls_agree(rng, dtype, method):
     """reference vs xla vs the custom call (CPU handler) vs auto, with and without shared
     experts and residual, k = 2 and 3, N = 1 and 16."""
     for n, k, shared, residual in ((1, 2, None, False), (16, 3, 64, True)):
         args, extra = _inputs(rng, n, 64, 32, 8, dtype, shared=shared, residual=residual)
         kw = dict(top_k=k, norm_topk_prob=n == 16, routed_scaling_factor=1.0 if n == 16 else 2.0, **method)
+        extra = dict(extra, **{key: v for key, v in _routing(method, 8, n).items() if key == "score_bias"})
         ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
         factor = 1.0 if dtype != "float32" else 2.0
         impls = ("xla", "cuda") + (("auto",) if dtype != "float32" and n > 1 else ())
@@ -148,8 +162,10 @@ def _route_both(x, router, device, **route):
     """(weights, ids) of the router custom call and of XLA's reference, under jit on `device`."""
     kw = dict(top_k=2, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
               routed_scaling_factor=1.0)
-    kw.update(route)
+    kw.update(_routing(route, router.shape[1]))
     x, router = jax.device_put((x, router), device)
+    if "score_bias" in kw:
+        kw["score_bias"] = jax.device_put(kw["score_bias"], device)
     ours = jax.jit(lambda x, r: md._route(x, r, kw, "cuda"))(x, router)
     ref = jax.jit(lambda x, r: reference.moe_route(x, r, **kw))(x, router)
     return [np.asarray(a) for a in ours], [np.asarray(a) for a in ref]
@@ -157,7 +173,10 @@ def _route_both(x, router, device, **route):
 
 ROUTES = [dict(top_k=2), dict(top_k=6, routed_scaling_factor=2.5), dict(top_k=3, norm_topk_prob=True),
           dict(top_k=3, topk_method="group_limited_greedy", n_group=4, topk_group=2),
-          dict(top_k=6, topk_method="group_limited_greedy", n_group=8, topk_group=3, norm_topk_prob=True)]
+          dict(top_k=6, topk_method="group_limited_greedy", n_group=8, topk_group=3, norm_topk_prob=True),
+          dict(top_k=3, topk_method="noaux_tc", n_group=4, topk_group=2),
+          dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+               routed_scaling_factor=2.5)]
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=str)
@@ -177,14 +196,22 @@ def test_cpu_router_custom_call(rng, route):
 
 
 def test_router_vmap(rng):
+    """vmap over x (one call over every instance's rows), and over x and V3's score_bias
+    together (a call per instance)."""
     x, router = _arr(rng, (3, 5, 64), "bfloat16"), _arr(rng, (64, 16), "bfloat16", 0.125)
     kw = dict(top_k=3, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=True,
               routed_scaling_factor=1.0)
     w, i = jax.vmap(lambda v: md._route(v, router, kw, "cuda"))(x)
+    biases = _arr(rng, (3, 16), "float32", 0.5)
+    noaux = dict(kw, topk_method="noaux_tc", n_group=4, topk_group=2)
+    w3, i3 = jax.vmap(lambda v, b: md._route(v, router, dict(noaux, score_bias=b), "cuda"))(x, biases)
+    hlo = jax.jit(jax.vmap(lambda v: md._route(v, router, kw, "cuda"))).lower(x).as_text()
+    assert hlo.count("jax_cluster_moe_route") == 1
     for b in range(3):
-        rw, ri = reference.moe_route(x[b], router, **kw)
-        np.testing.assert_array_equal(np.asarray(i[b]), np.asarray(ri))
-        np.testing.assert_allclose(np.asarray(w[b]), np.asarray(rw), rtol=1e-5, atol=1e-7)
+        for (ow, oi), route in (((w, i), kw), ((w3, i3), dict(noaux, score_bias=biases[b]))):
+            rw, ri = reference.moe_route(x[b], router, **route)
+            np.testing.assert_array_equal(np.asarray(oi[b]), np.asarray(ri))
+            np.testing.assert_allclose(np.asarray(ow[b]), np.asarray(rw), rtol=1e-5, atol=1e-7)
 
 
 def test_cpu_handler_matches_reference_closely(rng):
@@ -365,7 +392,16 @@ def _bad_call(change: dict):
     (dict(top_k=9), ValueError, "top_k must be in 1..8, got 9"),
     (dict(top_k=2.0), TypeError, "top_k must be an int, got 2.0"),
     (dict(top_k=True), TypeError, "top_k must be an int"),
-    (dict(topk_method="noaux_tc"), ValueError, "topk_method must be one of ('greedy', 'group_limited_greedy')"),
+    (dict(topk_method="sigmoid"), ValueError,
+     "topk_method must be one of ('greedy', 'group_limited_greedy', 'noaux_tc'), got 'sigmoid'"),
+    (dict(topk_method="noaux_tc"), ValueError, "topk_method='noaux_tc' needs n_group and topk_group"),
+    (dict(topk_method="noaux_tc", n_group=8, topk_group=2), ValueError,
+     "noaux_tc scores a group by its two best experts: E / n_group (8 / 8) must be at least 2"),
+    (dict(score_bias=jnp.zeros(8)), ValueError, "topk_method 'greedy' takes none"),
+    (dict(topk_method="noaux_tc", n_group=2, topk_group=1, score_bias=jnp.zeros(7)), ValueError,
+     "score_bias must be a float array [E] = (8,), got float32 (7,)"),
+    (dict(topk_method="noaux_tc", n_group=2, topk_group=1, score_bias=jnp.zeros(8, jnp.int32)), ValueError,
+     "score_bias must be a float array [E] = (8,), got int32 (8,)"),
     (dict(topk_method="group_limited_greedy"), ValueError, "needs n_group and topk_group"),
     (dict(topk_method="group_limited_greedy", n_group=3, topk_group=1), ValueError,
      "n_group (3) must divide the number of experts E (8)"),
@@ -504,20 +540,21 @@ def _ref_experts(args, extra, weights, ids):
 
 def _route_on_gpu(args, kw):
     route = {k: v for k, v in kw.items() if k in ("top_k", "topk_method", "n_group", "topk_group",
-                                                  "norm_topk_prob", "routed_scaling_factor")}
+                                                  "norm_topk_prob", "routed_scaling_factor", "score_bias")}
     return jax.jit(lambda x, r: reference.moe_route(x, r, **route))(*jax.device_put((args["x"], args["router"]), _gpu()))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", [GREEDY, GROUPED], ids=["greedy", "group_limited"])
+@pytest.mark.parametrize("method", METHODS, ids=METHOD_IDS)
 @pytest.mark.parametrize("shared, residual", [(None, False), (128, True), (None, True), (128, False)], ids=str)
 def test_gpu_vs_reference(rng, dtype, method, shared, residual):
     """The CUDA kernels against the reference: N in {1, 3, 16, 64}, I not a multiple of the
-    column tiles (192), E = 16, k = 4 (group-limited: 4 groups, 2 kept)."""
+    column tiles (192), E = 16, k = 4 (group-limited, noaux_tc: 4 groups, 2 kept)."""
     for n in (1, 3, 16, 64):
         args, extra = _inputs(rng, n, 256, 192, 16, dtype, shared=shared, residual=residual)
-        kw = dict(top_k=4, norm_topk_prob=n % 2 == 1, routed_scaling_factor=1.0 if n % 2 else 16.0, **method)
+        kw = dict(top_k=4, norm_topk_prob=n % 2 == 1, routed_scaling_factor=1.0 if n % 2 else 16.0,
+                  **_routing(method, 16, n))
         weights, ids = _route_on_gpu(args, kw)
         ref = _ref_experts(args, extra, weights, ids)
         _check(_run(dict(impl="cuda", **kw), args, extra, _gpu()), ref, dtype)
@@ -556,11 +593,14 @@ def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
 def test_gpu_deepseek_shapes(dtype):
     """DeepSeek-V2-Lite (H 2048, I 1408, E 64, k 6, 2 shared experts: Is 2816, greedy) at
     N = 1, 16, 64 and DeepSeek-V2 (H 5120, I 1536, E 160, k 6, group-limited 8 / 3) at N = 1,
-    16. Weights made on the GPU; the reference runs there too, under jit."""
+    16, and DeepSeek-V3's router (H 7168, E 256, k 8, noaux_tc 8 / 4, normalised) over narrow
+    experts (I 256) at N = 1, 8. Weights made on the GPU; the reference runs there too, under jit."""
     key = jax.random.key(0)
+    v3 = _routing(dict(topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True), 256)
     for (h, i, e, k, shared, method, ns) in ((2048, 1408, 64, 6, 2816, GREEDY, (1, 16, 64)),
                                              (5120, 1536, 160, 6, None, dict(topk_method="group_limited_greedy",
-                                                                            n_group=8, topk_group=3), (1, 16))):
+                                                                            n_group=8, topk_group=3), (1, 16)),
+                                             (7168, 256, 256, 8, 256, v3, (1, 8))):
         with jax.default_device(_gpu()):
             ks = jax.random.split(key, 9)
             f = lambda kk, shape, scale: (jax.random.normal(kk, shape, jnp.float32) * scale).astype(dtype)  # noqa: E731
@@ -584,10 +624,11 @@ def test_gpu_deepseek_shapes(dtype):
 @pytest.mark.parametrize("route", ROUTES, ids=str)
 def test_gpu_router_kernel(rng, route):
     """The router kernel picks XLA's experts and weights: N = 1, 3, 8 (its most rows; more
-    route in XLA), E = 64 (V2-Lite), 160 (V2, H 5120: many K chunks) and 512 (its most, at 8
-    rows: its largest shared memory), router bfloat16 and float32."""
+    route in XLA), E = 64 (V2-Lite), 160 (V2, H 5120: many K chunks), 256 (V3, H 7168) and 512
+    (its most, at 8 rows: its largest shared memory), router bfloat16 and float32."""
     for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (8, 2048, 64, "float16", "float32"),
                                    (8, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32"),
+                                   (1, 7168, 256, "bfloat16", "float32"), (5, 7168, 256, "bfloat16", "bfloat16"),
                                    (8, 1024, 512, "bfloat16", "float32"),
                                    (16, 256, 16, "bfloat16", "bfloat16")):
         groups = route.get("n_group", 1)

@@ -1,7 +1,8 @@
 """moe_decode: DeepSeek-V2's mixture-of-experts layer at decode, one fused routed-experts op.
 
-    weights, ids = route(x)                      softmax(x @ router) in fp32, top-k (greedy or
-                                                 group-limited greedy), DeepSeek-V2's scaling
+    weights, ids = route(x)                      V2: softmax(x @ router) in fp32, top-k (greedy or
+                                                 group-limited greedy), V2's scaling; V3 (noaux_tc):
+                                                 sigmoid scores, the choice biased per expert
     routed = sum_s weights[:, s] * SwiGLU_{ids[:, s]}(x)  (+ residual)     [N, H] in x.dtype
     y      = swiglu(x, shared experts, residual=routed)  (without shared experts: routed)
 
@@ -47,7 +48,7 @@ from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["MoeDecodeConfig", "TOPK_METHODS", "launch_plan", "moe_decode", "moe_experts"]
 
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 COLS = (32, 64, 128)
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -143,25 +144,25 @@ def _batching(args, dims, **params):
 _PRIM = ffi_primitive("moe_decode", abstract_eval=_abstract, batching_rule=_batching)
 
 
-def _route_abstract(x, router, *, top_k, group_limited, n_group, topk_group, norm_topk_prob,
-                    routed_scaling_factor):
-    del norm_topk_prob, routed_scaling_factor
+def _route_abstract(x, router, score_bias, *, top_k, group_limited, noaux_tc, n_group, topk_group,
+                    norm_topk_prob, routed_scaling_factor):
+    del score_bias, norm_topk_prob, routed_scaling_factor
     n, h = x.shape
     ws = _plans().moe_route(n, h, router.shape[1], top_k, jnp.dtype(x.dtype).name, jnp.dtype(router.dtype).name,
-                            group_limited, n_group, topk_group)["workspace_bytes"]
+                            group_limited, n_group, topk_group, noaux_tc)["workspace_bytes"]
     return (ShapedArray((n, top_k), jnp.float32), ShapedArray((n, top_k), jnp.int32),
             ShapedArray((ws,), np.uint8))
 
 
 def _route_batching(args, dims, **params):
-    """vmap: one call over all instances' rows (a shared router), or one call per instance."""
-    x, router = args
-    size = x.shape[dims[0]] if dims[0] is not None else router.shape[dims[1]]
-    if dims[1] is None:
+    """vmap: one call over all instances' rows (a shared router and bias), or one call per instance."""
+    x, router, bias = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if dims[1] is None and dims[2] is None:
         xs = fold_batch_axis(x, dims[0], size)
         b, n = xs.shape[:2]
         if _route_plan(b * n, xs.shape[2], router.shape[1], params, xs.dtype, router.dtype)["usable"]:
-            w, i, ws = _ROUTE.bind(xs.reshape(b * n, -1), router, **params)
+            w, i, ws = _ROUTE.bind(xs.reshape(b * n, -1), router, bias, **params)
             return (w.reshape(b, n, -1), i.reshape(b, n, -1), ws), (0, 0, None)
     moved = [fold_batch_axis(a, d, size) if d is not None else a for a, d in zip(args, dims)]
 
@@ -179,7 +180,8 @@ def _route_plan(n, h, e, params, dtype, router_dtype) -> dict:
     """The C++ plan of a router call, and whether the custom call runs it here (the CPU
     handler takes any call its checks pass; the kernel 16-bit x, <= 8 rows, <= 512 experts)."""
     plan = dict(_plans().moe_route(n, h, e, params["top_k"], jnp.dtype(dtype).name, jnp.dtype(router_dtype).name,
-                                   params["group_limited"], params["n_group"], params["topk_group"]))
+                                   params["group_limited"], params["n_group"], params["topk_group"],
+                                   params["noaux_tc"]))
     plan["usable"] = not plan["error"] and not (on_gpu() and plan["cuda_error"])
     return plan
 
@@ -187,8 +189,9 @@ def _route_plan(n, h, e, params, dtype, router_dtype) -> dict:
 def _route(x, router, route: dict, impl: str):
     """(weights, ids) of the router: the custom call under "cuda" / "auto" where it takes the
     call, else XLA (jax_cluster.reference.moe_route)."""
-    grouped = route["topk_method"] == "group_limited_greedy"
-    params = dict(top_k=route["top_k"], group_limited=grouped, n_group=int(route["n_group"] or 1) if grouped else 1,
+    noaux = route["topk_method"] == "noaux_tc"
+    grouped = noaux or route["topk_method"] == "group_limited_greedy"
+    params = dict(top_k=route["top_k"], group_limited=grouped, noaux_tc=noaux, n_group=int(route["n_group"] or 1) if grouped else 1,
                   topk_group=int(route["topk_group"] or 1) if grouped else 1,
                   norm_topk_prob=route["norm_topk_prob"],
                   routed_scaling_factor=np.float32(route["routed_scaling_factor"]))
@@ -196,7 +199,12 @@ def _route(x, router, route: dict, impl: str):
     wide = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)  # "auto" keeps float32 on XLA, as for the experts
     if (impl == "cuda" or (impl == "auto" and not wide)) and \
             _route_plan(n, h, router.shape[1], params, x.dtype, router.dtype)["usable"]:
-        weights, ids, _ = _ROUTE.bind(x, router, **params)
+        bias = route.get("score_bias")
+        if noaux:
+            bias = jnp.zeros((router.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
+        else:
+            bias = jnp.zeros((0,), jnp.float32)
+        weights, ids, _ = _ROUTE.bind(x, router, bias, **params)
         return weights, ids
     return reference.moe_route(x, router, **route)
 
@@ -309,16 +317,19 @@ def _check_int(op: str, name: str, value, lo: int, hi: int | None = None) -> Non
 
 
 def _check_routing(op: str, e: int, top_k, topk_method, n_group, topk_group, norm_topk_prob,
-                   routed_scaling_factor) -> None:
+                   routed_scaling_factor, score_bias) -> None:
     _check_int(op, "top_k", top_k, 1, e)
     if topk_method not in TOPK_METHODS:
         raise ValueError(f"{op}: topk_method must be one of {TOPK_METHODS}, got {topk_method!r}")
-    if topk_method == "group_limited_greedy":
+    if topk_method != "greedy":
         if n_group is None or topk_group is None:
-            raise ValueError(f"{op}: topk_method='group_limited_greedy' needs n_group and topk_group")
+            raise ValueError(f"{op}: topk_method={topk_method!r} needs n_group and topk_group")
         _check_int(op, "n_group", n_group, 1, e)
         if e % n_group:
             raise ValueError(f"{op}: n_group ({n_group}) must divide the number of experts E ({e})")
+        if topk_method == "noaux_tc" and e // n_group < 2:
+            raise ValueError(f"{op}: noaux_tc scores a group by its two best experts: E / n_group "
+                             f"({e} / {n_group}) must be at least 2")
         _check_int(op, "topk_group", topk_group, 1, n_group)
         if top_k > topk_group * (e // n_group):
             raise ValueError(f"{op}: top_k ({top_k}) must be at most topk_group * E / n_group "
@@ -329,6 +340,15 @@ def _check_routing(op: str, e: int, top_k, topk_method, n_group, topk_group, nor
         raise TypeError(f"{op}: routed_scaling_factor must be a real number, got {routed_scaling_factor!r}")
     if not np.isfinite(routed_scaling_factor):
         raise ValueError(f"{op}: routed_scaling_factor must be finite, got {routed_scaling_factor}")
+    if score_bias is None:
+        return
+    if topk_method != "noaux_tc":
+        raise ValueError(f"{op}: score_bias is DeepSeek-V3's correction of the noaux_tc choice; "
+                         f"topk_method {topk_method!r} takes none")
+    if tuple(getattr(score_bias, "shape", ())) != (e,) or not jnp.issubdtype(score_bias.dtype, jnp.floating):
+        raise ValueError(f"{op}: score_bias must be a float array [E] = ({e},), got "
+                         f"{getattr(getattr(score_bias, 'dtype', None), 'name', type(score_bias).__name__)} "
+                         f"{tuple(getattr(score_bias, 'shape', ()))}")
 
 
 def _check_shared(op: str, shared, h: int, dtype) -> None:
@@ -353,8 +373,8 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, shared:
     """The routed experts alone: y[n] = sum_s weights[n, s] * SwiGLU_{ids[n, s]}(x[n])
     (+ residual), [N, H] in x.dtype; then the shared experts, as moe_decode adds them.
 
-    weights float32 [N, k], ids int32 [N, k] (a router's output; k <= E): for routers
-    moe_decode does not have (DeepSeek-V3's sigmoid scores with a correction bias). ids known
+    weights float32 [N, k], ids int32 [N, k] (a router's output; k <= E): for callers that
+    route themselves (a router moe_decode does not have, or routing shared by layers). ids known
     at trace time outside [0, E) raise a ValueError; traced ones there give an all-NaN row
     (every impl). shared / impl / config: as moe_decode.
     """
@@ -390,16 +410,19 @@ def _shared_after(op: str, x, shared, shared_done: bool, y, impl: str):
 
 def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
                topk_group=None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-               shared: dict | None = None, residual=None, impl: str = "auto",
+               score_bias=None, shared: dict | None = None, residual=None, impl: str = "auto",
                config: MoeDecodeConfig | None = None):
-    """DeepSeek-V2's MoE layer for N rows (see the module docstring): y [N, H] in x.dtype.
+    """DeepSeek-V2's (and V3's) MoE layer for N rows (see the module docstring): y [N, H] in x.dtype.
 
     x [N, H] float16 / bfloat16 (float32: "xla", "reference" or the CPU handler); router
     [H, E] (any float dtype; fp32 math); w_gate / w_up [E, H, I], w_down [E, I, H] in
     x.dtype. Routing as DeepSeek-V2: top_k experts per row, topk_method "greedy" or
     "group_limited_greedy" (n_group groups of E / n_group experts, the topk_group best
     groups kept), norm_topk_prob (renormalise the top_k weights to sum 1, when top_k > 1)
-    else routed_scaling_factor. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
+    else routed_scaling_factor. Or as DeepSeek-V3, topk_method "noaux_tc": sigmoid scores,
+    the experts chosen by score + score_bias [E] (None: zeros) within the topk_group groups
+    whose two best biased scores sum highest, the weights the unbiased scores (renormalised
+    when norm_topk_prob) times routed_scaling_factor; the same router kernel runs it. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
     [Is, H]), the always-on shared experts (one SwiGLU: in the custom call's kernels under
     impl "cuda" / "auto" up to 8 rows on a GPU, else by jax_cluster.swiglu with the same
     impl). residual: None or [N, H], added to the routed sum before the shared experts'
@@ -412,12 +435,14 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
         raise ValueError(f"{op}: router must be [H, E] = ({h}, {e}), got shape {tuple(getattr(router, 'shape', ()))}")
     if not jnp.issubdtype(router.dtype, jnp.floating):
         raise ValueError(f"{op}: router must be a float array, got {jnp.dtype(router.dtype).name}")
-    _check_routing(op, e, top_k, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    _check_routing(op, e, top_k, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                   score_bias)
     _check_shared(op, shared, h, x.dtype)
     if n == 0:
         return jnp.zeros((0, h), x.dtype)
     route = dict(top_k=int(top_k), topk_method=topk_method, n_group=n_group, topk_group=topk_group,
-                 norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor))
+                 norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
+                 score_bias=score_bias)
     if impl == "reference":
         return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
     weights, ids = _route(x, router, route, impl)

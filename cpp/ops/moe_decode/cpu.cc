@@ -67,44 +67,64 @@ void moe_decode(const MoeDecodeParams& p) {
 void moe_route(const MoeRouteParams& p) {
   const int64_t h = p.h, e = p.e, k = p.k;
   const int64_t per = p.group_limited ? e / p.n_group : e;
-  std::vector<float> sc(e), best(p.group_limited ? p.n_group : 0);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  std::vector<float> sc(e), ch(e), best(p.group_limited ? p.n_group : 0);
   for (int64_t n = 0; n < p.n; ++n) {
     std::fill(sc.begin(), sc.end(), 0.f);
     for (int64_t r = 0; r < h; ++r) {
       const float xv = load(p.dtype, p.x, n * h + r);
       for (int64_t c = 0; c < e; ++c) sc[c] += xv * load(p.router_dtype, p.router, r * e + c);
     }
-    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-    for (float v : sc) m = std::max(m, v);
-    for (float& v : sc) z += (v = std::exp(v - m));
-    for (float& v : sc) v /= z;
-    if (p.group_limited) {
+    if (p.noaux_tc) {  // sigmoid scores; the choice biased, a group scored by its two best
+      for (int64_t c = 0; c < e; ++c) {
+        sc[c] = 1.f / (1.f + std::exp(-sc[c]));
+        ch[c] = sc[c] + p.score_bias[c];
+      }
       for (int64_t g = 0; g < p.n_group; ++g) {
-        best[g] = -std::numeric_limits<float>::infinity();
+        float b1 = -kInf, b2 = -kInf;
+        for (int64_t c = g * per; c < (g + 1) * per; ++c) {
+          if (ch[c] > b1) b2 = b1, b1 = ch[c];
+          else if (ch[c] > b2) b2 = ch[c];
+        }
+        best[g] = b1 + b2;
+      }
+    } else {
+      float m = -kInf, z = 0.f;
+      for (float v : sc) m = std::max(m, v);
+      for (float& v : sc) z += (v = std::exp(v - m));
+      for (float& v : sc) v /= z;
+      ch = sc;
+      for (int64_t g = 0; g < static_cast<int64_t>(best.size()); ++g) {
+        best[g] = -kInf;
         for (int64_t c = g * per; c < (g + 1) * per; ++c) best[g] = std::max(best[g], sc[c]);
       }
+    }
+    if (p.group_limited) {  // outside the topk_group best groups: 0 (V2), -inf (V3)
       for (int64_t c = 0; c < e; ++c) {
         const int64_t g = c / per;
         int64_t above = 0;
         for (int64_t o = 0; o < p.n_group; ++o) above += best[o] > best[g] || (best[o] == best[g] && o < g);
-        if (above >= p.topk_group) sc[c] = 0.f;
+        if (above >= p.topk_group) ch[c] = p.noaux_tc ? -kInf : 0.f;
       }
     }
     float sum = 0.f;
     for (int64_t s = 0; s < k; ++s) {
       int64_t bi = -1;
-      float bv = -std::numeric_limits<float>::infinity();
+      float bv = -kInf;
       for (int64_t c = 0; c < e; ++c) {
-        if (sc[c] > bv || (sc[c] == bv && bi < 0)) bv = sc[c], bi = c;
+        if (ch[c] > bv || (ch[c] == bv && bi < 0)) bv = ch[c], bi = c;
       }
       p.ids[n * k + s] = static_cast<int32_t>(bi);
-      p.weights[n * k + s] = bv;
-      sum += bv;
-      if (bi >= 0) sc[bi] = std::numeric_limits<float>::quiet_NaN();
+      const float w = bi < 0 ? 0.f : p.noaux_tc ? sc[bi] : bv;  // V3: the unbiased score
+      p.weights[n * k + s] = w;
+      sum += w;
+      if (bi >= 0) ch[bi] = std::numeric_limits<float>::quiet_NaN();
     }
+    const bool norm = p.norm_topk_prob && (p.noaux_tc || k > 1);
+    const float scale = p.noaux_tc || !norm ? p.scaling : 1.f;
     for (int64_t s = 0; s < k; ++s) {
       float& w = p.weights[n * k + s];
-      w = p.norm_topk_prob && k > 1 ? w / (sum + 1e-20f) : w * p.scaling;
+      w = (norm ? w / (sum + 1e-20f) : w) * scale;
     }
   }
 }

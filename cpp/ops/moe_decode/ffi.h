@@ -20,6 +20,7 @@ namespace jax_cluster {
 struct MoeRouteAttrs {
   int64_t top_k;
   bool group_limited;
+  bool noaux_tc;
   int64_t n_group;
   int64_t topk_group;
   bool norm_topk_prob;
@@ -44,6 +45,7 @@ JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeDecodeAttrs,
 JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeRouteAttrs,
                       xla::ffi::StructMember<int64_t>("top_k"),
                       xla::ffi::StructMember<bool>("group_limited"),
+                      xla::ffi::StructMember<bool>("noaux_tc"),
                       xla::ffi::StructMember<int64_t>("n_group"),
                       xla::ffi::StructMember<int64_t>("topk_group"),
                       xla::ffi::StructMember<bool>("norm_topk_prob"),
@@ -53,9 +55,11 @@ namespace jax_cluster {
 
 namespace ffi = xla::ffi;
 
-// moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (fp32 / fp16 / bf16) -> weights
-// float32 [N, k], ids int32 [N, k], workspace (uint8). Attributes: MoeRouteAttrs.
+// moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (fp32 / fp16 / bf16), score_bias
+// float32 [E] (noaux_tc; otherwise unused, any shape) -> weights float32 [N, k], ids int32
+// [N, k], workspace (uint8). Attributes: MoeRouteAttrs.
 inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyBuffer router,
+                                                     ffi::AnyBuffer score_bias,
                                                      ffi::Result<ffi::AnyBuffer> weights,
                                                      ffi::Result<ffi::AnyBuffer> ids,
                                                      ffi::Result<ffi::AnyBuffer> workspace, MoeRouteAttrs a) {
@@ -75,11 +79,19 @@ inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyB
   p.e = rd[1];
   p.k = a.top_k;
   p.group_limited = a.group_limited;
+  p.noaux_tc = a.noaux_tc;
   p.n_group = a.n_group;
   p.topk_group = a.topk_group;
   p.norm_topk_prob = a.norm_topk_prob;
   p.scaling = a.routed_scaling_factor;
   if (const std::string why = moe_route_check(p); !why.empty()) return fail(why);
+  if (p.noaux_tc) {
+    auto bd = score_bias.dimensions();
+    if (score_bias.element_type() != ffi::DataType::F32 || bd.size() != 1 || bd[0] != p.e) {
+      return fail("score_bias must be float32 [E] for noaux_tc, got " + ffi_util::dims_str(bd));
+    }
+    p.score_bias = static_cast<const float*>(score_bias.untyped_data());
+  }
   auto wd = weights->dimensions(), id = ids->dimensions();
   if (weights->element_type() != ffi::DataType::F32 || wd.size() != 2 || wd[0] != p.n || wd[1] != p.k ||
       ids->element_type() != ffi::DataType::S32 || id.size() != 2 || id[0] != p.n || id[1] != p.k) {

@@ -104,6 +104,82 @@ __global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeR
   ptx::griddep_launch_dependents();  // the select kernel may launch; it waits for every chunk
 }
 
+// Row n's top_k of the warp's choices ch[E] ((value, index) argmax rounds, a chosen entry
+// becomes NaN): ids and the scores sc[id] to row n's outputs; returns the scores' sum (the same
+// on every lane, in rank order).
+__device__ float choose_top_k(const MoeRouteParams& p, int n, const float* sc, float* ch, int lane) {
+  const int E = static_cast<int>(p.e), K = static_cast<int>(p.k);
+  float sum = 0.f;
+  for (int r = 0; r < K; ++r) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int e = lane; e < E; e += 32) better(ch[e], e, &bv, &bi);
+    for (int off = 16; off; off >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      better(ov, oi, &bv, &bi);
+    }
+    const bool mine = bi != INT_MAX && lane == (bi & 31);
+    float w = mine ? sc[bi] : 0.f;
+    __syncwarp();
+    if (mine) ch[bi] = NAN;
+    w = __shfl_sync(0xffffffffu, w, bi & 31);
+    if (lane == 0) {
+      p.ids[static_cast<int64_t>(n) * K + r] = bi == INT_MAX ? -1 : bi;
+      p.weights[static_cast<int64_t>(n) * K + r] = w;
+    }
+    sum += w;
+    __syncwarp();
+  }
+  return sum;
+}
+
+// Row n's weights, written raw by choose_top_k, rescaled by the lanes that own them: V2
+// renormalises (norm_topk_prob, top_k > 1) or scales; V3 renormalises (norm_topk_prob), then scales.
+__device__ void finish_row(const MoeRouteParams& p, int n, float sum, int lane) {
+  const int K = static_cast<int>(p.k);
+  const bool norm = p.norm_topk_prob && (p.noaux_tc || K > 1);
+  const float scale = p.noaux_tc || !norm ? p.scaling : 1.f;
+  __syncwarp();  // lane 0's raw weights are visible
+  for (int r = lane; r < K; r += 32) {
+    float* w = p.weights + static_cast<int64_t>(n) * K + r;
+    *w = (norm ? *w / (sum + 1e-20f) : *w) * scale;
+  }
+  __syncwarp();
+}
+
+// DeepSeek-V3's noaux_tc for row n: sc [E] holds the logits on entry, the sigmoid scores after;
+// ch [E] gets the choice (scores + bias, -inf outside the kept groups).
+__device__ void noaux_tc_choice(const MoeRouteParams& p, float* sc, float* ch, int lane) {
+  const int E = static_cast<int>(p.e), groups = static_cast<int>(p.n_group), G = E / groups;
+  for (int e = lane; e < E; e += 32) sc[e] = 1.f / (1.f + expf(-sc[e]));
+  __syncwarp();
+  for (int g = lane; g < groups; g += 32) {  // a group's score: its two best choices' sum
+    float b1 = -INFINITY, b2 = -INFINITY;
+    for (int e = g * G; e < (g + 1) * G; ++e) {
+      const float c = sc[e] + p.score_bias[e];
+      if (c > b1) {
+        b2 = b1;
+        b1 = c;
+      } else if (c > b2) {
+        b2 = c;
+      }
+    }
+    ch[g] = b1 + b2;
+  }
+  __syncwarp();
+  uint32_t kept = 0;  // bit j: expert lane + 32 j lies in a kept group (E <= 512: j < 16)
+  for (int j = 0, e = lane; e < E; ++j, e += 32) {
+    const int g = e / G;
+    int above = 0;
+    for (int h = 0; h < groups; ++h) above += ch[h] > ch[g] || (ch[h] == ch[g] && h < g);
+    kept |= static_cast<uint32_t>(above < p.topk_group) << j;
+  }
+  __syncwarp();
+  for (int j = 0, e = lane; e < E; ++j, e += 32) ch[e] = (kept >> j) & 1u ? sc[e] + p.score_bias[e] : -INFINITY;
+  __syncwarp();
+}
+
 // One block: the logits (the chunks' partials summed) and the selection, a warp per row.
 __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRouteParams p, int chunks) {
   extern __shared__ __align__(16) float smem[];
@@ -133,9 +209,8 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
   }
   __syncthreads();
   float* sc = smem + warp * E;               // this warp's row: scores
-  float* gb = smem + (kWarps + warp) * E;    // group bests, then the chosen weights
+  float* gb = smem + (kWarps + warp) * E;    // group bests (noaux_tc: then the choice)
   const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
-  const int K = static_cast<int>(p.k);
   for (int n = warp; n < N; n += kWarps) {
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) {
@@ -143,6 +218,12 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
       for (int sl = 1; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
       sc[e] = v;
       m = fmaxf(m, v);
+    }
+    if (p.noaux_tc) {
+      __syncwarp();
+      noaux_tc_choice(p, sc, gb, lane);
+      finish_row(p, n, choose_top_k(p, n, sc, gb, lane), lane);
+      continue;
     }
     for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float z = 0.f;
@@ -171,31 +252,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
       }
       __syncwarp();
     }
-    // top_k rounds of a warp argmax; a chosen score becomes NaN (never chosen again)
-    float sum = 0.f;
-    for (int r = 0; r < K; ++r) {
-      float bv = -INFINITY;
-      int bi = INT_MAX;
-      for (int e = lane; e < E; e += 32) better(sc[e], e, &bv, &bi);
-      for (int off = 16; off; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        better(ov, oi, &bv, &bi);
-      }
-      __syncwarp();
-      if (bi != INT_MAX && lane == (bi & 31)) sc[bi] = NAN;
-      if (lane == 0) {
-        p.ids[static_cast<int64_t>(n) * K + r] = bi == INT_MAX ? -1 : bi;
-        gb[r] = bv;
-      }
-      sum += bv;  // the same on every lane, in rank order
-      __syncwarp();
-    }
-    const bool norm = p.norm_topk_prob && K > 1;
-    for (int r = lane; r < K; r += 32) {
-      p.weights[static_cast<int64_t>(n) * K + r] = norm ? gb[r] / (sum + 1e-20f) : gb[r] * p.scaling;
-    }
-    __syncwarp();
+    finish_row(p, n, choose_top_k(p, n, sc, sc, lane), lane);
   }
 }
 

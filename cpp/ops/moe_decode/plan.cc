@@ -49,7 +49,8 @@ int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::s
 }
 
 nb::dict route_plan(int64_t n, int64_t h, int64_t e, int64_t k, const std::string& dtype,
-                    const std::string& router_dtype, bool group_limited, int64_t n_group, int64_t topk_group) {
+                    const std::string& router_dtype, bool group_limited, int64_t n_group, int64_t topk_group,
+                    bool noaux_tc) {
   MoeRouteParams p{};
   const bool known = dtype_from_name(dtype, &p.dtype) && dtype_from_name(router_dtype, &p.router_dtype);
   p.n = n;
@@ -57,6 +58,7 @@ nb::dict route_plan(int64_t n, int64_t h, int64_t e, int64_t k, const std::strin
   p.e = e;
   p.k = k;
   p.group_limited = group_limited;
+  p.noaux_tc = noaux_tc;
   p.n_group = n_group;
   p.topk_group = topk_group;
   nb::dict out;
@@ -80,7 +82,7 @@ void bind_moe_decode_plan(nb::module_& m) {
         "do), 'cuda_error' (why the CUDA kernels cannot run it), the resolved column tiles "
         "(0: the default) and the workspace bytes (i_s: the shared experts' width, 0: none)");
   m.def("moe_route", &route_plan, "n"_a, "h"_a, "e"_a, "k"_a, "dtype"_a, "router_dtype"_a, "group_limited"_a,
-        "n_group"_a, "topk_group"_a,
+        "n_group"_a, "topk_group"_a, "noaux_tc"_a = false,
         "moe_route's checks for one call: 'error', 'cuda_error' and the workspace bytes");
   m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a, "i_s"_a = 0,
         "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I, shared "

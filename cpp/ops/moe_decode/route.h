@@ -1,12 +1,20 @@
-// DeepSeek-V2's router at decode, as one custom call (jax_cluster_moe_route) ahead of the
-// expert kernels:
+// DeepSeek-V2's and V3's routers at decode, as one custom call (jax_cluster_moe_route) ahead
+// of the expert kernels:
 //
-//   scores = softmax(x @ router)              fp32 products and sums, x [N, H], router [H, E]
-//   group-limited greedy: keep the topk_group groups (of E / n_group experts) whose best
-//                         score is highest, the other scores become 0
-//   ids    = the top_k scores' experts         (equal scores: the lower expert first)
-//   weights = the top_k scores / (their sum + 1e-20)   when norm_topk_prob and top_k > 1,
-//             else times routed_scaling_factor
+//   logits = x @ router                       fp32 products and sums, x [N, H], router [H, E]
+//   V2 (greedy, group-limited greedy):
+//     scores = softmax(logits)
+//     group-limited: keep the topk_group groups (of E / n_group experts) whose best score is
+//                    highest, the other scores become 0
+//     ids    = the top_k scores' experts       (equal scores: the lower expert first)
+//     weights = the top_k scores / (their sum + 1e-20)   when norm_topk_prob and top_k > 1,
+//               else times routed_scaling_factor
+//   V3 (noaux_tc):
+//     scores = sigmoid(logits), choice = scores + score_bias  (score_bias [E] fp32)
+//     keep the topk_group groups whose two best choices sum highest (the others: -inf)
+//     ids    = the top_k choices' experts      (equal choices: the lower expert first)
+//     weights = the chosen experts' scores (unbiased), / (their sum + 1e-20) when
+//               norm_topk_prob, then times routed_scaling_factor
 //
 // jax_cluster.reference.moe_route is the contract (XLA's softmax and lax.top_k); the kernel
 // sums in a fixed order, so its logits may differ from XLA's in the last bits and a pair of
@@ -39,25 +47,30 @@ inline constexpr int kMoeRouteThreads = 256;
 // Router bytes one block reads (its K chunk), and the staged x floats it may hold.
 inline constexpr int64_t kMoeRouteChunkBytes = 8192;
 inline constexpr int64_t kMoeRouteStageFloats = 8192;
+inline constexpr int64_t kMoeRouteMaxChunks = 64;
 
 struct MoeRouteParams {
   DType dtype;           // x's: fp16, bf16 (fp32: the CPU handler)
   DType router_dtype;    // fp32, fp16 or bf16
   int64_t n, h, e, k;    // rows, hidden, experts, top_k
-  bool group_limited;
+  bool group_limited;    // the groups apply (group-limited greedy, and noaux_tc)
+  bool noaux_tc;         // DeepSeek-V3's sigmoid scores and biased choice
   int64_t n_group, topk_group;
   bool norm_topk_prob;
   float scaling;         // routed_scaling_factor
   const void* x;         // [N, H]
   const void* router;    // [H, E]
+  const float* score_bias;  // [E] (noaux_tc; else unused)
   float* weights;        // [N, k]
   int32_t* ids;          // [N, k]
   void* workspace;       // moe_route_workspace_bytes
 };
 
-// K rows of one block's chunk: about kMoeRouteChunkBytes of router, x's chunk stageable.
+// K rows of one block's chunk: about kMoeRouteChunkBytes of router (more where that would make
+// more than kMoeRouteMaxChunks chunks), x's chunk stageable.
 inline int64_t moe_route_chunk_rows(int64_t n, int64_t h, int64_t e, DType router_dtype) {
-  const int64_t rows = std::max<int64_t>(8, kMoeRouteChunkBytes / std::max<int64_t>(1, e * dtype_size(router_dtype)));
+  const int64_t by_bytes = kMoeRouteChunkBytes / std::max<int64_t>(1, e * dtype_size(router_dtype));
+  const int64_t rows = std::max({int64_t{8}, by_bytes, (h + kMoeRouteMaxChunks - 1) / kMoeRouteMaxChunks});
   return std::min({rows, h, std::max<int64_t>(1, kMoeRouteStageFloats / std::max<int64_t>(1, n))});
 }
 
@@ -75,8 +88,10 @@ inline std::string moe_route_check(const MoeRouteParams& p) {
   const auto s = [](int64_t v) { return std::to_string(v); };
   if (p.n < 1 || p.h < 1 || p.e < 1) return "x must be [N >= 1, H >= 1] and router [H, E >= 1]";
   if (p.k < 1 || p.k > p.e) return "top_k must be in 1..E (" + s(p.e) + "), got " + s(p.k);
+  if (p.noaux_tc && !p.group_limited) return "noaux_tc routes within groups (group_limited must be set)";
   if (p.group_limited) {
     if (p.n_group < 1 || p.e % p.n_group) return "n_group (" + s(p.n_group) + ") must divide E (" + s(p.e) + ")";
+    if (p.noaux_tc && p.e / p.n_group < 2) return "noaux_tc scores a group by its two best: E / n_group must be >= 2";
     if (p.topk_group < 1 || p.topk_group > p.n_group) return "topk_group must be in 1..n_group";
     if (p.k > p.topk_group * (p.e / p.n_group)) return "top_k exceeds the experts the kept groups hold";
   }
