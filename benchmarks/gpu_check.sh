@@ -98,6 +98,8 @@ if [ "$SANITIZE" = 1 ]; then
   sanitize memcheck swiglu_tma linear
   sanitize memcheck moe_ moe_decode
   sanitize racecheck moe_ moe_decode --quick
+  sanitize memcheck moe_route moe_route
+  sanitize racecheck moe_route moe_route --quick
   # (decoder_layer's racecheck inside JAX: the tool segfaults at its attention phase, as for
   # decode_attention; the probes below check it.)
   sanitize memcheck decoder_layer decoder_layer

@@ -5,7 +5,7 @@ sanitizers finish quickly, but cover every cluster size and both dtype widths. E
 result is checked: the collectives bitwise against the CPU handler (same order of
 operations), the other ops against the jnp reference.
 
-    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,moe_decode,mla_decode,...]
+    python3 benchmarks/sanitize_targets.py [--quick] [--only=collectives,attention_block,moe_decode,moe_route,mla_decode,...]
         [--head-dims=64,128] [--pipelines=registers,tma] [--dataflows=split_token,split_head]
         [--variants=gemv,tma] [--flash-kernel=mma|wgmma]
 """
@@ -226,18 +226,32 @@ def moe_decode(dtypes):
                 x, router, wg, wu, wd))
             err = _rel_err(y, ref)
             assert err < 1e-2, (n, err)
-        # DeepSeek-V3's router (noaux_tc) in the router kernel: E 256 over H 7168, 1 and 8 rows
-        xr, router3 = f(8, 7168), f(7168, 256, sc=7168 ** -0.5)
-        bias = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.float32)
-        route = dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
-                     routed_scaling_factor=2.5, score_bias=bias)
-        for n in (1, 8):
-            print("moe_route noaux_tc", jnp.dtype(dtype).name, n, flush=True)
-            w, ids = jax.jit(lambda x, r: jc.ops.moe_decode._route(x, r, route, "cuda"))(xr[:n], router3)
-            rw, rids = jc.reference.moe_route(xr[:n], router3, **route)
-            assert (np.asarray(ids) == np.asarray(rids)).all(), n
-            assert _rel_err(np.asarray(w), np.asarray(rw)) < 1e-4, n
     print("moe_decode ok")
+
+
+def moe_route(dtypes):
+    """The router kernels at DeepSeek-V3's shapes (H 7168, E 256: 64 K chunks), V3's noaux_tc
+    and V2's greedy, 1 and 8 rows, vs the jnp reference. Its own target: in one process after
+    moe_decode's cases, compute-sanitizer (2025.3.1, H200) crashed or hung, while each part
+    alone is clean under memcheck and racecheck."""
+    from jax_cluster.ops import moe_decode as moe_decode_ops
+
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        x, router = jnp.asarray(rng.standard_normal((8, 7168)), dtype), \
+            jnp.asarray(rng.standard_normal((7168, 256)) * 7168 ** -0.5, dtype)
+        bias = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.float32)
+        for route in (dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                           routed_scaling_factor=2.5, score_bias=bias),
+                      dict(top_k=6, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+                           routed_scaling_factor=1.0)):
+            for n in (1, 8):
+                print("moe_route", route["topk_method"], jnp.dtype(dtype).name, n, flush=True)
+                w, ids = jax.jit(lambda x, r, route=route: moe_decode_ops._route(x, r, route, "cuda"))(x[:n], router)
+                rw, rids = jc.reference.moe_route(x[:n], router, **route)
+                assert (np.asarray(ids) == np.asarray(rids)).all(), (route["topk_method"], n)
+                assert _rel_err(w, rw) < 1e-4, (route["topk_method"], n)
+    print("moe_route ok")
 
 
 def mla_decode(dtypes):
@@ -338,6 +352,8 @@ if __name__ == "__main__":
         linear((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("moe_decode"):
         moe_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
+    if wanted("moe_route"):
+        moe_route((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("mla_decode"):
         mla_decode((jnp.bfloat16,) if quick else (jnp.float16, jnp.bfloat16))
     if wanted("decoder_layer"):
