@@ -1,7 +1,8 @@
 """moe_decode (DeepSeek's MoE layer at decode) vs jnp, DeepSeek-V2-Lite, V2 and V3 shapes.
 
-Rows per case (model, batch): ours = jax_cluster.moe_decode(impl="cuda") (router in XLA, the
-custom call with the routed and the shared experts); gather = flax_models'
+Rows per case (model, batch): ours = jax_cluster.moe_decode(impl="cuda") (the router call, the
+custom call with the routed and the shared experts, the default tiling); auto = impl="auto" (the
+tuner's pick for the shape on this GPU, auto_pick: a tiling or "xla"); gather = flax_models'
 decode formulation (flax_models.moe.route + experts_gather: the chosen experts' weights gathered
 per (row, slot)); ragged = its prefill formulation (route + experts_grouped: pairs sorted by
 expert, jax.lax.ragged_dot). Both jnp peers add the residual and run the shared experts as
@@ -54,7 +55,7 @@ MODELS = {
 }
 BATCHES = (1, 4, 16, 64)
 STEPS = 4
-COLUMNS = ["case", "ours_us", "gather_us", "ragged_us", "floor_us", "floor_fraction", "speedup_vs_gather",
+COLUMNS = ["case", "ours_us", "auto_us", "auto_pick", "gather_us", "ragged_us", "floor_us", "floor_fraction", "speedup_vs_gather",
            "speedup_vs_ragged", "active_experts"]
 
 
@@ -78,12 +79,12 @@ def routing_kw(m):
     return dict(top_k=m["top_k"], **m["routing"])
 
 
-def ours_layer(m):
+def ours_layer(m, impl="cuda"):
     kw = routing_kw(m)
 
     def step(x, w):
         return jc.moe_decode(x, w["router"], w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], residual=x,
-                             score_bias=w.get("score_bias"), impl="cuda", **kw)
+                             score_bias=w.get("score_bias"), impl=impl, **kw)
 
     return step
 
@@ -130,17 +131,21 @@ def bench_case(name, batch, dtype, bandwidth, rng):
     active = [len(np.unique(np.asarray(route(x, w["router"], method=method, score_bias=w.get("score_bias"), **kw)[1])))
               for w in ws]
     expected = float(np.mean(active))  # every timed layer routes this x
-    layers = {"ours": ours_layer(m), "gather": jnp_layer(m, experts_gather), "ragged": jnp_layer(m, experts_grouped)}
+    layers = {"ours": ours_layer(m), "auto": ours_layer(m, "auto"), "gather": jnp_layer(m, experts_gather),
+              "ragged": jnp_layer(m, experts_grouped)}
     ys = {k: np.asarray(jax.jit(f)(x, ws[0]), np.float32) for k, f in layers.items()}
     for k in ("gather", "ragged"):  # the same layer; rounding points differ (bf16: ~1e-2)
         err = np.linalg.norm(ys["ours"] - ys[k]) / np.linalg.norm(ys[k])
         if not err <= 0.05:
             raise AssertionError(f"{name} batch {batch}: ours differs from {k} by {err:.3g} (relative norm)")
     out = {f"{k}_us": timed(f, x, ws) for k, f in layers.items()}
+    in_call = i_s if batch <= 8 else 0  # the shared experts run in the call up to 8 rows
+    pick = jc.ops.moe_decode.autotune(batch, h, i, e, m["top_k"], dtype, shared_width=in_call)
     item = jnp.dtype(dtype).itemsize
     nbytes = (expected * 3 * h * i + 3 * h * i_s + h * e + 3 * batch * h) * item
     floor = nbytes / bandwidth * 1e6
     row = {"case": f"{name}_b{batch}_{dtype_tag(dtype)}", **{k: round(v, 2) for k, v in out.items()},
+           "auto_pick": pick if isinstance(pick, str) else f"up{pick.cols_up or 'rule'}/down{pick.cols_down or 'rule'}",
            "floor_us": round(floor, 2), "floor_fraction": round(floor / out["ours_us"], 3),
            "speedup_vs_gather": round(out["gather_us"] / out["ours_us"], 3),
            "speedup_vs_ragged": round(out["ragged_us"] / out["ours_us"], 3),

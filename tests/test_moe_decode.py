@@ -7,6 +7,7 @@ group-limited, V3's noaux_tc), shared experts and residual, every column tile, V
 DeepSeek-V2 and V3 router shapes, bitwise determinism."""
 
 import dataclasses
+import json
 import re
 import warnings
 
@@ -36,6 +37,17 @@ def _routing(method: dict, e: int, seed: int = 0) -> dict:
     if method.get("topk_method") != "noaux_tc":
         return dict(method)
     return dict(method, score_bias=jnp.asarray(np.random.default_rng(seed).standard_normal(e) * 0.5, jnp.float32))
+
+
+@pytest.fixture(autouse=True)
+def _tuning_cache(monkeypatch, tmp_path):
+    """Tests never write the user's tuning cache, and "auto" runs the default tiling without
+    measuring unless a test turns the tuner on (every auto call on a GPU would tune)."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "0")
+    jc.tuning.clear_memory_cache()
+    yield
+    jc.tuning.clear_memory_cache()
 
 
 def _arr(rng, shape, dtype, scale=1.0):
@@ -489,6 +501,47 @@ def test_launch_plan():
     assert md.launch_plan(MoeDecodeConfig(cols_up=128, cols_down=32), 1, 64, 64, 8, 2, "float16")["cols_up"] == 128
 
 
+# ---------------------------------------------------------------- tuning
+def test_tuner_candidates_key_and_measure():
+    """The tilings and XLA's gather are measured; the key buckets N to powers of two; the
+    measurement runs every candidate (here through the CPU handler) on a random routing."""
+    cands = md.candidates()
+    assert cands[-1] == "xla" and len(cands) == 5 and all(isinstance(c, MoeDecodeConfig) for c in cands[:-1])
+    assert md.tuning_key(3, 64, 32, 8, 2, 0, jnp.bfloat16) == md.tuning_key(4, 64, 32, 8, 2, 0, jnp.bfloat16)
+    assert md.tuning_key(5, 64, 32, 8, 2, 0, jnp.bfloat16) != md.tuning_key(4, 64, 32, 8, 2, 0, jnp.bfloat16)
+    assert md.tuning_key(1, 64, 32, 8, 2, 64, jnp.bfloat16).startswith(f"v{md.KERNEL_VERSION} ")
+    for choice in (cands[0], "xla"):
+        assert 0 < md.measure(choice, n=2, h=64, i=32, e=8, k=2, i_s=64, dtype=jnp.bfloat16, calls=2) < 1
+    assert md.autotune(1, 64, 32, 8, 2, jnp.bfloat16) == MoeDecodeConfig()  # on CPU: nothing to tune
+
+
+def test_tuner_picks_caches_and_runs_the_winner(rng, tmp_path, monkeypatch):
+    """With (fake) GPU timings, impl="auto" runs the fastest candidate, stores it under the op's
+    key and a fresh process reads it back without measuring; "xla" as the winner runs the
+    gather formulation (the winner's result checked through the CPU handler)."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
+    monkeypatch.setattr(md, "on_gpu", lambda: True)
+    measured = []
+    fast = MoeDecodeConfig(cols_up=128, cols_down=64)
+    monkeypatch.setattr(md, "measure", lambda c, **shape: measured.append(c) or (1e-4 if c == fast else 2e-4))
+    args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=64, residual=True)
+    kw = dict(top_k=2)
+    ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
+    _check(_run(dict(impl="auto", **kw), args, extra, _cpu()), ref, "bfloat16")
+    assert set(measured) == set(md.candidates())
+    key = md.tuning_key(3, 64, 32, 8, 2, 64, jnp.bfloat16)
+    entry = json.loads((tmp_path / "tuning.json").read_text())["entries"]["moe_decode|" + key]
+    assert entry["winner"] == jc.tuning.encode(fast)
+    jc.tuning.clear_memory_cache()  # a new process: reads the file, measures nothing
+    measured.clear()
+    assert md.autotune(4, 64, 32, 8, 2, jnp.bfloat16, shared_width=64) == fast and not measured
+    monkeypatch.setattr(md, "measure", lambda c, **shape: 1e-5 if c == "xla" else 1e-4)
+    names = list(args)
+    hlo = jax.jit(lambda a: jc.moe_decode(**dict(zip(names, a)), top_k=2)).lower(list(args.values())).as_text()
+    assert "jax_cluster_moe_decode" not in hlo  # 3 rows, no shared experts: a new key, xla won
+    assert md.autotune(3, 64, 32, 8, 2, jnp.bfloat16) == "xla"
+
+
 def test_ffi_validation_errors():
     """The C++ decoder rejects malformed calls (the last line of defence behind the wrapper)."""
     x = jnp.ones((2, 64), jnp.float16)
@@ -652,6 +705,26 @@ def test_gpu_deterministic(rng, dtype, n):
     first = np.asarray(fn(list(args.values()), extra))
     for _ in range(4):
         np.testing.assert_array_equal(np.asarray(fn(list(args.values()), extra)), first)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_tunes_once_and_caches(rng, tmp_path, monkeypatch):
+    """On the GPU "auto" measures every candidate once for a new shape (while tracing), runs
+    the winner and caches it; a fresh process reads the file and measures nothing."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
+    args, extra = _inputs(rng, 2, 512, 256, 16, "bfloat16", shared=256, residual=True)
+    kw = dict(top_k=4, **_routing(NOAUX, 16))
+    weights, ids = _route_on_gpu(args, kw)
+    _check(_run(dict(impl="auto", **kw), args, extra, _gpu()), _ref_experts(args, extra, weights, ids), "bfloat16")
+    key = "moe_decode|" + md.tuning_key(2, 512, 256, 16, 4, 256, jnp.bfloat16)
+    entry = json.loads((tmp_path / "tuning.json").read_text())["entries"][key]
+    assert entry["winner"] in [jc.tuning.encode(c) for c in md.candidates()]
+    assert len(entry["times_us"]) == len(md.candidates())  # every candidate measured
+    calls = []
+    monkeypatch.setattr(md, "measure", lambda *a, **k: calls.append(a) or 1.0)
+    jc.tuning.clear_memory_cache()
+    assert jc.tuning.encode(md.autotune(2, 512, 256, 16, 4, jnp.bfloat16, shared_width=256)) == entry["winner"]
+    assert not calls
 
 
 @pytest.mark.gpu

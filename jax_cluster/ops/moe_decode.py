@@ -20,7 +20,9 @@ kernel on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in 
                float32; shared experts at any N). Otherwise, and for a shared width that is
                not a multiple of 8, the shared experts run through jax_cluster.swiglu.
   "auto"       "cuda" where the kernels take the shape and dtype (float16 / bfloat16, H and
-               I multiples of 8), else "xla" with a one-time warning.
+               I multiples of 8), else "xla" with a one-time warning. On a GPU without a
+               config, the tuner (jax_cluster.tuning) measures the column tilings and the
+               "xla" path once per shape bucket and GPU and runs the fastest (autotune()).
   "xla"        the gather formulation a JAX user writes (flax_models' experts_gather): the
                chosen experts' weights gathered per (row, slot), XLA's einsums in x.dtype.
   "reference"  jax_cluster.reference.moe_decode (fp32).
@@ -41,14 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jax_cluster import _extension, reference
+from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
 from jax_cluster.ops.swiglu import swiglu
 
-__all__ = ["MoeDecodeConfig", "TOPK_METHODS", "launch_plan", "moe_decode", "moe_experts"]
+__all__ = ["MoeDecodeConfig", "TOPK_METHODS", "autotune", "candidates", "launch_plan", "measure", "moe_decode",
+           "moe_experts", "tuning_key"]
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# Bump when the kernels change enough that cached tuning results should be measured again.
+KERNEL_VERSION = 1
 COLS = (32, 64, 128)
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -265,6 +270,12 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
         why_not = plan["error"] or (plan["cuda_error"] if on_gpu() else "")
         if impl == "auto" and jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
             why_not = why_not or "dtype float32 (the kernels take float16 or bfloat16)"
+        if not why_not and impl == "auto" and config is None and on_gpu():
+            i_s = shared["w_gate"].shape[1] if shared is not None else 0
+            config = _pick(n, h, i, e, k, i_s, x.dtype)
+            if config == "xla":
+                return _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual), False
+            plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype, i_s)
         if why_not:
             if impl == "cuda":
                 raise ValueError(f"{op}: impl='cuda' cannot run this call: {why_not}")
@@ -277,6 +288,83 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
         return jnp.zeros((0, h), x.dtype), False
     pdl = (config or MoeDecodeConfig()).pdl
     return _custom_call(x, weights, ids, w_gate, w_up, w_down, shared, residual, plan, pdl), shared is not None
+
+
+# ----------------------------------------------------------------------------- tuning
+def candidates() -> list:
+    """What the tuner measures for one shape: the tensor-core kernels at 64 and 128 columns
+    for each GEMV (the 32-column CUDA-core form lost everywhere it was measured), and the
+    gather formulation on XLA, so that "auto" is never slower than what a JAX user writes."""
+    return [MoeDecodeConfig(cols_up=u, cols_down=d) for u in (64, 128) for d in (64, 128)] + ["xla"]
+
+
+def _n_bucket(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+def tuning_key(n: int, h: int, i: int, e: int, k: int, i_s: int, dtype) -> str:
+    """n rows (bucketed to a power of two), hidden h, expert width i, e experts, k slots,
+    i_s the shared width run in the call (0: none), dtype."""
+    return tuning.make_key(KERNEL_VERSION, n=_n_bucket(n), h=h, i=i, e=e, k=k, shared=i_s,
+                           dtype=jnp.dtype(dtype).name)
+
+
+def _timing_inputs(n, h, i, e, k, i_s, dtype, *, seed=0, l2_bytes=64 << 20):
+    """Random rows, a random routing (each row k distinct experts of min(E, n k): the kernels
+    read only chosen experts, so E past that only costs memory; V3's 256 experts would be
+    22 GB) and enough copies of the expert weights that rotating over them defeats the L2."""
+    dtype = jnp.dtype(dtype)
+    experts = min(e, max(k, n * k))
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.random((n, k)) + 0.5, jnp.float32)
+    call_bytes = (3 * h * i * min(experts, n * k) + 3 * h * i_s) * dtype.itemsize
+    copies = max(1, min(8, -(-2 * l2_bytes // call_bytes)))
+    keys = iter(jax.random.split(jax.random.key(seed), 6 * copies + 1))
+
+    def normal(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+    layers = []
+    for _ in range(copies):
+        w = dict(w_gate=normal((experts, h, i), h), w_up=normal((experts, h, i), h),
+                 w_down=normal((experts, i, h), i))
+        w["shared"] = dict(w_gate=normal((h, i_s), h), w_up=normal((h, i_s), h),
+                           w_down=normal((i_s, h), i_s)) if i_s else None
+        layers.append(w)
+    return normal((n, h), 1), weights, ids, tuple(layers)
+
+
+def measure(choice, *, n: int, h: int, i: int, e: int, k: int, i_s: int, dtype, calls: int = 16) -> float:
+    """Seconds per call of `choice` (a MoeDecodeConfig, or "xla": the gather formulation and
+    the shared experts on XLA's dots) on the default device: `calls` calls chained inside one
+    jit (each output is the next call's rows; the routing is fixed, so the values do not
+    change what is read), rotating over the weight copies."""
+    x, weights, ids, layers = _timing_inputs(n, h, i, e, k, i_s, dtype)
+    kwargs = dict(impl="xla") if choice == "xla" else dict(impl="cuda", config=choice)
+
+    def run(x, weights, ids, layers):
+        for c in range(calls):
+            w = layers[c % len(layers)]
+            x = moe_experts(x, weights, ids, w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], **kwargs)
+        return x
+
+    return tuning.time_call(jax.jit(run), x, weights, ids, layers) / calls
+
+
+def _pick(n: int, h: int, i: int, e: int, k: int, i_s: int, dtype):
+    return tuning.pick("moe_decode", tuning_key(n, h, i, e, k, i_s, dtype), candidates(),
+                       functools.partial(measure, n=n, h=h, i=i, e=e, k=k, i_s=i_s, dtype=jnp.dtype(dtype)),
+                       heuristic=MoeDecodeConfig())
+
+
+def autotune(n: int, h: int, i: int, e: int, k: int, dtype, *, shared_width: int = 0):
+    """Runs the tuner now for one shape (e.g. at deployment warm-up) and returns what
+    impl="auto" will run for it on this GPU: a MoeDecodeConfig or "xla". shared_width: the
+    shared experts' Is when they run in the call (up to 8 rows), else 0."""
+    if not on_gpu():
+        return MoeDecodeConfig()  # nothing to tune: the CPU handler computes the same math
+    return _pick(n, h, i, e, k, shared_width, jnp.dtype(dtype))
 
 
 # ----------------------------------------------------------------------------- validation
