@@ -177,7 +177,8 @@ def main():
                         "chained random layers blow up and collapse the routing), so the routing is the counted "
                         "one); floor = (active experts' + shared experts' + router weights + x, "
                         "residual, y) bytes / measured HBM bandwidth; active_experts = distinct experts the "
-                        "batch routes to per layer; ours = jax_cluster.moe_decode impl=cuda; gather / ragged = "
+                        "batch routes to per layer; ours = jax_cluster.moe_decode impl=cuda (default tiling); auto = "
+                        "impl=auto (the tuner's pick for the shape, auto_pick); gather / ragged = "
                         "flax_models' experts_gather / experts_grouped with its router and XLA shared experts.")
 
 

@@ -339,14 +339,17 @@ def measure(choice, *, n: int, h: int, i: int, e: int, k: int, i_s: int, dtype, 
     """Seconds per call of `choice` (a MoeDecodeConfig, or "xla": the gather formulation and
     the shared experts on XLA's dots) on the default device: `calls` calls chained inside one
     jit (each output is the next call's rows; the routing is fixed, so the values do not
-    change what is read), rotating over the weight copies."""
+    change what is read), rotating over the weight copies. An optimization barrier on the
+    routing before each call: with the same ids and weights XLA would otherwise gather the
+    chosen experts once for every call (a model's layers each gather their own)."""
     x, weights, ids, layers = _timing_inputs(n, h, i, e, k, i_s, dtype)
     kwargs = dict(impl="xla") if choice == "xla" else dict(impl="cuda", config=choice)
 
     def run(x, weights, ids, layers):
         for c in range(calls):
             w = layers[c % len(layers)]
-            x = moe_experts(x, weights, ids, w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], **kwargs)
+            x, wt, ix = jax.lax.optimization_barrier((x, weights, ids))
+            x = moe_experts(x, wt, ix, w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], **kwargs)
         return x
 
     return tuning.time_call(jax.jit(run), x, weights, ids, layers) / calls
