@@ -26,6 +26,14 @@ PRESETS = {
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
                         mscale=0.707, mscale_all_dim=0.707)),
+    # DeepSeek-V3's layer in miniature: q LoRA, the sigmoid router with its correction bias (noaux_tc)
+    "tiny-deepseek-v3": DeepseekV2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_layers=2, num_heads=4,
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
+        topk_method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
+                        mscale=1.0, mscale_all_dim=1.0)),
     # real shapes, random weights
     "llama-2-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
                               num_heads=32, num_kv_heads=32, head_dim=128, rope=RopeConfig(theta=10000.0),

@@ -184,6 +184,19 @@ def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
     assert "moe: jax_cluster (C++ CPU handler, no GPU)" in capsys.readouterr().out
 
 
+def test_cli_fused_tiny_deepseek_v3(capsys):
+    """tiny-deepseek-v3 --impl fused on CPU: V3's router (noaux_tc) in moe_decode's router call,
+    MLA with q LoRA on mla_decode, through the C++ CPU handlers (the model's numbers against
+    transformers: tests/test_models_deepseek_v2.py)."""
+    if not all(ops.fused_available(op) for op in ("mla_decode", "moe_decode", "swiglu")):
+        pytest.skip("jax_cluster ops not available")
+    assert main(["--model", "tiny-deepseek-v3", "--impl", "fused", "--dtype", "bf16", "--max-new-tokens", "4",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for block in ("moe", "mla_decode"):
+        assert f"{block}: jax_cluster (C++ CPU handler, no GPU)" in out, out
+
+
 def test_cli_preset_dtype_follows_fused_impl(capsys, monkeypatch):
     """Presets on CPU default to float32, and to bfloat16 when an op is asked to run fused (the
     fused MLP, jax_cluster.swiglu, takes 16-bit activations only): the fused commands run

@@ -82,7 +82,7 @@ def test_unknown_rope_type_is_rejected():
 
 
 # ----------------------------------------------------------------------------- caches: prefill + decode == full
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-deepseek"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-deepseek", "tiny-deepseek-v3"])
 def test_cached_decode_matches_full_forward(name):
     model = random_model(PRESETS[name], std=0.1)
     toks = jax.random.randint(jax.random.key(0), (2, 14), 0, model.config.vocab_size)
