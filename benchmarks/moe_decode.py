@@ -55,8 +55,8 @@ MODELS = {
 }
 BATCHES = (1, 4, 16, 64)
 STEPS = 4
-COLUMNS = ["case", "ours_us", "auto_us", "auto_pick", "gather_us", "ragged_us", "floor_us", "floor_fraction", "speedup_vs_gather",
-           "speedup_vs_ragged", "active_experts"]
+COLUMNS = ["case", "ours_us", "auto_us", "auto_pick", "gather_us", "ragged_us", "floor_us", "floor_fraction",
+           "speedup_vs_gather", "speedup_vs_ragged", "active_experts"]
 
 
 def layer_weights(key, m, dtype):

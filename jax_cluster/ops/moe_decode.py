@@ -1,4 +1,4 @@
-"""moe_decode: DeepSeek-V2's mixture-of-experts layer at decode, one fused routed-experts op.
+"""moe_decode: DeepSeek-V2's and V3's mixture-of-experts layer at decode, one fused routed-experts op.
 
     weights, ids = route(x)                      V2: softmax(x @ router) in fp32, top-k (greedy or
                                                  group-limited greedy), V2's scaling; V3 (noaux_tc):
@@ -196,9 +196,9 @@ def _route(x, router, route: dict, impl: str):
     call, else XLA (jax_cluster.reference.moe_route)."""
     noaux = route["topk_method"] == "noaux_tc"
     grouped = noaux or route["topk_method"] == "group_limited_greedy"
-    params = dict(top_k=route["top_k"], group_limited=grouped, noaux_tc=noaux, n_group=int(route["n_group"] or 1) if grouped else 1,
-                  topk_group=int(route["topk_group"] or 1) if grouped else 1,
-                  norm_topk_prob=route["norm_topk_prob"],
+    params = dict(top_k=route["top_k"], group_limited=grouped, noaux_tc=noaux,
+                  n_group=int(route["n_group"] or 1) if grouped else 1,
+                  topk_group=int(route["topk_group"] or 1) if grouped else 1, norm_topk_prob=route["norm_topk_prob"],
                   routed_scaling_factor=np.float32(route["routed_scaling_factor"]))
     n, h = x.shape
     wide = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)  # "auto" keeps float32 on XLA, as for the experts
@@ -318,7 +318,7 @@ def _timing_inputs(n, h, i, e, k, i_s, dtype, *, seed=0, l2_bytes=64 << 20):
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]), jnp.int32)
     weights = jnp.asarray(rng.random((n, k)) + 0.5, jnp.float32)
-    call_bytes = (3 * h * i * min(experts, n * k) + 3 * h * i_s) * dtype.itemsize
+    call_bytes = (3 * h * i * experts + 3 * h * i_s) * dtype.itemsize
     copies = max(1, min(8, -(-2 * l2_bytes // call_bytes)))
     keys = iter(jax.random.split(jax.random.key(seed), 6 * copies + 1))
 
@@ -513,10 +513,10 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     else routed_scaling_factor. Or as DeepSeek-V3, topk_method "noaux_tc": sigmoid scores,
     the experts chosen by score + score_bias [E] (None: zeros) within the topk_group groups
     whose two best biased scores sum highest, the weights the unbiased scores (renormalised
-    when norm_topk_prob) times routed_scaling_factor; the same router kernel runs it. shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down
-    [Is, H]), the always-on shared experts (one SwiGLU: in the custom call's kernels under
-    impl "cuda" / "auto" up to 8 rows on a GPU, else by jax_cluster.swiglu with the same
-    impl). residual: None or [N, H], added to the routed sum before the shared experts'
+    when norm_topk_prob) times routed_scaling_factor; the same router kernel runs it.
+    shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down [Is, H]), the always-on
+    shared experts (one SwiGLU: in the custom call's kernels under impl "cuda" / "auto" up
+    to 8 rows on a GPU, else by jax_cluster.swiglu with the same impl). residual: None or [N, H], added to the routed sum before the shared experts'
     output. config: a MoeDecodeConfig (impl "auto" or "cuda").
     """
     op = "moe_decode"
