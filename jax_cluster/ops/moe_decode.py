@@ -516,9 +516,9 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     when norm_topk_prob) times routed_scaling_factor; the same router kernel runs it.
     shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down [Is, H]), the always-on
     shared experts (one SwiGLU: in the custom call's kernels under impl "cuda" / "auto" up
-    to 8 rows on a GPU, else by jax_cluster.swiglu with the same impl). residual: None or [N, H], added to the routed sum before the shared experts'
-    output. config: a MoeDecodeConfig (impl "auto" or "cuda").
-    """
+    to 8 rows on a GPU, else by jax_cluster.swiglu with the same impl). residual: None or
+    [N, H], added to the routed sum before the shared experts' output. config: a
+    MoeDecodeConfig (impl "auto" or "cuda")."""
     op = "moe_decode"
     _check_call(op, impl, config)
     n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
