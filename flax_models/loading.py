@@ -130,8 +130,16 @@ def fill(abstract, values: dict):
     return nnx.merge(graphdef, state)
 
 
-def load_weights(reader, cfg, dtype) -> dict:
-    """{state path: array} for cfg's model from a reader (names(), shape(name), get(name))."""
+def param_dtypes(abstract) -> dict:
+    """{state path: dtype} of an abstract model's parameters (a model may keep some float32
+    in a 16-bit model: DeepSeek's router and V3's correction bias)."""
+    _, state = nnx.split(abstract)
+    return {path: var.get_value().dtype for path, var in nnx.to_flat_state(state)}
+
+
+def load_weights(reader, cfg, dtype, dtypes: dict | None = None) -> dict:
+    """{state path: array} for cfg's model from a reader (names(), shape(name), get(name)), each
+    tensor cast to its parameter's dtype in `dtypes` (param_dtypes), else to dtype."""
     available = reader.names()
     used: set[str] = set()
     values = {}
@@ -147,7 +155,7 @@ def load_weights(reader, cfg, dtype) -> dict:
             got = reader.shape(name)
             if got != tuple(shape):
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {tuple(shape)}")
-            arrays.append(jnp.asarray(reader.get(name)).astype(dtype))
+            arrays.append(jnp.asarray(reader.get(name)).astype((dtypes or {}).get(spec.target, dtype)))
             used.add(name)
         values[spec.target] = source.combine(*arrays)
     extra = sorted(n for n in available - used if not hf_maps.ignored(n, cfg))
@@ -181,7 +189,7 @@ def from_pretrained(path, dtype=None, *, impl="auto", return_tokenizer: bool = F
     abstract = abstract_model(cfg, dtype, impl)
     reader = SafetensorsReader(path)
     try:
-        values = load_weights(reader, cfg, dtype)
+        values = load_weights(reader, cfg, dtype, param_dtypes(abstract))
     finally:
         reader.close()
     check_shapes(abstract, values)

@@ -105,12 +105,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: DeepseekV2Config, *, dtype, rngs: nnx.Rngs):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
-        self.router = _param(rngs, (h, e), dtype)
+        # the router and V3's correction bias stay float32 whatever the model's dtype (as
+        # transformers keeps them): near-tied experts are chosen by their last bits
+        self.router = _param(rngs, (h, e), jnp.float32)
         self.w_gate = _param(rngs, (e, h, i), dtype)
         self.w_up = _param(rngs, (e, h, i), dtype)
         self.w_down = _param(rngs, (e, i, h), dtype)
         self.shared = SwiGLU(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
-        # DeepSeek-V3's load-balancing correction of the expert choice (float32, as trained)
         self.score_bias = _param(rngs, (e,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
 
     def __call__(self, x, residual=None, *, impl="xla"):

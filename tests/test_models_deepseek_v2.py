@@ -8,6 +8,7 @@ the model is still compared, and the formula itself is tested against hand-compu
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -244,6 +245,17 @@ def test_deepseek_v3_matches_transformers(tmp_path):
     err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
     assert err["prefill"] <= TOL, err
     assert err["decode"] <= TOL, err
+
+
+def test_deepseek_v3_router_stays_float32_in_a_bf16_model(tmp_path):
+    """A bf16 model keeps the router and the correction bias as transformers does, in float32
+    and bit for bit: rounded to bf16 they would choose other experts where two are near-tied."""
+    hf, model = _v3_roundtrip(tmp_path, "xla", dtype="bf16")
+    moe, gate = model.layers[1].moe, hf.model.layers[1].mlp.gate
+    assert moe.score_bias[...].dtype == jnp.float32 and moe.router[...].dtype == jnp.float32
+    assert model.layers[1].attn.o.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(moe.score_bias[...]), gate.e_score_correction_bias.numpy())
+    np.testing.assert_array_equal(np.asarray(moe.router[...]), gate.weight.detach().numpy().T)
 
 
 def test_deepseek_v3_fused_on_cpu_matches_transformers(tmp_path, monkeypatch):
