@@ -137,9 +137,9 @@ def param_dtypes(abstract) -> dict:
     return {path: var.get_value().dtype for path, var in nnx.to_flat_state(state)}
 
 
-def load_weights(reader, cfg, dtype, dtypes: dict | None = None) -> dict:
+def load_weights(reader, cfg, dtypes: dict) -> dict:
     """{state path: array} for cfg's model from a reader (names(), shape(name), get(name)), each
-    tensor cast to its parameter's dtype in `dtypes` (param_dtypes), else to dtype."""
+    tensor cast to its parameter's dtype (`dtypes`: param_dtypes of the model it fills)."""
     available = reader.names()
     used: set[str] = set()
     values = {}
@@ -155,7 +155,7 @@ def load_weights(reader, cfg, dtype, dtypes: dict | None = None) -> dict:
             got = reader.shape(name)
             if got != tuple(shape):
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {tuple(shape)}")
-            arrays.append(jnp.asarray(reader.get(name)).astype((dtypes or {}).get(spec.target, dtype)))
+            arrays.append(jnp.asarray(reader.get(name)).astype(dtypes[spec.target]))
             used.add(name)
         values[spec.target] = source.combine(*arrays)
     extra = sorted(n for n in available - used if not hf_maps.ignored(n, cfg))
@@ -189,7 +189,7 @@ def from_pretrained(path, dtype=None, *, impl="auto", return_tokenizer: bool = F
     abstract = abstract_model(cfg, dtype, impl)
     reader = SafetensorsReader(path)
     try:
-        values = load_weights(reader, cfg, dtype, param_dtypes(abstract))
+        values = load_weights(reader, cfg, param_dtypes(abstract))
     finally:
         reader.close()
     check_shapes(abstract, values)
