@@ -52,6 +52,7 @@ struct MlaTile {
   static constexpr int kStageBytes = kTokens * kRowBytes;
   static constexpr int kSBytes = kWarps * kHeads * kSStride * 4;  // the warps' partial S
   static constexpr size_t kSmemBytes = kQBytes + kStages * kStageBytes + kSBytes;
+  static constexpr int kQItems = (kHeads * kRowElems / 8 + kThreads - 1) / kThreads;  // per thread, at most
   static_assert(kRowBytes % 128 == 0 && kNT % 2 == 0 && kTokens == 32, "tile shapes");
 };
 
@@ -127,20 +128,8 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     T* dst = cache + mla_decode_slot_offset(p, b, length) * E;
     for (int e = tid; e < E; e += L::kThreads) dst[e] = T(p.new_latent[static_cast<int64_t>(b) * E + e]);
     __threadfence();
+    __syncthreads();  // (block-uniform) written for every thread that streams it
   }
-  // Q: 16 heads x used chunks, rounded to T; padding and heads past H are zero.
-  for (int i = tid; i < L::kHeads * used.count(); i += L::kThreads) {
-    const int h = i / used.count(), c = used.shared_chunk<RT>(i % used.count());
-    const int f = MlaChunks::feature<RT>(c, R, DR);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (f >= 0 && h0 + h < H) {
-      const float4* src = reinterpret_cast<const float4*>(p.q + (static_cast<int64_t>(b) * H + h0 + h) * E + f);
-      const float4 a = src[0], c4 = src[1];  // E and f are multiples of 8: 32-byte aligned
-      v = make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c4.x, c4.y), pack2<T>(c4.z, c4.w));
-    }
-    *reinterpret_cast<uint4*>(q_s + swz(h, c, L::kRowBytes)) = v;
-  }
-  __syncthreads();  // the new token's write (and fence) before any block thread streams it
 
   // Thread tid loads row tid / 4 of a stage, used chunks tid % 4, + 4, ...
   const int ld_row = tid >> 2, ld_sub = tid & 3;
@@ -156,6 +145,44 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
       cp_async_16(base + swz(ld_row, c, L::kRowBytes), real ? row + f : row, real ? 16u : 0u);
     }
   };
+  const int tiles = t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
+  // Every stage in flight from the start (a 64-token split is two stages: both HBM round
+  // trips overlap), and before Q, whose L2 round trip then hides under them; a stage's
+  // buffer is refilled kStages tiles ahead once it is read.
+#pragma unroll
+  for (int st = 0; st < L::kStages; ++st) {
+    if (st < tiles) load_stage(t0 + st * L::kTokens, st);
+    cp_async_commit();
+  }
+
+  // Q: 16 heads x used chunks, rounded to T; padding and heads past H are zero. Every
+  // thread's loads are issued before the first store (one L2 round trip, not one per item).
+  {
+    const int items = L::kHeads * used.count();
+    float4 qv[L::kQItems][2];
+#pragma unroll
+    for (int j = 0; j < L::kQItems; ++j) {
+      const int i = tid + j * L::kThreads;
+      const int h = i / used.count(), c = used.shared_chunk<RT>(i % used.count());
+      const int f = MlaChunks::feature<RT>(c, R, DR);
+      qv[j][0] = qv[j][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (i < items && f >= 0 && h0 + h < H) {
+        const float4* src = reinterpret_cast<const float4*>(p.q + (static_cast<int64_t>(b) * H + h0 + h) * E + f);
+        qv[j][0] = src[0];  // E and f are multiples of 8: 32-byte aligned
+        qv[j][1] = src[1];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < L::kQItems; ++j) {
+      const int i = tid + j * L::kThreads;
+      if (i >= items) break;
+      const int h = i / used.count(), c = used.shared_chunk<RT>(i % used.count());
+      const float4 a = qv[j][0], c4 = qv[j][1];
+      *reinterpret_cast<uint4*>(q_s + swz(h, c, L::kRowBytes)) =
+          make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c4.x, c4.y), pack2<T>(c4.z, c4.w));
+    }
+  }
+  __syncthreads();  // Q staged
 
   float o[L::kNT][4];
 #pragma unroll
@@ -170,15 +197,6 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     if (u < used.ksteps()) {
       ldsm_x4(qa[i], ptx::smem_addr(q_s) + swz(lane & 15, 2 * used.shared_kstep<RT>(u) + (lane >> 4), L::kRowBytes));
     }
-  }
-  const int tiles = t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
-
-  // Every stage in flight from the start (a 64-token split is two stages: both HBM round
-  // trips overlap); a stage's buffer is refilled kStages tiles ahead once it is read.
-#pragma unroll
-  for (int st = 0; st < L::kStages; ++st) {
-    if (st < tiles) load_stage(t0 + st * L::kTokens, st);
-    cp_async_commit();
   }
   for (int tile = 0; tile < tiles; ++tile) {
     cp_async_wait<L::kStages - 1>();
@@ -335,6 +353,17 @@ __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodePa
     return;
   }
   const float* st = p.partial + bh * S * (R + 2);
+  // 32 splits' loads in flight before their adds (the merge is L2 round trips, one per
+  // batch), the first batch issued before the weights so that the two round trips overlap;
+  // a split of weight 0 is skipped by a select, so its unwritten state never reaches o,
+  // and the sum keeps its index order.
+  constexpr int kInFlight = 32;
+  float v[kInFlight];
+  auto load_batch = [&](int s0) {
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) v[j] = c < R && s0 + j < S ? __ldcg(st + (s0 + j) * (R + 2) + c) : 0.f;
+  };
+  load_batch(0);
   if (threadIdx.x < 32) {  // warp 0: lane j the splits j, j + 32, ...; fixed shuffle trees
     constexpr int kPerLane = kMlaDecodeMaxSplits / 32;
     const int lane = threadIdx.x;
@@ -364,15 +393,9 @@ __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodePa
   }
   __syncthreads();
   if (c >= R) return;
-  // 32 splits' loads in flight before their adds (the merge is L2 round trips, one per
-  // batch); a split of weight 0 is skipped by a select, so its unwritten state never
-  // reaches o, and the sum keeps its index order.
-  constexpr int kInFlight = 32;
   float o = 0.f;
   for (int s0 = 0; s0 < S; s0 += kInFlight) {
-    float v[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) v[j] = s0 + j < S ? __ldcg(st + (s0 + j) * (R + 2) + c) : 0.f;
+    if (s0 > 0) load_batch(s0);
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
       const float w = s0 + j < S ? weight[s0 + j] : 0.f;

@@ -69,11 +69,31 @@ struct MlaSmem {
   }
 };
 
+// A thread's first U weight loads of mla_gemv (rows g, g + groups, ..): weights depend on
+// nothing, so a block issues them before its inputs are staged and they stream meanwhile.
+// They cover rows [0, mla_gemv_first_rows) of the block's slice.
+template <typename T, int U>
+struct MlaGemvFirst {
+  uint4 wv[U];
+  __device__ void issue(const T* W, int64_t ld, int w, int rows) {
+    const int lanes = w / 8, groups = kMlaProjectThreads / lanes;
+    const int g = threadIdx.x / lanes, l = threadIdx.x % lanes;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kk = g + u * groups;
+      if (g < groups && kk < rows) wv[u] = ptx::ldg_stream(W + 8 * l + static_cast<int64_t>(kk) * ld);
+    }
+  }
+};
+template <int U>
+__device__ __forceinline__ int mla_gemv_first_rows(int w) { return mla_gemv_groups(w) * U; }
+
 // sums[b * w + c] = sum over rows k < rows of in[b * in_ld + k] * W[k * ld + c] (c < w, a
-// multiple of 8; b < NB, rows past `batch` are zero in `in`). All threads call it.
+// multiple of 8; b < NB, rows past `batch` are zero in `in`), the first U rows per thread
+// from `first` (issued by MlaGemvFirst::issue on the same W, ld, w, rows). All threads call it.
 template <typename T, int NB, int U>
 __device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, const float* in, int in_ld,
-                         float* red, float* sums) {
+                         float* red, float* sums, const MlaGemvFirst<T, U>& first) {
   const int lanes = w / 8, groups = kMlaProjectThreads / lanes;
   const int tid = threadIdx.x, g = tid / lanes, l = tid % lanes;
   float acc[NB][8];
@@ -83,14 +103,7 @@ __device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, c
     for (int j = 0; j < 8; ++j) acc[b][j] = 0.f;
   }
   if (g < groups) {
-    const T* col = W + 8 * l;
-    for (int k = g; k < rows; k += groups * U) {
-      uint4 wv[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int kk = k + u * groups;
-        if (kk < rows) wv[u] = ptx::ldg_stream(col + static_cast<int64_t>(kk) * ld);
-      }
+    auto consume = [&](const uint4 (&wv)[U], int k) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int kk = k + u * groups;
@@ -105,6 +118,17 @@ __device__ void mla_gemv(const T* __restrict__ W, int64_t ld, int w, int rows, c
           }
         }
       }
+    };
+    consume(first.wv, g);
+    const T* col = W + 8 * l;
+    for (int k = g + groups * U; k < rows; k += groups * U) {
+      uint4 wv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kk = k + u * groups;
+        if (kk < rows) wv[u] = ptx::ldg_stream(col + static_cast<int64_t>(kk) * ld);
+      }
+      consume(wv, k);
     }
 #pragma unroll
     for (int b = 0; b < NB; ++b) {  // two 16-byte stores: conflict-free wavefronts
@@ -146,10 +170,10 @@ __device__ __forceinline__ float round_t(float v) {
   return to_float(from_float<T>(v));
 }
 
-// Asks L2 for rows [0, rows) x w columns of W (one bulk prefetch per row).
+// Asks L2 for rows [from, rows) x w columns of W (one bulk prefetch per row).
 template <typename T>
-__device__ void mla_prefetch_rows(const T* W, int64_t ld, int w, int rows) {
-  for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
+__device__ void mla_prefetch_rows(const T* W, int64_t ld, int w, int rows, int from = 0) {
+  for (int k = from + threadIdx.x; k < rows; k += kMlaProjectThreads) {
     ptx::prefetch_l2(W + static_cast<int64_t>(k) * ld, static_cast<uint32_t>(w * sizeof(T)));
   }
 }
@@ -191,70 +215,94 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const int64_t ld = latent ? E : qc;
   const T* W = latent ? static_cast<const T*>(p.w_kv_a) + k0 * ld + tile * hc
                       : static_cast<const T*>(p.w_q) + k0 * ld + unit * hc;
-  mla_prefetch_rows(W, ld, w, rows);
-  // A head's rank also absorbs rows [n0, n0 + nrows) of r through W_uk (after the GEMV):
-  // its slice is asked for now too, so the absorption does not wait on HBM at the end.
+  // A head's rank also absorbs rows [n0, n0 + nrows) of r through W_uk (after the GEMV).
   const int64_t nr = (p.rank + C - 1) / C, n0 = min(p.rank, rank * nr);
   const int nrows = static_cast<int>(min(nr, p.rank - n0));
   const int64_t ldb = p.num_heads * (p.nope + p.v_dim);
   const T* Wk = static_cast<const T*>(p.w_kv_b) + n0 * ldb + unit * (p.nope + p.v_dim);
-  if (!latent) mla_prefetch_rows(Wk, ldb, static_cast<int>(p.nope), nrows);
   ptx::griddep_wait();  // x, q_src and lengths come from the previous kernels
   mla_mark(0, kMarkWaited);
 
+  // The block's K rows of its input (x, or q_src with q LoRA) and of the norm weight, loaded
+  // first: issued ahead of the weights, they do not queue behind them.
+  const bool normed = latent || q_from_x;
+  const T* src = static_cast<const T*>(normed ? p.x : p.q_src);
+  const int64_t src_ld = normed ? p.hidden : p.q_in;
+  constexpr int kIn = kMlaProjectMaxCols / kMlaProjectThreads;  // rows per thread held (normed: all)
+  float in[NB][kIn], g[kIn];
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) {
+    const int k = threadIdx.x + i * kMlaProjectThreads;
+    g[i] = normed && k < rows ? to_float(static_cast<const T*>(p.norm)[k0 + k]) : 0.f;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) in[b][i] = b < p.batch && k < rows ? to_float(src[b * src_ld + k0 + k]) : 0.f;
+  }
+  // Then the weights: the GEMV's first loads into registers, L2 asked for the rest of its
+  // slice and for this head's W_uk rows of the absorption.
+  constexpr int kU = NB <= 2 ? 16 : NB == 4 ? 8 : 4;  // the GEMV's loads in flight per thread
+  MlaGemvFirst<T, kU> first;
+  first.issue(W, ld, w, rows);
+  mla_prefetch_rows(W, ld, w, rows, mla_gemv_first_rows<kU>(w));
+  if (!latent) mla_prefetch_rows(Wk, ldb, static_cast<int>(p.nope), nrows);
+
   // Stage the input rows of the chunk in fp32: h = RMSNorm(x) (rounded as jnp rounds), or q_src.
   const int in_ld = static_cast<int>(chunk);
-  if (latent || q_from_x) {
+  if (normed) {
+    // Sum of squares of each row: the block's slice (per thread in K order, a shuffle tree
+    // per warp, warps in order), then the cluster's slices in rank order over DSMEM. `full`
+    // is free until mla_cluster_sum's first barrier, which every peer passes after its read.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float* rstd = full;  // scratch until the cluster sum
-    if (warp < NB) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
       float ss = 0.f;
-      if (warp < p.batch) {
-        // four 16-byte loads per lane in flight (eight spill at 2 rows), summed in k order
-        constexpr int kLoads = 4;
-        const T* row = static_cast<const T*>(p.x) + warp * p.hidden;
-        for (int64_t k0 = lane * 8; k0 < p.hidden; k0 += 256 * kLoads) {
-          uint4 u[kLoads];
 #pragma unroll
-          for (int i = 0; i < kLoads; ++i) {
-            if (k0 + 256 * i < p.hidden) u[i] = *reinterpret_cast<const uint4*>(row + k0 + 256 * i);
-          }
-#pragma unroll
-          for (int i = 0; i < kLoads; ++i) {
-            if (k0 + 256 * i < p.hidden) {
-              float v[8];
-              unpack<T>(u[i], v);
-#pragma unroll
-              for (int j = 0; j < 8; ++j) ss = fmaf(v[j], v[j], ss);
-            }
-          }
-        }
-      }
+      for (int i = 0; i < kIn; ++i) ss = fmaf(in[b][i], in[b][i], ss);
       for (int off = 16; off; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (lane == 0) rstd[warp] = rsqrtf(ss / static_cast<float>(p.hidden) + p.eps);
+      if (lane == 0) red[warp * NB + b] = ss;
     }
     __syncthreads();
-    const T* norm = static_cast<const T*>(p.norm);
-    for (int b = 0; b < NB; ++b) {
-      for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
-        float v = 0.f;
-        if (b < p.batch) {
-          const float xv = to_float(static_cast<const T*>(p.x)[b * p.hidden + k0 + k]);
-          v = round_t<T>(to_float(norm[k0 + k]) * round_t<T>(xv * rstd[b]));
-        }
-        stage[b * in_ld + k] = v;
-      }
+    if (threadIdx.x < NB) {
+      float ss = 0.f;
+      for (int w8 = 0; w8 < kMlaProjectThreads / 32; ++w8) ss += red[w8 * NB + threadIdx.x];
+      full[threadIdx.x] = ss;
+    }
+    ptx::cluster_sync();  // every rank's slice sums are written (release / acquire)
+    if (threadIdx.x < NB) {
+      const uint32_t addr = ptx::smem_addr(full + threadIdx.x);
+      float part[kMlaClusterBlocks];
+#pragma unroll
+      for (int r = 0; r < kMlaClusterBlocks; ++r) part[r] = ptx::ld_cluster_f32(ptx::map_to_rank(addr, r));
+      float ss = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMlaClusterBlocks; ++r) ss += part[r];
+      full[NB + threadIdx.x] = rsqrtf(ss / static_cast<float>(p.hidden) + p.eps);
+    }
+    __syncthreads();
+    const float* rstd = full + NB;
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      const int k = threadIdx.x + i * kMlaProjectThreads;
+      if (k >= rows) break;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) stage[b * in_ld + k] = b < p.batch ? round_t<T>(g[i] * round_t<T>(in[b][i] * rstd[b])) : 0.f;
     }
   } else {
-    for (int b = 0; b < NB; ++b) {
-      for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
-        stage[b * in_ld + k] = b < p.batch ? to_float(static_cast<const T*>(p.q_src)[b * p.q_in + k0 + k]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      const int k = threadIdx.x + i * kMlaProjectThreads;
+      if (k >= rows) break;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) stage[b * in_ld + k] = in[b][i];
+    }
+    for (int b = 0; b < NB; ++b) {  // q_lora_rank past what the registers held
+      for (int k = kIn * kMlaProjectThreads + threadIdx.x; k < rows; k += kMlaProjectThreads) {
+        stage[b * in_ld + k] = b < p.batch ? to_float(src[b * src_ld + k0 + k]) : 0.f;
       }
     }
   }
   __syncthreads();
   mla_mark(0, kMarkStaged);
-  mla_gemv<T, NB, (NB <= 2 ? 16 : NB == 4 ? 8 : 4)>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums);
+  mla_gemv<T, NB, kU>(W, ld, w, static_cast<int>(rows), stage, in_ld, red, sums, first);
   mla_mark(0, kMarkGemv);
   ptx::griddep_launch_dependents();  // the attention kernel may take the SMs this grid frees
   mla_cluster_sum<NB>(sums, w, full);
@@ -398,8 +446,14 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   const int64_t slice = mla_output_slice_cols(p.hidden), c0 = min(p.hidden, rank * slice);
   const int wo = static_cast<int>(min(slice, p.hidden - c0));
   const T* Wo = static_cast<const T*>(p.w_o) + h * dv * p.hidden + c0;
-  mla_prefetch_rows(Wv, ldb, dv, static_cast<int>(rows));
-  if (wo > 0) mla_prefetch_rows(Wo, p.hidden, wo, dv);
+  // Both GEMVs' first loads stream while o_lat is staged; L2 is asked for the rest.
+  constexpr int kUo = NB <= 4 ? 8 : 4;
+  MlaGemvFirst<T, 4> first_v;
+  MlaGemvFirst<T, kUo> first_o;
+  first_v.issue(Wv, ldb, dv, rows);
+  if (wo > 0) first_o.issue(Wo, p.hidden, wo, dv);
+  mla_prefetch_rows(Wv, ldb, dv, rows, mla_gemv_first_rows<4>(dv));
+  if (wo > 0) mla_prefetch_rows(Wo, p.hidden, wo, dv, mla_gemv_first_rows<kUo>(wo));
   ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
   mla_mark(1, kMarkWaited);
 
@@ -412,7 +466,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   }
   __syncthreads();
   mla_mark(1, kMarkStaged);
-  mla_gemv<T, NB, 4>(Wv, ldb, dv, static_cast<int>(rows), stage, in_ld, red, sums);
+  mla_gemv<T, NB, 4>(Wv, ldb, dv, rows, stage, in_ld, red, sums, first_v);
   mla_mark(1, kMarkGemv);
   mla_cluster_sum<NB>(sums, dv, full);
   mla_mark(1, kMarkCluster);
@@ -420,7 +474,7 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   __syncthreads();
   ptx::griddep_launch_dependents();
   if (wo <= 0) return;
-  mla_gemv<T, NB, (NB <= 4 ? 8 : 4)>(Wo, p.hidden, wo, dv, full, dv, red, sums);
+  mla_gemv<T, NB, kUo>(Wo, p.hidden, wo, dv, full, dv, red, sums, first_o);
   mla_mark(1, kMarkSecond);
 
   // This head's partial of y's slice; the slice's last head sums them all in head order.
