@@ -6,8 +6,10 @@
 // row groups through shared memory in group order; the cluster's blocks then read each
 // other's sums over DSMEM in rank order, so all hold the same bits. Two cluster barriers
 // frame that read (the second: nobody leaves or overwrites its sums while a peer reads).
-// Weights never depend on the previous kernel: each block asks L2 for its slice before
-// griddepcontrol.wait, which only guards x, o_lat and lengths (PDL).
+// Weights never depend on the previous kernel, so their loads lead: a block issues its
+// GEMV's first loads into registers and asks L2 for the rest of its slice before staging its
+// inputs (mla_project after loading its rows of x, so that they do not queue behind the
+// weights; mla_output before griddepcontrol.wait, which guards o_lat and the residual).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -446,7 +448,18 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   const int64_t slice = mla_output_slice_cols(p.hidden), c0 = min(p.hidden, rank * slice);
   const int wo = static_cast<int>(min(slice, p.hidden - c0));
   const T* Wo = static_cast<const T*>(p.w_o) + h * dv * p.hidden + c0;
-  // Both GEMVs' first loads stream while o_lat is staged; L2 is asked for the rest.
+  ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
+  mla_mark(1, kMarkWaited);
+  // This block's rows of o_lat first (one per thread and row: r <= kMlaProjectMaxCols), so
+  // that they do not queue behind the weights; then both GEMVs' first loads, which stream
+  // while o_lat is staged, and L2 asked for the rest.
+  static_assert(kMlaProjectMaxCols <= kMlaClusterBlocks * kMlaProjectThreads, "one o_lat row per thread");
+  const int k = threadIdx.x;
+  float ov[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    ov[b] = b < p.batch && k < rows ? to_float(static_cast<const T*>(p.o_lat)[(b * p.num_heads + h) * p.rank + k0 + k]) : 0.f;
+  }
   constexpr int kUo = NB <= 4 ? 8 : 4;
   MlaGemvFirst<T, 4> first_v;
   MlaGemvFirst<T, kUo> first_o;
@@ -454,15 +467,10 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_output_kernel(MlaOu
   if (wo > 0) first_o.issue(Wo, p.hidden, wo, dv);
   mla_prefetch_rows(Wv, ldb, dv, rows, mla_gemv_first_rows<4>(dv));
   if (wo > 0) mla_prefetch_rows(Wo, p.hidden, wo, dv, mla_gemv_first_rows<kUo>(wo));
-  ptx::griddep_wait();  // o_lat and the residual come from the previous kernels
-  mla_mark(1, kMarkWaited);
-
   const int in_ld = static_cast<int>(chunk);
-  for (int b = 0; b < NB; ++b) {
-    for (int k = threadIdx.x; k < rows; k += kMlaProjectThreads) {
-      stage[b * in_ld + k] =
-          b < p.batch ? to_float(static_cast<const T*>(p.o_lat)[(b * p.num_heads + h) * p.rank + k0 + k]) : 0.f;
-    }
+  if (k < rows) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) stage[b * in_ld + k] = ov[b];
   }
   __syncthreads();
   mla_mark(1, kMarkStaged);

@@ -11,8 +11,9 @@
 //                tile's rank 0 writes its columns to the workspace, and the last tile to
 //                finish (a counter, zeroed before the launch) writes
 //                new_latent = [RMSNorm(kv[:r]) | RoPE(kv[r:])]
-//     src is h = RMSNorm(x) (every block normalises its K chunk itself), or, with q LoRA,
-//     the q_a branch's normalised output (computed by XLA) for the heads.
+//     src is h = RMSNorm(x) (every block normalises its K chunk itself: the sum of squares
+//     of x is its slices' sums, read over DSMEM in rank order), or, with q LoRA, the q_a
+//     branch's normalised output (computed by XLA) for the heads.
 //   mla_output    one cluster per head: o_h = o_lat[b, h] W_uv_h (K split, DSMEM sums), then
 //     each rank multiplies o_h by its column slice of W_o's rows of head h into a per-head
 //     fp32 partial; the last head to finish a column slice (a counter, zeroed before the
