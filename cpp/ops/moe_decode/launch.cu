@@ -181,6 +181,8 @@ __device__ __forceinline__ void zero(float (&acc)[A][B][C]) {
 
 // 16-row steps in flight per warp on the tensor-core path (4 loads of 16 bytes per lane each).
 constexpr int kMmaStepsInFlight = 3;
+// 16-byte vectors of a pass's staged inputs each thread loads at once.
+constexpr int kStageBatch = 2;
 
 // One pass of the tensor-core path (16-bit weights, tiles of 64 or 128 columns): the
 // pass's `count` input rows times this block's weight tile over all K, summed into
@@ -215,20 +217,39 @@ __device__ void moe_mma_pass(const GemvArgs& a, const T* w0, const T* w1, int64_
         v[i] = col_ok && s < steps && r < rows ? ptx::ldg_stream(w + (r0 + r) * ld) : make_uint4(0u, 0u, 0u, 0u);
       }
     };
+    // The input rows, staged [pair][K] 16-bit with rows past `rows` (to the last 16-row step)
+    // and pairs past `count` zero, as 8-element vectors: the first kStageBatch per thread are
+    // loaded before the weights (so they do not queue behind them), the rest a batch at a
+    // time, each batch's loads issued together.
+    const int vecs_row = 2 * steps, vecs = MR * vecs_row;
+    auto load_inputs = [&](uint4 (&xv)[kStageBatch], int e0) {
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int e = e0 + u * kThreads, j = e / vecs_row, q = 8 * (e - j * vecs_row);
+        xv[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (e < vecs && j < count && q < rows) {
+          const int64_t in_row = kUp && shared ? first + j : list[j] / a.row_div;
+          xv[u] = *reinterpret_cast<const uint4*>(in + in_row * a.k + r0 + q);  // k, r0, q: multiples of 8
+        }
+      }
+    };
+    auto store_inputs = [&](const uint4 (&xv)[kStageBatch], int e0) {
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int e = e0 + u * kThreads, j = e / vecs_row, q = 8 * (e - j * vecs_row);
+        if (e < vecs) *reinterpret_cast<uint4*>(xs + j * stride + q) = xv[u];  // stride % 16 == 0
+      }
+    };
+    uint4 xv[kStageBatch];
+    load_inputs(xv, tid);
     uint4 wv[U][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) load(wv[u], rg + u * groups);
     __syncthreads();  // the previous chunk's (or pass's) readers are done
-    // [pair][K] 16-bit, rows past `rows` (to the last 16-row step) and pairs past `count` zero
-    const int staged = 16 * steps;
-    for (int e = tid; e < MR * staged; e += kThreads) {
-      const int j = e / staged, q = e - j * staged;
-      T v = from_float<T>(0.f);
-      if (j < count && q < rows) {
-        const int64_t in_row = kUp && shared ? first + j : list[j] / a.row_div;
-        v = in[in_row * a.k + r0 + q];
-      }
-      xs[j * stride + q] = v;
+    store_inputs(xv, tid);
+    for (int e0 = tid + kStageBatch * kThreads; e0 < vecs; e0 += kStageBatch * kThreads) {
+      load_inputs(xv, e0);
+      store_inputs(xv, e0);
     }
     __syncthreads();
     gemv_mma_stream(wv, rg, groups, steps, [&](const uint4 (&w4)[4], int ss) {
@@ -317,6 +338,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
     if (shared) {
       __syncthreads();  // the previous pass's readers of `list` are done
       if (tid < MR) list[tid] = static_cast<int>(shared_base + first + tid);
+      __syncthreads();  // (as scan_pairs ends) the pass reads `list` before its next barrier
     } else if (first > 0) {
       scan_pairs<MR>(a.ids, a.pairs, expert, first, list, warp_counts);
     }
