@@ -6,10 +6,10 @@
 // row groups through shared memory in group order; the cluster's blocks then read each
 // other's sums over DSMEM in rank order, so all hold the same bits. Two cluster barriers
 // frame that read (the second: nobody leaves or overwrites its sums while a peer reads).
-// Weights never depend on the previous kernel, so their loads lead: a block issues its
-// GEMV's first loads into registers and asks L2 for the rest of its slice before staging its
-// inputs (mla_project after loading its rows of x, so that they do not queue behind the
-// weights; mla_output before griddepcontrol.wait, which guards o_lat and the residual).
+// Weights never depend on the previous kernel: after griddepcontrol.wait (which guards x,
+// o_lat, the residual and lengths) a block first loads its few input values (so that they
+// do not queue behind the weights), then issues its GEMVs' first loads into registers and
+// asks L2 for the rest of its slices; those stream while the inputs are staged.
 #pragma once
 
 #include <cuda_bf16.h>
