@@ -1,15 +1,17 @@
 #!/bin/bash
-# Probe: memcheck and racecheck of every attention_block, decode_attention, mla_decode and
-# decoder_layer kernel, run alone through the standalone probes (benchmarks/probes/
+# Probe: memcheck and racecheck of every attention_block, decode_attention, mla_decode,
+# decoder_layer and moe_decode expert kernel, run alone through the standalone probes (benchmarks/probes/
 # attention_kernel.cu: one decode step per configuration; decode_attention_kernel.cu: plain
 # and append mode; mla_decode_kernel.cu: contiguous and paged latent caches;
 # mla_projections_kernel.cu: mla_decode's projection kernels;
-# decoder_layer_kernel.cu: the one-launch layer), not inside a JAX
+# decoder_layer_kernel.cu: the one-launch layer; moe_decode_kernel.cu: the expert GEMVs and
+# the combine), not inside a JAX
 # process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
 # Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
 # run to the end (docs/attention_block.md).
 #   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
-# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_MLA_PROJ_PROBE, JC_LAYER_PROBE: the probe
+# JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_MLA_PROJ_PROBE, JC_LAYER_PROBE,
+# JC_MOE_PROBE: the probe
 # binaries; without them they are
 # built here (2-3 min: build them on the CPU machine with the commands below and carry
 # them). The attention_block probe is built with every lane of the TMA kernel's consumer
@@ -41,6 +43,11 @@ mp=${JC_MLA_PROJ_PROBE:-}
 if [ -z "$mp" ] && wanted mla_projections; then
   mp=/tmp/mla_projections_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/mla_projections_kernel.cu cpp/ops/mla_decode/cpu.cc -o "$mp" || exit 1
+fi
+mo=${JC_MOE_PROBE:-}
+if [ -z "$mo" ] && wanted moe_decode; then
+  mo=/tmp/moe_decode_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/moe_decode_kernel.cu cpp/ops/moe_decode/cpu.cc -o "$mo" || exit 1
 fi
 dl=${JC_LAYER_PROBE:-}
 if [ -z "$dl" ] && wanted decoder_layer; then
@@ -94,6 +101,14 @@ mp_configs=(
   "2 128 5120 1536 512 128 64 128"
   "8 20 96 40 136 24 24 8"
 )
+# moe_decode: N H I E k Is: one pass per expert at 1-4 rows, several at 9 and 17 (8-row
+# passes), shared experts of one chunk and of several (the last narrower), odd widths.
+mo_configs=(
+  "1 512 264 16 6 528"
+  "3 520 264 10 3 272"
+  "9 512 264 16 4 0"
+  "17 264 136 6 2 408"
+)
 # decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
 # 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
 dl_configs=(
@@ -135,6 +150,9 @@ for cfg in "${ml_configs[@]}"; do
 done
 for cfg in "${mp_configs[@]}"; do
   check "mla_projections $cfg" "$mp" $cfg
+done
+for cfg in "${mo_configs[@]}"; do
+  MOE_PDL=0 check "moe_decode $cfg" "$mo" $cfg  # racecheck does not follow programmatic launches
 done
 for cfg in "${dl_configs[@]}"; do
   check "decoder_layer $cfg" "$dl" $cfg
