@@ -65,18 +65,10 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(out_cache.data(), d.cache, out_cache.size() * 2, cudaMemcpyDeviceToHost));
 
   if (std::getenv("MLA_TIME") != nullptr) {  // us per call (split + merge), 50 back-to-back calls
-    cudaEvent_t t0, t1;
-    CHECK(cudaEventCreate(&t0));
-    CHECK(cudaEventCreate(&t1));
-    CHECK(cudaEventRecord(t0));
-    for (int i = 0; i < 50; ++i) CHECK(launch_mla_decode(d, nullptr));
-    CHECK(cudaEventRecord(t1));
-    CHECK(cudaEventSynchronize(t1));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    const float us = time_calls_us([&] { return launch_mla_decode(d, nullptr); });
     double bytes = 0;
     for (int64_t b = 0; b < B; ++b) bytes += (lengths[b] + 1.0) * E * 2;
-    std::printf("time: %.2f us per call, %.0f GB/s of latent cache\n", ms * 20.f, bytes / (ms * 20e-6) / 1e9);
+    std::printf("time: %.2f us per call, %.0f GB/s of latent cache\n", us, bytes / (us * 1e3));
   }
   std::vector<uint16_t> want(B * H * R);
   MlaDecodeParams h = p;

@@ -37,20 +37,6 @@ std::vector<uint16_t> bf16s(int64_t n, float scale, float offset = 0.f) {
   return v;
 }
 
-template <typename F>
-float time_us(F&& launch) {
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  CHECK(cudaEventRecord(t0));
-  for (int i = 0; i < 50; ++i) CHECK(launch());
-  CHECK(cudaEventRecord(t1));
-  CHECK(cudaEventSynchronize(t1));
-  float ms = 0.f;
-  CHECK(cudaEventElapsedTime(&ms, t0, t1));
-  return ms * 20.f;
-}
-
 #if JAX_CLUSTER_MLA_TIMELINE
 // One launch of `launch` (kernel 0: mla_project, 1: mla_output) after `before`, then when
 // the blocks passed each phase boundary: first, median and last block, us from the first
@@ -154,9 +140,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(y.data(), dq.y, y.size() * 2, cudaMemcpyDeviceToHost));
   if (std::getenv("MLA_TIME") != nullptr) {
     double wp = 2.0 * (QIN * H * (DN + DR) + D * E + R * H * DN), wo = 2.0 * (R * H * DV + H * DV * D);
-    const float tp = time_us([&] { return launch_mla_project(dp, nullptr); });
+    const float tp = time_calls_us([&] { return launch_mla_project(dp, nullptr); });
     // (mla_output alone: its counters zeroed before each call, which the op does not need)
-    const float to = time_us([&] {
+    const float to = time_calls_us([&] {
       CHECK(cudaMemsetAsync(dq.counters, 0, kMlaCounterWords * sizeof(unsigned int)));
       return launch_mla_output(dq, nullptr);
     });

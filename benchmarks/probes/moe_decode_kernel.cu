@@ -80,21 +80,13 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(y.data(), d.out, y.size() * 2, cudaMemcpyDeviceToHost));
 
   if (std::getenv("MOE_TIME") != nullptr) {  // us per call, 50 back-to-back calls
-    cudaEvent_t t0, t1;
-    CHECK(cudaEventCreate(&t0));
-    CHECK(cudaEventCreate(&t1));
-    CHECK(cudaEventRecord(t0));
-    for (int i = 0; i < 50; ++i) CHECK(launch_moe_decode(d, nullptr));
-    CHECK(cudaEventRecord(t1));
-    CHECK(cudaEventSynchronize(t1));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    const float us = time_calls_us([&] { return launch_moe_decode(d, nullptr); });
     std::vector<int32_t> distinct(ids);
     std::sort(distinct.begin(), distinct.end());
     const double experts = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
     const double bytes = 2.0 * 3.0 * H * (experts * I + IS);
-    std::printf("time: %.2f us per call, %.0f GB/s of expert weights (%d experts)\n", ms * 20.f,
-                bytes / (ms * 20e-6) / 1e9, static_cast<int>(experts));
+    std::printf("time: %.2f us per call, %.0f GB/s of expert weights (%d experts)\n", us, bytes / (us * 1e3),
+                static_cast<int>(experts));
   }
 
   MoeDecodeParams hp = p;
