@@ -21,8 +21,9 @@
 //   gate/up: two matrices; h = round(silu(g) * u) to T, written to h [pair][I].
 //   down:    one matrix; the fp32 sums written to y_e [pair][H].
 // The combine kernel sums the k slots of each row in slot order (+ residual), then adds
-// the shared chunks to the rounded sum in chunk order; NaN for a
-// row with an invalid id.
+// the shared chunks to the rounded sum in chunk order; NaN for a row with an invalid id.
+// Down and combine are PDL launches: what does not depend on the previous kernel (ids,
+// the first weight steps, routing weights, residual) is loaded before the wait.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -191,7 +192,7 @@ constexpr int kStageBatch = 2;
 // through jax_cluster/gemv_mma.cuh, the staged inputs ([pair][K] 16-bit) are the B fragments.
 template <typename T, int MR, bool kUp>
 __device__ void moe_mma_pass(const GemvArgs& a, const T* w0, const T* w1, int64_t ld, int64_t ncols, int64_t krows,
-                             int count, int first, bool shared, const int* list, float* smem) {
+                             int count, int first, bool shared, const int* list, float* smem, bool wait_prior) {
   constexpr int kMat = kUp ? 2 : 1, U = kMmaStepsInFlight;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int halves = a.cols / 64, groups = kWarps / kMat / halves;
@@ -240,11 +241,18 @@ __device__ void moe_mma_pass(const GemvArgs& a, const T* w0, const T* w1, int64_
         if (e < vecs) *reinterpret_cast<uint4*>(xs + j * stride + q) = xv[u];  // stride % 16 == 0
       }
     };
+    // wait_prior (the first chunk of a PDL launch's first pass): the weights, which depend on
+    // nothing, are asked for before the wait for the previous kernel's inputs.
+    const bool wait = wait_prior && r0 == 0;
     uint4 xv[kStageBatch];
-    load_inputs(xv, tid);
+    if (!wait) load_inputs(xv, tid);
     uint4 wv[U][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) load(wv[u], rg + u * groups);
+    if (wait) {
+      ptx::griddep_wait();
+      load_inputs(xv, tid);
+    }
     __syncthreads();  // the previous chunk's (or pass's) readers are done
     store_inputs(xv, tid);
     for (int e0 = tid + kStageBatch * kThreads; e0 < vecs; e0 += kStageBatch * kThreads) {
@@ -313,7 +321,8 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
       w0 = static_cast<const T*>(a.s0) + c0 * a.n;
     }
   }
-  if (a.wait_prior) ptx::griddep_wait();
+  // The tensor-core pass waits inside, after its first weight loads.
+  if (a.wait_prior && !kMma) ptx::griddep_wait();
   // 16-bit weights in tiles of 64 or 128 columns run on the tensor cores (moe_mma_pass);
   // fp32 weights and 32-column tiles on the CUDA cores below.
   static_assert(!kMma || !std::is_same_v<T, float>, "the tensor cores take 16-bit weights");
@@ -344,7 +353,8 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
     }
     const int count = min(MR, total - first);
     if constexpr (kMma) {
-      moe_mma_pass<T, MR, kUp>(a, tile0, tile1, ld, ncols, krows, count, first, shared, list, smem);
+      moe_mma_pass<T, MR, kUp>(a, tile0, tile1, ld, ncols, krows, count, first, shared, list, smem,
+                               a.wait_prior && first == 0);
     } else {
       float acc[kMat][MR][8];
       zero(acc);
@@ -439,44 +449,85 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
   }
 }
 
+// Slots (or shared chunks) whose loads the combine issues together: each load is a round
+// trip to L2, and one at a time they were the end of the layer's critical path.
+constexpr int kCombineBatch = 8;
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const CombineArgs a) {
-  ptx::griddep_wait();  // y_e is the previous kernel's (a no-op without PDL)
   const int64_t quads = a.h / 4, total = a.n * quads;
-  for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < total;
-       q += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t row = q / quads, c = (q - row * quads) * 4;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    bool valid = true;
-    for (int64_t slot = 0; slot < a.k; ++slot) {
-      const int64_t p = row * a.k + slot;
-      const int id = __ldg(a.ids + p);
-      if (id < 0 || id >= a.e) {  // no block wrote this pair's y_e
-        valid = false;
-        continue;
-      }
-      const float w = __ldg(a.weights + p);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.y + p * a.h + c));
-      s[0] = fmaf(w, v.x, s[0]);
-      s[1] = fmaf(w, v.y, s[1]);
-      s[2] = fmaf(w, v.z, s[2]);
-      s[3] = fmaf(w, v.w, s[3]);
-    }
-    const int64_t o = row * a.h + c;
-    if (a.residual != nullptr) {
-      const T* r = static_cast<const T*>(a.residual) + o;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  bool waited = false;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < total; q += stride) {
+    const int64_t row = q / quads, c = (q - row * quads) * 4, o = row * a.h + c;
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, res[4] = {0.f, 0.f, 0.f, 0.f};
+    if (a.residual != nullptr) {  // an input of the call: loaded ahead of the wait
+      T r[4];
+      *reinterpret_cast<uint2*>(r) = *reinterpret_cast<const uint2*>(static_cast<const T*>(a.residual) + o);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] += to_float(r[i]);
+      for (int i = 0; i < 4; ++i) res[i] = to_float(r[i]);
+    }
+    bool valid = true;
+    for (int64_t s0 = 0; s0 < a.k; s0 += kCombineBatch) {
+      int id[kCombineBatch];
+      float w[kCombineBatch];
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const int64_t p = row * a.k + s0 + u;
+        id[u] = s0 + u < a.k ? __ldg(a.ids + p) : -1;
+        w[u] = s0 + u < a.k ? __ldg(a.weights + p) : 0.f;
+      }
+      if (!waited) {  // ids and weights are the router's; y_e is the previous kernel's
+        ptx::griddep_wait();  // a no-op without PDL
+        waited = true;
+      }
+      float4 v[kCombineBatch];
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const bool chosen = id[u] >= 0 && id[u] < a.e;  // no block wrote an invalid pair's y_e
+        v[u] = chosen ? __ldcg(reinterpret_cast<const float4*>(a.y + (row * a.k + s0 + u) * a.h + c))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {  // slot order
+        if (s0 + u >= a.k) break;
+        if (id[u] < 0 || id[u] >= a.e) {
+          valid = false;
+          continue;
+        }
+        s[0] = fmaf(w[u], v[u].x, s[0]);
+        s[1] = fmaf(w[u], v[u].y, s[1]);
+        s[2] = fmaf(w[u], v[u].z, s[2]);
+        s[3] = fmaf(w[u], v[u].w, s[3]);
+      }
+    }
+    if (a.residual != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] += res[i];
+    }
+    if (!waited) {
+      ptx::griddep_wait();
+      waited = true;
     }
     if (a.shared_chunks > 0) {  // the routed sum rounded, the shared chunks added in chunk order
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] = to_float(from_float<T>(s[i]));
-      for (int64_t ch = 0; ch < a.shared_chunks; ++ch) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.y + (a.n * a.k + ch * a.n + row) * a.h + c));
-        s[0] += v.x;
-        s[1] += v.y;
-        s[2] += v.z;
-        s[3] += v.w;
+      for (int64_t c0 = 0; c0 < a.shared_chunks; c0 += kCombineBatch) {
+        float4 v[kCombineBatch];
+#pragma unroll
+        for (int u = 0; u < kCombineBatch; ++u) {
+          const int64_t pair = a.n * a.k + (c0 + u) * a.n + row;
+          v[u] = c0 + u < a.shared_chunks ? __ldcg(reinterpret_cast<const float4*>(a.y + pair * a.h + c))
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineBatch; ++u) {
+          if (c0 + u >= a.shared_chunks) break;
+          s[0] += v[u].x;
+          s[1] += v[u].y;
+          s[2] += v[u].z;
+          s[3] += v[u].w;
+        }
       }
     }
     T out[4];
