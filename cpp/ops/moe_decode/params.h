@@ -9,7 +9,7 @@
 // rounded to x's dtype (as a 16-bit implementation stores it); the per-(row, slot) expert
 // outputs stay fp32 and y is rounded once, after the weighted sum and the residual.
 //
-// Kernels (launch.cu; docs/moe_decode.md):
+// Kernels (experts.cuh and combine.cuh, launched by launch.cu; docs/moe_decode.md):
 //  1. gate/up: grid (I column tiles of cols_up, min(E, N k)): grid row j is the j-th
 //     smallest expert id chosen (rows past the distinct count exit at once). A block lists
 //     the (row, slot) pairs whose id is its expert (a scan of ids, in pair order), then
