@@ -153,10 +153,10 @@ def test_cpu_impls_agree(rng, dtype, method):
             _check(_run(dict(impl=impl, **kw), args, extra, _cpu()), ref, dtype, factor)
 
 
-@pytest.mark.parametrize("shared", [8, 48, 200, 36], ids=str)
+@pytest.mark.parametrize("shared", [8, 48, 200, 36, 328], ids=str)
 def test_cpu_shared_widths(rng, shared):
     """Shared experts of any width in the call (chunks of I = 32: one narrower, one
-    wider than I, several with a narrower last); a width that is not a multiple of 8 runs
+    wider than I, several with a narrower last, 11); a width that is not a multiple of 8 runs
     through swiglu outside the call (impl "auto": swiglu's kernels need multiples of 64)."""
     args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=shared, residual=True)
     kw = dict(top_k=2, **GREEDY)
@@ -623,10 +623,12 @@ def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
     """Every column tile on H, I multiples of 8 only (tile remainders of 8 columns), one
     expert (k = E = 1), more rows than a pass holds (N = 9, 70: several passes per expert),
     shared experts in the call (up to 8 rows) narrower than I, wider with a narrower last
-    chunk, or several chunks, duplicate ids through moe_experts."""
+    chunk, or several chunks (10: more than the combine loads at once), duplicate ids
+    through moe_experts."""
     cfg = MoeDecodeConfig(**config)
     for n, h, i, e, k, shared in ((1, 136, 72, 4, 2, 200), (9, 264, 200, 1, 1, None), (5, 264, 200, 1, 1, 8),
-                                  (70, 136, 72, 4, 3, None), (8, 136, 72, 4, 3, 144), (3, 64, 8, 6, 6, 40)):
+                                  (70, 136, 72, 4, 3, None), (8, 136, 72, 4, 3, 144), (3, 64, 8, 6, 6, 40),
+                                  (2, 64, 8, 6, 2, 80)):
         args, extra = _inputs(rng, n, h, i, e, dtype, shared=shared, residual=n % 2 == 1)
         kw = dict(top_k=k)
         weights, ids = _route_on_gpu(args, kw)

@@ -102,12 +102,14 @@ mp_configs=(
   "8 20 96 40 136 24 24 8"
 )
 # moe_decode: N H I E k Is: one pass per expert at 1-4 rows, several at 9 and 17 (8-row
-# passes), shared experts of one chunk and of several (the last narrower), odd widths.
+# passes), shared experts of one chunk and of several (the last narrower; 10: two of the
+# combine's load batches), odd widths.
 mo_configs=(
   "1 512 264 16 6 528"
   "3 520 264 10 3 272"
   "9 512 264 16 4 0"
   "17 264 136 6 2 408"
+  "2 64 8 6 2 80"
 )
 # decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
 # 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
