@@ -224,6 +224,9 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
     from collections import defaultdict
 
     lines = [ln for _, ln in _gpu_stream_lines(_profile(run, repeat))]
+    if not lines:
+        print(f"trace {label}: no GPU activity in the trace", flush=True)
+        return
     line = max(lines, key=lambda ln: len(list(ln.events)))
     evs = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events), key=lambda t: t[0])
     steps = calls * repeat

@@ -18,6 +18,7 @@ Cases that do not fit in device memory are listed as skipped.
 
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
         [--combos B:CTX,...] [--part NAME]     # one slice of the grid, merged into the table
+        [--trace]                              # and each fused case's kernels per token
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -107,8 +108,10 @@ def random_cache(model, batch, max_len, ctx, seed=0):
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
 
-def time_decode(model, impl, batch, ctx, steps, trials):
-    """Seconds per decode step (one token for every row) at context ctx."""
+def time_decode(model, impl, batch, ctx, steps, trials, trace=None):
+    """Seconds per decode step (one token for every row) at context ctx; with trace (a
+    label), also prints the kernel timeline of two calls (common.print_timeline: time per
+    kernel per step, the gaps between kernels)."""
     engine = Engine(model, impl=impl)
     loop = engine.loop(steps)
 
@@ -129,6 +132,8 @@ def time_decode(model, impl, batch, ctx, steps, trials):
 
     # per call in a loop of back-to-back calls: one call's host dispatch latency left out
     seconds = steady_seconds(call, warmup=1, trials=trials)
+    if trace:
+        common.print_timeline(trace, call, calls=steps, first=0, top=24)
     del state[:]
     return seconds / steps
 
@@ -150,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
+    p.add_argument("--trace", action="store_true", help="also print each fused and one_launch case's "
+                   "kernel timeline (CUPTI through jax.profiler): time per kernel per token, gaps")
     p.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
                    "into the table (a case measured again replaces its row)")
     args = p.parse_args(argv)
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
                 xla_s = None
                 for vname, impl in variants:
                     try:
-                        s = time_decode(model, impl, batch, ctx, steps, trials)
+                        s = time_decode(model, impl, batch, ctx, steps, trials,
+                                        trace=f"{base} {vname}" if args.trace and vname != "xla" else None)
                     except ValueError as exc:  # the one-launch kernel's coverage (e.g. rows), named
                         if vname != "one_launch":
                             raise

@@ -1,5 +1,6 @@
-"""benchmarks/common.py's stream timeline (sp_attention_nvshmem.py --trace): the events of
-every GPU stream line of a profile, in start order, and their printout; a CPU trace has none."""
+"""benchmarks/common.py's stream timeline (sp_attention_nvshmem.py --trace) and kernel
+timeline (decode_e2e.py --trace): the events of every GPU stream line of a profile, in start
+order, and their printout; a CPU trace has none."""
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -46,3 +47,12 @@ def test_print_streams_on_a_cpu_says_there_is_no_gpu_activity(capsys):
     f = jax.jit(lambda x: x @ x)
     common.print_streams("cpu", lambda: f(x))
     assert "streams cpu: no GPU activity in the trace" in capsys.readouterr().out
+
+
+def test_print_timeline_on_a_cpu_says_there_is_no_gpu_activity(capsys):
+    """decode_e2e.py --trace on a CPU (its smoke run): a line, not an error."""
+    common = _common()
+    x = jax.device_put(jnp.ones((64, 64)), jax.devices("cpu")[0])
+    f = jax.jit(lambda x: x @ x)
+    common.print_timeline("cpu", lambda: f(x), calls=1)
+    assert "trace cpu: no GPU activity in the trace" in capsys.readouterr().out
