@@ -30,6 +30,7 @@
 
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/gemv_mma.cuh"
+#include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
 #include "ops/moe_decode/params.h"
@@ -154,16 +155,6 @@ __device__ __forceinline__ void load_rows(const float* xs, float (&v)[MR]) {
   } else {
     v[0] = xs[0];
   }
-}
-
-template <int A, int B, int C>
-__device__ __forceinline__ void zero(float (&acc)[A][B][C]) {
-#pragma unroll
-  for (int i = 0; i < A; ++i)
-#pragma unroll
-    for (int j = 0; j < B; ++j)
-#pragma unroll
-      for (int c = 0; c < C; ++c) acc[i][j][c] = 0.f;
 }
 
 // 16-row steps in flight per warp on the tensor-core path (4 loads of 16 bytes per lane each).
@@ -343,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 1) moe_gemv_kernel(const 
                                a.wait_prior && first == 0);
     } else {
       float acc[kMat][MR][8];
-      zero(acc);
+      zero_acc(acc);
       for (int64_t r0 = 0; r0 < krows; r0 += chunk_rows) {
         const int rows = static_cast<int>(min(chunk_rows, krows - r0));
         __syncthreads();  // the previous chunk's (or pass's) readers are done
