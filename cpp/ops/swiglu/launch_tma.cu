@@ -192,13 +192,22 @@ __device__ __forceinline__ void produce(const TmaGemmArgs& g, Ring<S>& ring, uin
 // [gate 128 | up 128], down the tile's 256 output columns; reduce_tile() sums them),
 // emit() writes A2 or y of a tile the block held whole.
 
-// y = acc (+ residual) of two adjacent output columns, or A2 = SiLU(gate) * up.
+// The residual's two adjacent elements at (base + col), 0 without a residual. Callers load
+// every pair they will store before the first store: a load issued after a store to y
+// (which may alias the residual) waits for that store's value to be computed, so one at a
+// time each pair was an L2 round trip of its own.
+template <typename T>
+__device__ __forceinline__ uint32_t residual_pair(const TmaGemmArgs& g, int64_t base, int64_t col) {
+  const T* res = static_cast<const T*>(g.residual);
+  return res != nullptr ? *reinterpret_cast<const uint32_t*>(res + base + col) : 0u;
+}
+
+// y = acc (+ the residual pair r2 of residual_pair) of two adjacent output columns, or
+// A2 = SiLU(gate) * up.
 template <typename T>
 __device__ __forceinline__ void store_down(const TmaGemmArgs& g, int64_t base, int64_t col,
-                                           float v0, float v1) {
-  const T* res = static_cast<const T*>(g.residual);
-  if (res != nullptr) {
-    const uint32_t r2 = *reinterpret_cast<const uint32_t*>(res + base + col);
+                                           float v0, float v1, uint32_t r2) {
+  if (g.residual != nullptr) {
     const T* e = reinterpret_cast<const T*>(&r2);
     v0 += to_float(e[0]);
     v1 += to_float(e[1]);
@@ -307,6 +316,16 @@ struct MmaSyncTile {
   }
 
   __device__ void emit(const TmaGemmArgs& g, int64_t tile, int64_t row0, int rows) const {
+    uint32_t res[MT][2][4] = {};  // down: the residual pairs, all loaded before any store
+    if (!g.up && g.residual != nullptr) {
+      for_rows(rows, [&](int mt, int h, int row) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int64_t c = tile * g.tile_cols + col(false, nt);
+          if (c < g.out_cols) res[mt][h][nt] = residual_pair<T>(g, (row0 + row) * g.out_cols, c);
+        }
+      });
+    }
     for_rows(rows, [&](int mt, int h, int row) {
       const int64_t base = (row0 + row) * g.out_cols;
 #pragma unroll
@@ -318,7 +337,7 @@ struct MmaSyncTile {
           store_up<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1],
                       acc[mt][nt + 2][2 * h], acc[mt][nt + 2][2 * h + 1]);
         } else {
-          store_down<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+          store_down<T>(g, base, c, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1], res[mt][h][nt]);
         }
       }
     });
@@ -343,11 +362,18 @@ __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* s
   for (int e0 = lo + tid; e0 < hi; e0 += kElems * kConsumers) {
     float4 a[kElems], b[kElems];  // up: gate, up; down: y
     const float* src[kElems];
+    uint32_t res[kElems][2] = {};  // down: the residual pairs, loaded with the first slots
 #pragma unroll
     for (int j = 0; j < kElems; ++j) {
       a[j] = b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
       const int e = min(e0 + j * kConsumers, hi - 1);  // past hi: a duplicate, not stored
       src[j] = slot0 + (e / kQuads) * kSlotCols + 4 * (e % kQuads);
+      const int64_t col = tile * g.tile_cols + 4 * (e % kQuads);
+      if (!kUp && col < g.out_cols) {
+        const int64_t base = (row0 + e / kQuads) * g.out_cols;
+        res[j][0] = residual_pair<T>(g, base, col);
+        res[j][1] = residual_pair<T>(g, base, col + 2);
+      }
     }
     for (int i0 = 0; i0 < count; i0 += kSlots) {
       float4 va[kSlots][kElems], vb[kSlots][kElems];
@@ -383,8 +409,8 @@ __device__ __forceinline__ void reduce_tile(const TmaGemmArgs& g, const float* s
         store_up<T>(g, base, col, a[j].x, a[j].y, b[j].x, b[j].y);
         store_up<T>(g, base, col + 2, a[j].z, a[j].w, b[j].z, b[j].w);
       } else {
-        store_down<T>(g, base, col, a[j].x, a[j].y);
-        store_down<T>(g, base, col + 2, a[j].z, a[j].w);
+        store_down<T>(g, base, col, a[j].x, a[j].y, res[j][0]);
+        store_down<T>(g, base, col + 2, a[j].z, a[j].w, res[j][1]);
       }
     }
   }
@@ -407,14 +433,15 @@ __device__ __forceinline__ void reduce_tile_in_cluster(const TmaGemmArgs& g, con
     const int64_t col = tile * g.tile_cols + c;
     if (col >= g.out_cols) continue;  // columns past D of a last tile
     const uint32_t at = local + 4u * static_cast<uint32_t>(row * kPartialPitch + c);
+    const int64_t base = static_cast<int64_t>(row) * g.out_cols;
+    const uint32_t r0 = residual_pair<T>(g, base, col), r1 = residual_pair<T>(g, base, col + 2);
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int q = 0; q < g.cluster; ++q) {
       const float4 v = ptx::ld_cluster_f32x4(ptx::map_to_rank(at, q));
       sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     }
-    const int64_t base = static_cast<int64_t>(row) * g.out_cols;
-    store_down<T>(g, base, col, sum.x, sum.y);
-    store_down<T>(g, base, col + 2, sum.z, sum.w);
+    store_down<T>(g, base, col, sum.x, sum.y, r0);
+    store_down<T>(g, base, col + 2, sum.z, sum.w, r1);
   }
 }
 
