@@ -125,8 +125,21 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   const MlaChunks used(R, DR);
 
   if (t0 <= length && length < t1) {  // the step's token into its slot, before it is streamed
+    // Every element loaded before the first store: one round trip instead of one per
+    // element (the compiler cannot move a load above a store that may alias it).
     T* dst = cache + mla_decode_slot_offset(p, b, length) * E;
-    for (int e = tid; e < E; e += L::kThreads) dst[e] = T(p.new_latent[static_cast<int64_t>(b) * E + e]);
+    constexpr int kPer = (L::kRowElems + L::kThreads - 1) / L::kThreads;  // E <= kRowElems
+    float v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + i * L::kThreads;
+      v[i] = e < E ? p.new_latent[static_cast<int64_t>(b) * E + e] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + i * L::kThreads;
+      if (e < E) dst[e] = T(v[i]);
+    }
     __threadfence();
     __syncthreads();  // (block-uniform) written for every thread that streams it
   }
