@@ -231,13 +231,23 @@ __global__ void __launch_bounds__(kMlaProjectThreads, 2) mla_project_kernel(MlaP
   const T* src = static_cast<const T*>(normed ? p.x : p.q_src);
   const int64_t src_ld = normed ? p.hidden : p.q_in;
   constexpr int kIn = kMlaProjectMaxCols / kMlaProjectThreads;  // rows per thread held (normed: all)
-  float in[NB][kIn], g[kIn];
+  // All of them issued before the first is converted (converted as loaded, at 8 rows ptxas
+  // left 27 of the 36 loads each waiting for the one before).
+  T in_raw[NB][kIn], g_raw[kIn];
+  const T zero = from_float<T>(0.f);
 #pragma unroll
   for (int i = 0; i < kIn; ++i) {
     const int k = threadIdx.x + i * kMlaProjectThreads;
-    g[i] = normed && k < rows ? to_float(static_cast<const T*>(p.norm)[k0 + k]) : 0.f;
+    g_raw[i] = normed && k < rows ? static_cast<const T*>(p.norm)[k0 + k] : zero;
 #pragma unroll
-    for (int b = 0; b < NB; ++b) in[b][i] = b < p.batch && k < rows ? to_float(src[b * src_ld + k0 + k]) : 0.f;
+    for (int b = 0; b < NB; ++b) in_raw[b][i] = b < p.batch && k < rows ? src[b * src_ld + k0 + k] : zero;
+  }
+  float in[NB][kIn], g[kIn];
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) {
+    g[i] = to_float(g_raw[i]);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) in[b][i] = to_float(in_raw[b][i]);
   }
   // Then the weights: the GEMV's first loads into registers, L2 asked for the rest of its
   // slice and for this head's W_uk rows of the absorption.
