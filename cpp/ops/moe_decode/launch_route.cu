@@ -27,7 +27,8 @@ constexpr int kLoads = 16;
 // where several threads sum a score's chunks, their slice sums [slices][N * E] (at most
 // kThreads). Either at most 40 KB: under the 48 KB a launch may take without opting in.
 inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads; }
-inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads; }
+// scores and group bests [2 kWarps][E], the chunk sums [kThreads], noaux_tc's score_bias [E]
+inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads + e; }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
 __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
@@ -149,15 +150,16 @@ __device__ void finish_row(const MoeRouteParams& p, int n, float sum, int lane) 
 }
 
 // DeepSeek-V3's noaux_tc for row n: sc [E] holds the logits on entry, the sigmoid scores after;
-// ch [E] gets the choice (scores + bias, -inf outside the kept groups).
-__device__ void noaux_tc_choice(const MoeRouteParams& p, float* sc, float* ch, int lane) {
+// ch [E] gets the choice (scores + bias, -inf outside the kept groups). bias: score_bias,
+// staged in shared memory (read in loops, from global memory each read was a round trip).
+__device__ void noaux_tc_choice(const MoeRouteParams& p, float* sc, float* ch, const float* bias, int lane) {
   const int E = static_cast<int>(p.e), groups = static_cast<int>(p.n_group), G = E / groups;
   for (int e = lane; e < E; e += 32) sc[e] = 1.f / (1.f + expf(-sc[e]));
   __syncwarp();
   for (int g = lane; g < groups; g += 32) {  // a group's score: its two best choices' sum
     float b1 = -INFINITY, b2 = -INFINITY;
     for (int e = g * G; e < (g + 1) * G; ++e) {
-      const float c = sc[e] + p.score_bias[e];
+      const float c = sc[e] + bias[e];
       if (c > b1) {
         b2 = b1;
         b1 = c;
@@ -176,7 +178,7 @@ __device__ void noaux_tc_choice(const MoeRouteParams& p, float* sc, float* ch, i
     kept |= static_cast<uint32_t>(above < p.topk_group) << j;
   }
   __syncwarp();
-  for (int j = 0, e = lane; e < E; ++j, e += 32) ch[e] = (kept >> j) & 1u ? sc[e] + p.score_bias[e] : -INFINITY;
+  for (int j = 0, e = lane; e < E; ++j, e += 32) ch[e] = (kept >> j) & 1u ? sc[e] + bias[e] : -INFINITY;
   __syncwarp();
 }
 
@@ -186,6 +188,12 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e);
   const float* partial = static_cast<const float*>(p.workspace);
+  // score_bias is an input: staged before the wait (the partials kernel triggers this launch
+  // only after its own wait, so every earlier kernel is done); read after the barrier below.
+  float* bias = smem + 2 * kWarps * E + kThreads;
+  if (p.noaux_tc) {
+    for (int e = tid; e < E; e += kThreads) bias[e] = p.score_bias[e];
+  }
   ptx::griddep_wait();  // every chunk's partials are written
   // The logits: each (row, expert) pair's chunk partials summed by `slices` threads (chunks
   // slice, slice + slices, ... in order), the slice sums then added in slice order. One
@@ -221,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
     }
     if (p.noaux_tc) {
       __syncwarp();
-      noaux_tc_choice(p, sc, gb, lane);
+      noaux_tc_choice(p, sc, gb, bias, lane);
       finish_row(p, n, choose_top_k(p, n, sc, gb, lane), lane);
       continue;
     }
