@@ -68,7 +68,11 @@ int main(int argc, char** argv) {
     const float us = time_calls_us([&] { return launch_mla_decode(d, nullptr); });
     double bytes = 0;
     for (int64_t b = 0; b < B; ++b) bytes += (lengths[b] + 1.0) * E * 2;
-    std::printf("time: %.2f us per call, %.0f GB/s of latent cache\n", us, bytes / (us * 1e3));
+    int per_sm = 0;  // split-kernel blocks resident per SM (rank 512: the V2 kernel)
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mla_decode_split_kernel<__nv_bfloat16, 512>,
+                                                        MlaTile<512>::kThreads, MlaTile<512>::kSmemBytes));
+    std::printf("time: %.2f us per call, %.0f GB/s of latent cache, %d split blocks per SM\n", us,
+                bytes / (us * 1e3), per_sm);
   }
   std::vector<uint16_t> want(B * H * R);
   MlaDecodeParams h = p;
