@@ -196,16 +196,29 @@ __device__ __forceinline__ int64_t qkv_column(const AttentionBlockParams& p, con
 __device__ inline void apply_rope(const AttentionBlockParams& p, float* qkv, int hpc, int pos,
                            ThreadGroup group) {
   const int dh = static_cast<int>(p.head_dim), half = static_cast<int>(p.rotary_dim / 2);
-  for (int e = threadIdx.x; e < (hpc + 1) * half; e += group.threads) {
-    const int head = e / half, i = e % half;  // heads 0..hpc-1 = q, hpc = k
-    float* v = qkv + head * dh;
-    float s, c;
-    sincosf(static_cast<float>(pos) * p.inv_freq[i], &s, &c);
-    const int i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
-    const int i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
-    const float x1 = v[i1], x2 = v[i2];
-    v[i1] = x1 * c - x2 * s;
-    v[i2] = x2 * c + x1 * s;
+  const int n = (hpc + 1) * half;  // heads 0..hpc-1 = q, hpc = k
+  constexpr int kBatch = 4;        // a thread's frequencies loaded together, ahead of its stores
+  for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * group.threads) {
+    float freq[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * group.threads;
+      freq[u] = e < n ? __ldg(p.inv_freq + e % half) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * group.threads;
+      if (e >= n) break;
+      const int head = e / half, i = e % half;
+      float* v = qkv + head * dh;
+      float s, c;
+      sincosf(static_cast<float>(pos) * freq[u], &s, &c);
+      const int i1 = p.rope_layout == RopeLayout::kHalf ? i : 2 * i;
+      const int i2 = p.rope_layout == RopeLayout::kHalf ? i + half : 2 * i + 1;
+      const float x1 = v[i1], x2 = v[i2];
+      v[i1] = x1 * c - x2 * s;
+      v[i2] = x2 * c + x1 * s;
+    }
   }
   group.sync();
 }

@@ -397,8 +397,19 @@ __global__ void __launch_bounds__(kStreamThreads, kTmaMinBlocks<DH, MH>)
   reduce_qkv(reinterpret_cast<uint4*>(qkv));
   if (p.has_qkv_bias) {
     const T* bias = static_cast<const T*>(p.qkv_bias);
-    for (int e = threadIdx.x; e < L.qkv_floats; e += kConsumerThreads) {
-      qkv[e] += to_float(bias[qkv_column(p, c, hpc, e)]);
+    constexpr int kBatch = 4;  // a thread's biases loaded together, ahead of its adds
+    for (int e0 = threadIdx.x; e0 < L.qkv_floats; e0 += kBatch * kConsumerThreads) {
+      T raw[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = min(e0 + u * kConsumerThreads, L.qkv_floats - 1);  // clamped: in bounds
+        raw[u] = bias[qkv_column(p, c, hpc, e)];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * kConsumerThreads;
+        if (e < L.qkv_floats) qkv[e] += to_float(raw[u]);
+      }
     }
     group.sync();
   }

@@ -132,14 +132,18 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     }
     wait(k0 + staged, k0 + min(end, rows));
     __syncthreads();
-    const int64_t n = end - staged;
-    for (int64_t e = tid; e < NB * n; e += kLayerThreads) {
-      const int b = static_cast<int>(e / n);
-      const int64_t kr = staged + e % n;
-      const float x = b < batch && kr < rows ? in(b, k0 + kr) : 0.f;
-      const T hi = from_float<T>(x);
-      stage_hi[b * cs + kr] = hi;
-      stage_lo[b * cs + kr] = from_float<T>(x - to_float(hi));
+    // A thread's row of every batch row is loaded before any is stored: one round trip per
+    // row instead of one per (row, batch row).
+    for (int64_t kr = staged + tid; kr < end; kr += kLayerThreads) {
+      float x[NB];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) x[b] = b < batch && kr < rows ? in(b, k0 + kr) : 0.f;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const T hi = from_float<T>(x[b]);
+        stage_hi[b * cs + kr] = hi;
+        stage_lo[b * cs + kr] = from_float<T>(x[b] - to_float(hi));
+      }
     }
     staged = end;
     __syncthreads();
