@@ -152,6 +152,25 @@ __device__ __forceinline__ float weight_at(const void* w, int64_t i) {
   return w == nullptr ? 0.f : to_float(static_cast<const T*>(w)[i]);
 }
 
+// A tile's epilogue: thread j owns the tile's column col0 + j (< n) of every batch row.
+// load(b, j, col) runs for every row before the first store(b, j, col, v): one round trip
+// per tile instead of one per row (a load the compiler cannot move above a store that may
+// alias it). Rows past nb load row nb - 1 (in bounds) and store nothing.
+template <int NB, typename Load, typename Store>
+__device__ __forceinline__ void layer_tile_epilogue(int64_t col0, int64_t n, int nb, Load load, Store store) {
+  static_assert(kLayerTileCols == kLayerThreads, "a thread per tile column");
+  const int j = threadIdx.x;
+  const int64_t col = col0 + j;
+  if (col >= n) return;
+  float v[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) v[b] = load(min(b, nb - 1), j, col);
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (b < nb) store(b, j, col, v[b]);
+  }
+}
+
 template <typename T, int NB, int DH>
 __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_layer_kernel(const DecoderLayerArgs args) {
   extern __shared__ __align__(16) float layer_smem[];
@@ -218,12 +237,10 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   // ---- up front: QKV (and the parallel residual's MLP up)
   layer_x_stats<T, NB>(p, x_mean, x_rstd);
   auto finish_qkv = [&](int64_t tile, const float* vals, int nb) {
-    const int tc = static_cast<int>(pl.gemv[kGemvQkv].tile_cols);
-    for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
-      const int b = e / tc;
-      const int64_t c = tile * tc + e % tc;
-      if (c < cols) __stcg(qkv + b * cols + c, vals[e] + weight_at<T>(p.qkv_bias, c));
-    }
+    layer_tile_epilogue<NB>(
+        tile * kLayerTileCols, cols, nb,
+        [&](int b, int j, int64_t c) { return vals[b * kLayerTileCols + j] + weight_at<T>(p.qkv_bias, c); },
+        [&](int b, int, int64_t c, float v) { __stcg(qkv + b * cols + c, v); });
   };
   // scale[b]: RMSNorm's 1 / rms(h) when MLP up multiplied h * w_norm (else null).
   auto finish_up = [&](int64_t tile, const float* vals, int nb, const float* scale) {
@@ -237,15 +254,13 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
         if (col < f) __stcg(act + b * f + col, g / (1.f + __expf(-g)) * u);
       }
     } else {
-      for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
-        const int b = e / tc;
-        const int64_t col = tile * tc + e % tc;
-        const float sc = scale != nullptr ? scale[b] : 1.f;
-        if (col < f) {
-          __stcg(act + b * f + col,
-                 layer_gelu(vals[e] * sc + weight_at<T>(p.b1, col), p.mlp == MlpKind::kGeluTanh));
-        }
-      }
+      layer_tile_epilogue<NB>(
+          tile * tc, f, nb,
+          [&](int b, int j, int64_t col) {
+            const float sc = scale != nullptr ? scale[b] : 1.f;
+            return layer_gelu(vals[b * tc + j] * sc + weight_at<T>(p.b1, col), p.mlp == MlpKind::kGeluTanh);
+          },
+          [&](int b, int, int64_t col, float v) { __stcg(act + b * f + col, v); });
     }
   };
   each_unit(kGemvQkv, 0, [&](int64_t tile, int64_t chunk) {
@@ -313,15 +328,13 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
       };
       layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
                              ready(kGemvO), wait, in, [&](int64_t t, const float* vals, int nb) {
-                               const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
-                               for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
-                                 const int b = e / tc;
-                                 const int64_t c = t * tc + e % tc;
-                                 if (c < d) {
-                                   store_y(b, c, to_float(x[b * d + c]) + vals[e] + weight_at<T>(p.o_bias, c) +
-                                                     weight_at<T>(p.b3, c));
-                                 }
-                               }
+                               layer_tile_epilogue<NB>(
+                                   t * kLayerTileCols, d, nb,
+                                   [&](int b, int j, int64_t c) {
+                                     return to_float(x[b * d + c]) + vals[b * kLayerTileCols + j] +
+                                            weight_at<T>(p.o_bias, c) + weight_at<T>(p.b3, c);
+                                   },
+                                   [&](int b, int, int64_t c, float v) { store_y(b, c, v); });
                              });
     });
     mark(4);
@@ -332,15 +345,16 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
                            ready(kGemvO), wait_heads, attn_in, [&](int64_t t, float* vals, int nb) {
-                             const int tc = static_cast<int>(pl.gemv[kGemvO].tile_cols);
-                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
-                               const int b = e / tc;
-                               const int64_t c = t * tc + e % tc;
-                               if (c < d) {
-                                 vals[e] += to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c);
-                                 __stcg(h + b * d + c, vals[e]);
-                               }
-                             }
+                             const int tc = kLayerTileCols;
+                             layer_tile_epilogue<NB>(
+                                 t * tc, d, nb,
+                                 [&](int b, int j, int64_t c) {
+                                   return vals[b * tc + j] + (to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c));
+                                 },
+                                 [&](int b, int j, int64_t c, float v) {
+                                   vals[b * tc + j] = v;
+                                   __stcg(h + b * d + c, v);
+                                 });
                              __syncthreads();
                              if (threadIdx.x < nb) {  // the tile's (mean, M2) of row b
                                const int b = threadIdx.x;
@@ -399,12 +413,12 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down(), tile, chunk, batch, smem, partials(kGemvDown),
                            tile_counters(kGemvDown), ready(kGemvDown), wait, act_in,
                            [&](int64_t t, const float* vals, int nb) {
-                             const int tc = static_cast<int>(pl.gemv[kGemvDown].tile_cols);
-                             for (int e = threadIdx.x; e < nb * tc; e += kLayerThreads) {
-                               const int b = e / tc;
-                               const int64_t c = t * tc + e % tc;
-                               if (c < d) store_y(b, c, __ldcg(h + b * d + c) + vals[e] + weight_at<T>(p.b3, c));
-                             }
+                             layer_tile_epilogue<NB>(
+                                 t * kLayerTileCols, d, nb,
+                                 [&](int b, int j, int64_t c) {
+                                   return __ldcg(h + b * d + c) + vals[b * kLayerTileCols + j] + weight_at<T>(p.b3, c);
+                                 },
+                                 [&](int b, int, int64_t c, float v) { store_y(b, c, v); });
                            });
   });
   mark(6);
