@@ -26,7 +26,7 @@ from jax_cluster.ops.mla_decode import DEFAULT_PROJECTION_ROWS
 from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 V2_LITE = dict(hidden=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-CASES = ("b1:4096", "b1:32768", "b16:4096", "b64:4096")
+CASES = ("b1:4096", "b1:32768", "b4:4096", "b8:4096", "b16:4096", "b64:4096")
 STEPS, LAYERS, PAGE = 4, 4, 64
 COLUMNS = ["case", "ours_us", "ours_paged_us", "ours_xla_proj_us", "jnp_absorbed_us", "jnp_expanded_us", "floor_us", "ours_floor_fraction",
            "paged_floor_fraction", "speedup_vs_absorbed", "speedup_vs_expanded", "paged_vs_contiguous"]

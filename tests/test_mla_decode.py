@@ -107,6 +107,18 @@ def test_cuda_splits_agree(rng):
         np.testing.assert_allclose(many[0], one[0], rtol=1e-6, atol=1e-6)
 
 
+def test_default_splits():
+    """Two blocks per SM while splits hold 256 tokens, else one per SM down to 64-token splits;
+    no split without tokens (the H200 sweep in docs/mla_decode.md)."""
+    from jax_cluster.ops.mla_decode import default_splits as splits
+    assert splits(1, 16, 4096) == 64 and splits(1, 16, 32768) == 128  # one block per SM, capped
+    assert splits(4, 16, 4096) == 32 and splits(8, 16, 4096) == 16  # one per SM, 128- and 256-token splits
+    assert splits(16, 16, 4096) == 16 and splits(64, 16, 4096) == 4  # two per SM, 256 tokens and more
+    assert splits(4, 16, 32768) == 64  # two per SM: 66 asked, 64 splits of 512 tokens hold them
+    assert splits(1, 128, 4096) == 16 and splits(4, 128, 4096) == 8  # V2's 8 head tiles
+    assert splits(1, 16, 40) == 1 and splits(64, 128, 100_000) == 1
+
+
 def test_rope_factor_matches_reference(rng):
     args, kw = make_case(rng)
     for impl in ("xla", "cuda"):

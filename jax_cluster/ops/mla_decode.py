@@ -44,7 +44,8 @@ from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primiti
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
-MIN_SPLIT_TOKENS = 64
+MIN_SPLIT_TOKENS = 64   # two pipeline stages
+SPLIT_TOKENS = 256      # the shortest default split once the grid holds a block per SM
 # The most rows projections=None sends to the projection kernels: they beat XLA's dots at 1 row
 # (H200: 55.9 against 75.0 us per V2-Lite layer); at 3 rows the probe's 43 us for both kernels
 # is under XLA's dot chain at 1 row (about 55 us); at 8 rows an earlier version took 85 us,
@@ -90,14 +91,21 @@ class MlaDecodeConfig:
 
 
 def default_splits(batch: int, num_heads: int, capacity: int, num_sms: int = 132) -> int:
-    """About two blocks per SM in all (the split kernel keeps two resident), no split shorter
-    than MIN_SPLIT_TOKENS of the capacity (two pipeline stages), and at most MAX_DEFAULT_SPLITS:
-    the merge reads every split's (16 heads x r) state, so past that more splits cost more
-    than they spread (docs/mla_decode.md)."""
-    tiles = -(-num_heads // _constants()["head_tile"])
-    by_sms = max(1, round(2 * num_sms / (batch * tiles)))
-    by_len = max(1, -(-capacity // MIN_SPLIT_TOKENS))
-    return int(min(by_sms, by_len, MAX_DEFAULT_SPLITS, _constants()["max_splits"]))
+    """Two blocks per SM in all (the split kernel keeps two resident) as long as every split
+    holds SPLIT_TOKENS of the capacity; where that leaves under one block per SM, one block
+    per SM with splits of at least MIN_SPLIT_TOKENS. At most MAX_DEFAULT_SPLITS, and no
+    split without tokens (the kernel cuts a row into splits of whole 32-token stages). Each
+    block reads its heads' fp32 q (36 KB for 16 heads) from L2 and leaves a state that the
+    merge reads: past one block per SM, short splits cost more than they spread (the
+    H200 sweep behind this rule is in docs/mla_decode.md)."""
+    c = _constants()
+    tiles = -(-num_heads // c["head_tile"])
+    one_per_sm = max(1, round(num_sms / (batch * tiles)))
+    two_per_sm = max(1, round(2 * num_sms / (batch * tiles)))
+    short = min(one_per_sm, -(-capacity // MIN_SPLIT_TOKENS))
+    splits = min(two_per_sm, max(short, -(-capacity // SPLIT_TOKENS)), MAX_DEFAULT_SPLITS, c["max_splits"])
+    per = -(-(-(-capacity // splits)) // c["tile_tokens"]) * c["tile_tokens"]  # tokens of a split
+    return int(-(-capacity // per))
 
 
 # ----------------------------------------------------------------------------- the custom call
