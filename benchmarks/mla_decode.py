@@ -2,7 +2,8 @@
 
 Rows per case (batch, context): ours = jax_cluster.mla_decode(impl="cuda") on a contiguous
 latent cache and on a paged one (64-token pages, shuffled pool), and where its projections
-run on the projection kernels by default, with them on XLA's dots instead (ours_xla_proj); jnp_absorbed = the absorbed
+run on the projection kernels by default, with them on XLA's dots instead (ours_xla_proj), and where
+they run on XLA's dots but the kernels take the rows (up to 8), on the kernels (ours_kernel_proj); jnp_absorbed = the absorbed
 formulation as flax_models writes it (flax_models.ops.mla_decode_xla); jnp_expanded = the
 non-absorbed form that caches expanded keys and values per head ([B, H, S, dn + dr] and
 [B, H, S, dv]: about 28x the latent cache's bytes). A call runs STEPS decode steps of LAYERS
@@ -22,13 +23,13 @@ import numpy as np
 
 import jax_cluster as jc
 from flax_models.ops import mla_decode_xla
-from jax_cluster.ops.mla_decode import DEFAULT_PROJECTION_ROWS
+from jax_cluster.ops.mla_decode import DEFAULT_PROJECTION_ROWS, _constants
 from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 V2_LITE = dict(hidden=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 CASES = ("b1:4096", "b1:32768", "b4:4096", "b8:4096", "b16:4096", "b64:4096")
 STEPS, LAYERS, PAGE = 4, 4, 64
-COLUMNS = ["case", "ours_us", "ours_paged_us", "ours_xla_proj_us", "jnp_absorbed_us", "jnp_expanded_us", "floor_us", "ours_floor_fraction",
+COLUMNS = ["case", "ours_us", "ours_paged_us", "ours_xla_proj_us", "ours_kernel_proj_us", "jnp_absorbed_us", "jnp_expanded_us", "floor_us", "ours_floor_fraction",
            "paged_floor_fraction", "speedup_vs_absorbed", "speedup_vs_expanded", "paged_vs_contiguous"]
 
 
@@ -122,6 +123,12 @@ def bench_case(batch, ctx, dtype, bandwidth, rng):
             return jc.mla_decode(x, w, c, n, f, impl="cuda", config=jc.MlaDecodeConfig(projections="xla"), **kw)
 
         out["ours_xla_proj_us"] = timed(ours_xla_proj, (fresh_x(), lat()), ws, lengths, inv_freq)
+    elif batch <= _constants()["projection_max_rows"]:  # XLA's dots by default: the same call on the kernels
+
+        def ours_kernel_proj(x, w, c, n, f):
+            return jc.mla_decode(x, w, c, n, f, impl="cuda", config=jc.MlaDecodeConfig(projections="kernels"), **kw)
+
+        out["ours_kernel_proj_us"] = timed(ours_kernel_proj, (fresh_x(), lat()), ws, lengths, inv_freq)
 
     def absorbed(x, w, c, n, f):
         return mla_decode_xla(x, w, c, n, f, **kw)
@@ -170,9 +177,10 @@ def main():
     write_results("mla_decode", rows, columns=COLUMNS, part=a.part,
                   notes="us per layer step (STEPS x LAYERS written out in one jit, state donated); "
                         "floor = (weights + latent cache + x, y) bytes / measured HBM bandwidth; "
-                        "ours = jax_cluster.mla_decode impl=cuda (up to 4 rows the projection kernels "
+                        "ours = jax_cluster.mla_decode impl=cuda (at 1 row the projection kernels "
                         "mla_project / mla_output around the latent-attention kernels, else XLA's dots); "
-                        "ours_xla_proj = the same with MlaDecodeConfig(projections='xla'); paged = 64-token "
+                        "ours_xla_proj / ours_kernel_proj = the same with MlaDecodeConfig(projections='xla' / "
+                        "'kernels'); paged = 64-token "
                         "pages in a shuffled pool.")
 
 

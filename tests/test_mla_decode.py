@@ -226,11 +226,13 @@ def test_projection_kernels_only_where_they_take_the_call(rng):
     def lowered(args, kw, **extra):
         return jax.jit(functools.partial(mla_decode, impl="cuda", **kw, **extra)).lower(**args).as_text()
 
-    args, kw = make_case(rng, batch=4)
+    args, kw = make_case(rng, batch=1)
     text = lowered(args, kw)
     assert "jax_cluster_mla_project" in text and "jax_cluster_mla_output" in text
     assert "jax_cluster_mla_project" not in lowered(args, kw, config=MlaDecodeConfig(projections="xla"))
-    eight, kw = make_case(rng, batch=8)  # past the default's rows; the kernels on request
+    two, kw = make_case(rng, batch=2)  # past the default's one row
+    assert "jax_cluster_mla_project" not in lowered(two, kw)
+    eight, kw = make_case(rng, batch=8)  # the kernels on request
     assert "jax_cluster_mla_project" not in lowered(eight, kw)
     assert "jax_cluster_mla_project" in lowered(eight, kw, config=MlaDecodeConfig(projections="kernels"))
     big, kw = make_case(rng, batch=9)

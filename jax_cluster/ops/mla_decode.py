@@ -19,7 +19,7 @@ NaN and writes nothing; with concrete arguments that is a ValueError before anyt
 `impl` has the meaning of every op (docs/architecture.md): "cuda" runs the latent-attention
 custom call (cache write, paged or contiguous reads, split-K over tokens with a fixed-order
 merge: cpp/ops/mla_decode) between the projection custom calls mla_project and mla_output
-(cluster GEMVs, up to 4 rows by default and 8 on request; cpp/ops/mla_decode/projections.h),
+(cluster GEMVs, at 1 row by default and up to 8 on request; cpp/ops/mla_decode/projections.h),
 or between XLA's dots (fp32 accumulation) for more rows; on CPU the custom calls' C++ handlers. "xla" is the
 absorbed formulation in jnp a JAX user writes (the page pool gathered into rows),
 "reference" the fp32 jnp reference, "auto" the CUDA kernels on a GPU where they take the
@@ -46,11 +46,11 @@ __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
 MIN_SPLIT_TOKENS = 64   # two pipeline stages
 SPLIT_TOKENS = 256      # the shortest default split once the grid holds a block per SM
-# The most rows projections=None sends to the projection kernels: they beat XLA's dots at 1 row
-# (H200: 55.9 against 75.0 us per V2-Lite layer); at 3 rows the probe's 43 us for both kernels
-# is under XLA's dot chain at 1 row (about 55 us); at 8 rows an earlier version took 85 us,
-# more than that. Past 1 row the two have not been timed side by side (docs/mla_decode.md).
-DEFAULT_PROJECTION_ROWS = 4
+# The most rows projections=None sends to the projection kernels: one. They beat XLA's dots at
+# 1 row and lose from 2 (H200, V2-Lite layer at 4096 tokens, us: 1 row 40.6 against 67.0,
+# 2 rows 49.7 against 43.8, 4 rows 64.3 against 47.4, 8 rows 96.3 against 57.4;
+# docs/mla_decode.md).
+DEFAULT_PROJECTION_ROWS = 1
 MAX_DEFAULT_SPLITS = 128
 _REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
 _OPTIONAL = ("q", "q_a", "q_a_norm", "q_b", "q_a_bias", "kv_a_bias", "o_bias")
