@@ -46,10 +46,8 @@ __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
 MIN_SPLIT_TOKENS = 64   # two pipeline stages
 SPLIT_TOKENS = 256      # the shortest default split once the grid holds a block per SM
-# The most rows projections=None sends to the projection kernels: one. They beat XLA's dots at
-# 1 row and lose from 2 (H200, V2-Lite layer at 4096 tokens, us: 1 row 40.6 against 67.0,
-# 2 rows 49.7 against 43.8, 4 rows 64.3 against 47.4, 8 rows 96.3 against 57.4;
-# docs/mla_decode.md).
+# The most rows projections=None sends to the projection kernels: one. Timed side by side in
+# the layer benchmark they beat XLA's dots at 1 row and lose from 2 (docs/mla_decode.md).
 DEFAULT_PROJECTION_ROWS = 1
 MAX_DEFAULT_SPLITS = 128
 _REQUIRED = ("norm", "kv_a", "kv_a_norm", "kv_b", "o")
