@@ -97,13 +97,14 @@ def default_splits(batch: int, num_heads: int, capacity: int, num_sms: int = 132
     merge reads: past one block per SM, short splits cost more than they spread (the
     H200 sweep behind this rule is in docs/mla_decode.md)."""
     c = _constants()
-    tiles = -(-num_heads // c["head_tile"])
+    ceil_div = lambda a, b: -(-a // b)  # noqa: E731
+    tiles = ceil_div(num_heads, c["head_tile"])
     one_per_sm = max(1, round(num_sms / (batch * tiles)))
     two_per_sm = max(1, round(2 * num_sms / (batch * tiles)))
-    short = min(one_per_sm, -(-capacity // MIN_SPLIT_TOKENS))
-    splits = min(two_per_sm, max(short, -(-capacity // SPLIT_TOKENS)), MAX_DEFAULT_SPLITS, c["max_splits"])
-    per = -(-(-(-capacity // splits)) // c["tile_tokens"]) * c["tile_tokens"]  # tokens of a split
-    return int(-(-capacity // per))
+    short = min(one_per_sm, ceil_div(capacity, MIN_SPLIT_TOKENS))
+    splits = min(two_per_sm, max(short, ceil_div(capacity, SPLIT_TOKENS)), MAX_DEFAULT_SPLITS, c["max_splits"])
+    per = ceil_div(ceil_div(capacity, splits), c["tile_tokens"]) * c["tile_tokens"]  # tokens of a split
+    return int(ceil_div(capacity, per))
 
 
 # ----------------------------------------------------------------------------- the custom call
