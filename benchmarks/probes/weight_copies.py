@@ -38,10 +38,12 @@ def weight_copies(hlo: str) -> list[tuple[str, str, int]]:
     found = []
     for line in entry.splitlines():
         m = _INSTR.match(line)
-        if not m or m.group(4) not in ("copy", "transpose", "fusion"):
+        if not m:
             continue
-        name, dtype, dims, _, operands, _ = m.groups()
-        if m.group(4) == "fusion" and not re.search(r"copy|transpose", name):
+        name, dtype, dims, op, operands, _ = m.groups()
+        if op not in ("copy", "transpose", "fusion"):
+            continue
+        if op == "fusion" and not re.search(r"copy|transpose", name):
             continue  # a fusion that computes (a dot, a norm) rather than relays
         read = [weights[o] for o in re.findall(r"%([\w.\-]+)", operands) if o in weights]
         if read:
