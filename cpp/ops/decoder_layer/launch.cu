@@ -6,6 +6,7 @@
 
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "ops/decoder_layer/kernel.cuh"
 #include "ops/decoder_layer/launch.h"
 
@@ -46,8 +47,8 @@ cudaError_t launch(const DecoderLayerParams& p, float* ws, cudaStream_t stream) 
   args.pl = plan_decoder_layer(p, grid);
   args.dp = attention_params(p, args.pl, ws);
   args.ws = ws;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(ws + args.pl.counters, 0, sizeof(unsigned int) * args.pl.counter_words, stream));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(zero_words(reinterpret_cast<unsigned int*>(ws + args.pl.counters),
+                                              static_cast<int>(args.pl.counter_words), stream));
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;

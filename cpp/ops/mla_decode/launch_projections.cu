@@ -7,6 +7,7 @@
 
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "ops/mla_decode/launch.h"
 #include "ops/mla_decode/projections.cuh"
 
@@ -53,7 +54,7 @@ cudaError_t dispatch_rows(int64_t batch, F&& f) {
 
 cudaError_t launch_mla_project(const MlaProjectParams& p, cudaStream_t stream) {
   // both kernels' counters (projections.h): mla_output's launch then needs no memset
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.counters, 0, kMlaCounterWords * sizeof(unsigned int), stream));
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(zero_words(p.counters, kMlaCounterWords, stream));
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return dispatch_rows(p.batch, [&](auto nb) {

@@ -20,6 +20,7 @@
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/tma.cuh"
@@ -504,7 +505,7 @@ cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {
   a.hint = a.passes == 1;
   if (a.clusters > 1) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(p.workspace, 0, kSwigluCounterBytes, stream));
+        zero_words(static_cast<unsigned int*>(p.workspace), kSwigluCounterBytes / 4, stream));
   }
   const unsigned blocks = static_cast<unsigned>(a.clusters) * static_cast<unsigned>(a.cluster);
   return launch_cluster(swiglu_fused_kernel<T, MT>, dim3(blocks), dim3(kThreads),

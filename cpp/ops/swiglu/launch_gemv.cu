@@ -26,6 +26,7 @@
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/gemv_mma.cuh"
 #include "jax_cluster/launch.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
@@ -226,7 +227,7 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   unsigned int* counters = reinterpret_cast<unsigned int*>(ws + l.counters);
   if (p.k_splits_up > 1 || (p.has_down && p.k_splits_down > 1)) {  // before the up kernel
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
+        zero_words(counters, static_cast<int>(l.tiles_up + l.tiles_down), stream));
   }
   for (int up = 1; up >= (p.has_down ? 0 : 1); --up) {
     GemvArgs a;

@@ -48,6 +48,7 @@
 #include "jax_cluster/activation.cuh"
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/thread_group.cuh"
@@ -680,7 +681,7 @@ cudaError_t launch_one(TmaGemmArgs& a, int64_t max_blocks, int64_t counters, cud
   if (a.cluster > 1) {
     blocks = a.col_tiles * a.cluster;
   } else if (counters > 0) {
-    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.counters, 0, 4 * counters, stream));
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(zero_words(a.counters, static_cast<int>(counters), stream));
   }
   return few_blocks ? launch_gemm<T, MT, kStagesFewBlocks>(a, blocks, stream)
                     : launch_gemm<T, MT, kStages>(a, blocks, stream);
@@ -758,7 +759,7 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   // Both GEMMs' counters are zeroed here, before the up kernel: the down kernel's memset
   // would come between the two and hold the down kernel back from its early start.
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(counters, 0, 4 * (l.tiles_up + l.tiles_down), stream));
+      zero_words(counters, static_cast<int>(l.tiles_up + l.tiles_down), stream));
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_one<T, MT>(up, p.blocks, 0, stream)));
   if (!p.has_down) return cudaSuccess;
   // Down: A2 @ w_down (+ residual) -> y.
