@@ -248,6 +248,58 @@ def print_timeline(label: str, run: Callable, calls: int, first: int = 12, repea
         print(f"    {dur / steps / 1e3:8.1f} us/step  {name}", flush=True)
     for s0, dur, name in evs[:first]:
         print(f"    t={(s0 - evs[0][0]) / 1e3:8.1f} dur={dur / 1e3:7.1f}  {name[:60]}", flush=True)
+    print_layer_spans(label, evs)
+
+
+def layer_spans(events: Sequence[tuple[int, int, str]]) -> dict | None:
+    """The repeating kernel sequence of one stream (a model's layers) and where its time goes.
+
+    events: (start_ns, duration_ns, name) in start order. The stream is cut before every
+    launch of its most frequent kernel (the first launched of those tied); the most common
+    sequence of names among the pieces is the layer. Each kernel's span is how far it moved
+    the stream's end past everything before it (programmatically launched kernels overlap
+    their predecessors: only the part past them counts; idle time before a kernel counts to
+    it), so a layer's spans add up to its period. Returns dict(names, span_us, dur_us,
+    period_us: medians over the pieces of that sequence; layers, pieces: their count and
+    the count of all pieces), or None with fewer than two pieces of one sequence."""
+    from collections import Counter
+
+    if not events:
+        return None
+    names = [e[2] for e in events]
+    counts, first = Counter(names), {}
+    for i, n in enumerate(names):
+        first.setdefault(n, i)
+    marker = max(counts, key=lambda n: (counts[n], -first[n]))
+    cuts = [i for i, n in enumerate(names) if n == marker] + [len(events)]
+    ends = np.maximum.accumulate([s + d for s, d, _ in events])
+    pieces = [(a, b) for a, b in zip(cuts, cuts[1:])]
+    layer, seen = Counter(tuple(names[a:b]) for a, b in pieces).most_common(1)[0]
+    if seen < 2:
+        return None
+    spans, durs = [], []
+    for a, b in pieces:
+        if tuple(names[a:b]) != layer:
+            continue
+        before = [ends[a - 1] if a else events[a][0]] + list(ends[a:b - 1])  # the stream's end before each
+        spans.append([max(0, int(e) - int(p)) for e, p in zip(ends[a:b], before)])
+        durs.append([events[i][1] for i in range(a, b)])
+    spans, durs = np.array(spans) / 1e3, np.array(durs) / 1e3
+    return {"names": list(layer), "span_us": np.median(spans, 0), "dur_us": np.median(durs, 0),
+            "period_us": float(np.median(spans.sum(1))), "layers": len(spans), "pieces": len(pieces)}
+
+
+def print_layer_spans(label: str, events: Sequence[tuple[int, int, str]]) -> None:
+    """layer_spans as a table: per kernel of the repeating sequence its median span (how far
+    it moved the stream's end) and duration."""
+    spans = layer_spans(events)
+    if spans is None:
+        return
+    print(f"spans {label}: {spans['layers']} of {spans['pieces']} pieces repeat {len(spans['names'])} kernels, "
+          f"median period {spans['period_us']:.1f} us; per kernel: span (past the kernels before it), duration",
+          flush=True)
+    for name, span, dur in zip(spans["names"], spans["span_us"], spans["dur_us"]):
+        print(f"    {span:7.1f} {dur:7.1f}  {name[:70]}", flush=True)
 
 
 def stream_events(data) -> list[tuple[str, int, int, str]]:

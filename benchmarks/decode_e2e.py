@@ -18,7 +18,7 @@ Cases that do not fit in device memory are listed as skipped.
 
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
         [--combos B:CTX,...] [--part NAME]     # one slice of the grid, merged into the table
-        [--trace]                              # and each fused case's kernels per token
+        [--trace]                              # and each fused case's kernels per token and per layer
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--combos", default=None, help="batch:context pairs, e.g. 16:4096,1:16384 (default: the grid)")
     p.add_argument("--trace", action="store_true", help="also print each fused and one_launch case's "
-                   "kernel timeline (CUPTI through jax.profiler): time per kernel per token, gaps")
+                   "kernel timeline (CUPTI through jax.profiler): time per kernel per token, gaps, "
+                   "and what each kernel of a layer adds to it")
     p.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
                    "into the table (a case measured again replaces its row)")
     args = p.parse_args(argv)

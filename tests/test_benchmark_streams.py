@@ -56,3 +56,26 @@ def test_print_timeline_on_a_cpu_says_there_is_no_gpu_activity(capsys):
     f = jax.jit(lambda x: x @ x)
     common.print_timeline("cpu", lambda: f(x), calls=1)
     assert "trace cpu: no GPU activity in the trace" in capsys.readouterr().out
+
+
+def test_layer_spans_split_the_stream_into_its_repeating_layer(capsys):
+    """decode_e2e.py --trace's per-layer table: the stream cut before each launch of its most
+    frequent kernel; each kernel's span is how far it moved the stream's end, so an overlapped
+    (programmatic) kernel counts only past its predecessor and a layer's spans add up to its
+    period."""
+    common = _common()
+    events, t = [], 0
+    for layer in range(4):
+        events += [(t, 10_000, "a"), (t + 8_000, 5_000, "b"), (t + 15_000, 3_000, "c")]  # b overlaps a by 2
+        t += 20_000
+    events += [(t, 50_000, "lm_head")]  # the step's tail: the last piece is another sequence
+    spans = common.layer_spans(events)
+    assert spans["names"] == ["a", "b", "c"] and (spans["layers"], spans["pieces"]) == (3, 4)
+    # a: 2 us idle before it (past the first layer) + 10; b: 3 past a; c: 2 idle + 3
+    assert list(spans["span_us"]) == [12.0, 3.0, 5.0] and list(spans["dur_us"]) == [10.0, 5.0, 3.0]
+    assert spans["period_us"] == 20.0
+    common.print_layer_spans("case", events)
+    out = capsys.readouterr().out
+    assert "spans case: 3 of 4 pieces repeat 3 kernels, median period 20.0 us" in out
+    assert "     3.0     5.0  b" in out
+    assert common.layer_spans([(0, 1, "x"), (5, 1, "y")]) is None  # nothing repeats
