@@ -1,8 +1,8 @@
 // Zeroing a kernel's arrival counters ahead of it: one small kernel, launched
 // programmatically, instead of cudaMemsetAsync. In a CUDA graph (XLA's command buffers) a
-// memset node breaks the chain of programmatic launches: the stream idled ~7 µs per
-// memset on an H200 (the memset node's own latency, then a full launch latency before the
-// kernel behind it), against well under 1 µs between two kernels. The zero kernel waits
+// memset is a node of its own that the kernel behind it waits for as for a full
+// dependency: the memset's latency, then a whole launch latency, against a fraction of
+// that between two kernels (measured in docs/performance.md). The zero kernel waits
 // for the previous kernel (the counters' memory may be what that kernel just released)
 // but lets the kernel behind it launch at once: that kernel's griddep_wait() (every
 // programmatically launched kernel calls it before touching counters or inputs) then

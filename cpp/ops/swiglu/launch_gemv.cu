@@ -26,10 +26,10 @@
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/gemv_mma.cuh"
 #include "jax_cluster/launch.cuh"
-#include "jax_cluster/zero_words.cuh"
 #include "jax_cluster/mma.cuh"
 #include "jax_cluster/ptx.cuh"
 #include "jax_cluster/vec.cuh"
+#include "jax_cluster/zero_words.cuh"
 #include "ops/swiglu/launch.h"
 
 namespace jax_cluster {
