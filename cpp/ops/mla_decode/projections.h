@@ -84,8 +84,8 @@ struct MlaOutputParams {
 // The arrival counters of a layer's two projection kernels, one buffer that mla_project
 // returns and mla_output takes (aliased in and out): [0] the latent tiles' counter of
 // mla_project, then one per W_o column slice of mla_output. mla_project's launcher zeroes
-// them all, so no memset sits between the attention kernels and mla_output, whose
-// programmatic launch then overlaps the merge kernel's tail.
+// them all (zero_words, ahead of mla_project), so nothing sits between the attention
+// kernels and mla_output, whose programmatic launch then overlaps the merge kernel's tail.
 inline constexpr int64_t kMlaOutputCounter = 1;
 inline constexpr int64_t kMlaCounterWords = kMlaOutputCounter + kMlaClusterBlocks;
 

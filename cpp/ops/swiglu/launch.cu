@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_fused_kernel(const FusedAr
   }
 }
 
-// The fused kernel: one launch (after a memset of the counters when several clusters
+// The fused kernel: one launch (after the counters' zero kernel when several clusters
 // sum their partials).
 template <typename T, int MT>
 cudaError_t launch_fused(const SwigluParams& p, cudaStream_t stream) {

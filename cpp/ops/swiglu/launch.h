@@ -7,7 +7,7 @@
 
 namespace jax_cluster {
 
-// Runs the variant p.variant (one or two kernel launches, plus a memset of the counters
+// Runs the variant p.variant (one or two kernel launches, plus a kernel zeroing the counters
 // where the kernels sum partials through them); every CUDA return code is checked.
 cudaError_t launch_swiglu(const SwigluParams& p, cudaStream_t stream);
 

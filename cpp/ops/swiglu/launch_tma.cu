@@ -756,8 +756,8 @@ cudaError_t launch_rows(const SwigluParams& p, cudaStream_t stream) {
   up.b1_off = 0;
   up.wait_prior = false;
   up.trigger = p.has_down && p.pdl;
-  // Both GEMMs' counters are zeroed here, before the up kernel: the down kernel's memset
-  // would come between the two and hold the down kernel back from its early start.
+  // Both GEMMs' counters are zeroed here, before the up kernel: zeroing the down kernel's
+  // between the two would hold the down kernel back from its early start.
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR(
       zero_words(counters, static_cast<int>(l.tiles_up + l.tiles_down), stream));
   JAX_CLUSTER_CUDA_RETURN_IF_ERROR((launch_one<T, MT>(up, p.blocks, 0, stream)));

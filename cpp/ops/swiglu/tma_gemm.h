@@ -29,7 +29,7 @@ struct TmaGemm {
   bool trigger;            // PDL: let the next kernel of the stream launch now
 };
 
-// One launch (plus the counters' memset); every CUDA return code is checked.
+// One launch (plus the counters' zero kernel); every CUDA return code is checked.
 cudaError_t launch_tma_gemm(const TmaGemm& g, cudaStream_t stream);
 
 }  // namespace jax_cluster
