@@ -255,8 +255,12 @@ def layer_spans(events: Sequence[tuple[int, int, str]]) -> dict | None:
     """The repeating kernel sequence of one stream (a model's layers) and where its time goes.
 
     events: (start_ns, duration_ns, name) in start order. The stream is cut before every
-    launch of its most frequent kernel (the first launched of those tied); the most common
-    sequence of names among the pieces is the layer. Each kernel's span is how far it moved
+    launch of one kernel, and the most common sequence of names among the pieces is the
+    layer. The cut: among the kernels whose layer repeats at least half as often as the
+    most repeated one (a kernel launched once per step repeats less: its piece is a whole
+    step), the one whose layer covers the most launches (a kernel launched twice per layer
+    cuts it in halves of two kinds, each covering half); the first launched wins a tie.
+    Each kernel's span is how far it moved
     the stream's end past everything before it (programmatically launched kernels overlap
     their predecessors: only the part past them counts; idle time before a kernel counts to
     it), so a layer's spans add up to its period. Returns dict(names, span_us, dur_us,
@@ -267,16 +271,23 @@ def layer_spans(events: Sequence[tuple[int, int, str]]) -> dict | None:
     if not events:
         return None
     names = [e[2] for e in events]
-    counts, first = Counter(names), {}
+    first = {}
     for i, n in enumerate(names):
         first.setdefault(n, i)
-    marker = max(counts, key=lambda n: (counts[n], -first[n]))
-    cuts = [i for i, n in enumerate(names) if n == marker] + [len(events)]
-    ends = np.maximum.accumulate([s + d for s, d, _ in events])
-    pieces = [(a, b) for a, b in zip(cuts, cuts[1:])]
-    layer, seen = Counter(tuple(names[a:b]) for a, b in pieces).most_common(1)[0]
-    if seen < 2:
+
+    def cut_at(marker):  # (launches covered, -first launch, pieces, layer, its count)
+        cuts = [i for i, n in enumerate(names) if n == marker] + [len(events)]
+        pieces = list(zip(cuts, cuts[1:]))
+        layer, seen = Counter(tuple(names[a:b]) for a, b in pieces).most_common(1)[0]
+        return seen * len(layer), -first[marker], pieces, layer, seen
+
+    cuts = [cut_at(n) for n, c in Counter(names).items() if c >= 2]
+    most = max((c[4] for c in cuts), default=0)
+    if most < 2:
         return None
+    best = max((c for c in cuts if 2 * c[4] >= most), key=lambda c: c[:2])
+    _, _, pieces, layer, _ = best
+    ends = np.maximum.accumulate([s + d for s, d, _ in events])
     spans, durs = [], []
     for a, b in pieces:
         if tuple(names[a:b]) != layer:

@@ -79,3 +79,25 @@ def test_layer_spans_split_the_stream_into_its_repeating_layer(capsys):
     assert "spans case: 3 of 4 pieces repeat 3 kernels, median period 20.0 us" in out
     assert "     3.0     5.0  b" in out
     assert common.layer_spans([(0, 1, "x"), (5, 1, "y")]) is None  # nothing repeats
+
+
+def test_layer_spans_cut_whole_layers_when_a_kernel_runs_twice_in_each():
+    """A kernel launched twice per layer (a norm before attention and before the MLP) is the
+    most frequent one, but cutting there gives halves of two kinds: the cut that covers the
+    most launches with one sequence is the layer's."""
+    common = _common()
+    layer = ["norm", "attention", "norm", "mlp"]
+    events = [(10_000 * i, 10_000, name) for i, name in enumerate(layer * 5)]
+    spans = common.layer_spans(events)
+    assert spans["names"] in (layer, layer[1:] + layer[:1], layer[3:] + layer[:3])
+    assert spans["layers"] >= 4 and spans["period_us"] == 40.0
+
+
+def test_layer_spans_prefer_layers_to_whole_steps():
+    """A kernel launched once per step (sampling) cuts the stream into steps that repeat and
+    cover nearly every launch; the layer repeats far more often and is the one reported."""
+    common = _common()
+    step = ["sample"] + ["attention", "mlp"] * 4
+    events = [(10_000 * i, 10_000, name) for i, name in enumerate(step * 3)]
+    spans = common.layer_spans(events)
+    assert spans["names"] == ["attention", "mlp"] and spans["period_us"] == 20.0
