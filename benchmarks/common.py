@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -260,16 +261,12 @@ def layer_spans(events: Sequence[tuple[int, int, str]]) -> dict | None:
     most repeated one (a kernel launched once per step repeats less: its piece is a whole
     step), the one whose layer covers the most launches (a kernel launched twice per layer
     cuts it in halves of two kinds, each covering half); the first launched wins a tie.
-    Each kernel's span is how far it moved
-    the stream's end past everything before it (programmatically launched kernels overlap
-    their predecessors: only the part past them counts; idle time before a kernel counts to
-    it), so a layer's spans add up to its period. Returns dict(names, span_us, dur_us,
+    Each kernel's span is how far it moved the stream's end past everything before it
+    (programmatically launched kernels overlap their predecessors: only the part past them
+    counts; idle time before a kernel counts to it), so a layer's spans add up to its
+    period. Returns dict(names, span_us, dur_us,
     period_us: medians over the pieces of that sequence; layers, pieces: their count and
     the count of all pieces), or None with fewer than two pieces of one sequence."""
-    from collections import Counter
-
-    if not events:
-        return None
     names = [e[2] for e in events]
     first = {}
     for i, n in enumerate(names):
@@ -285,8 +282,7 @@ def layer_spans(events: Sequence[tuple[int, int, str]]) -> dict | None:
     most = max((c[4] for c in cuts), default=0)
     if most < 2:
         return None
-    best = max((c for c in cuts if 2 * c[4] >= most), key=lambda c: c[:2])
-    _, _, pieces, layer, _ = best
+    _, _, pieces, layer, _ = max((c for c in cuts if 2 * c[4] >= most), key=lambda c: c[:2])
     ends = np.maximum.accumulate([s + d for s, d, _ in events])
     spans, durs = [], []
     for a, b in pieces:
