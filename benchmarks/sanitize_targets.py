@@ -230,27 +230,35 @@ def moe_decode(dtypes):
 
 
 def moe_route(dtypes):
-    """The router kernels at DeepSeek-V3's shapes (H 7168, E 256: 64 K chunks), V3's noaux_tc
-    and V2's greedy, 1 and 8 rows, vs the jnp reference. Its own target: in one process after
-    moe_decode's cases, compute-sanitizer (2025.3.1, H200) crashed or hung, while each part
-    alone is clean under memcheck and racecheck."""
+    """The router kernels: DeepSeek-V3's shapes (H 7168, E 256: 64 K chunks) and V2-Lite's
+    (H 2048, E 64, float32 router); V3's noaux_tc and
+    V2's greedy, 1 and 8 rows, with and without the RMSNorm in them, vs the jnp reference.
+    Its own target: in one process after moe_decode's cases, compute-sanitizer (2025.3.1,
+    H200) crashed or hung, while each part alone is clean under memcheck (racecheck:
+    benchmarks/probes/moe_route_kernel.cu)."""
     from jax_cluster.ops import moe_decode as moe_decode_ops
 
     rng = np.random.default_rng(0)
     for dtype in dtypes:
-        x, router = jnp.asarray(rng.standard_normal((8, 7168)), dtype), \
-            jnp.asarray(rng.standard_normal((7168, 256)) * 7168 ** -0.5, dtype)
-        bias = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.float32)
-        for route in (dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
-                           routed_scaling_factor=2.5, score_bias=bias),
-                      dict(top_k=6, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
-                           routed_scaling_factor=1.0)):
-            for n in (1, 8):
-                print("moe_route", route["topk_method"], jnp.dtype(dtype).name, n, flush=True)
-                w, ids = jax.jit(lambda x, r, route=route: moe_decode_ops._route(x, r, route, "cuda"))(x[:n], router)
-                rw, rids = jc.reference.moe_route(x[:n], router, **route)
-                assert (np.asarray(ids) == np.asarray(rids)).all(), (route["topk_method"], n)
-                assert _rel_err(w, rw) < 1e-4, (route["topk_method"], n)
+        for h, e, rdtype in ((7168, 256, dtype), (2048, 64, jnp.float32)):
+            x = jnp.asarray(rng.standard_normal((8, h)), dtype)
+            router = jnp.asarray(rng.standard_normal((h, e)) * h ** -0.5, rdtype)
+            bias = jnp.asarray(rng.standard_normal(e) * 0.5, jnp.float32)
+            norm_w = jnp.asarray(1 + rng.standard_normal(h) * 0.5, dtype)
+            for route in (dict(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, score_bias=bias),
+                          dict(top_k=6, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+                               routed_scaling_factor=1.0)):
+                for n, norm in ((1, None), (8, None), (8, norm_w)):
+                    print("moe_route", h, e, route["topk_method"], jnp.dtype(dtype).name, n,
+                          "norm" if norm is not None else "", flush=True)
+                    w, ids, hn = jax.jit(lambda x, r, g, route=route: moe_decode_ops._route(x, r, route, "cuda", g))(
+                        x[:n], router, norm)
+                    if norm is not None:
+                        assert _rel_err(hn, moe_decode_ops._rms_norm(x[:n], norm, 1e-6)) < 1e-2, (h, n)
+                    rw, rids = jc.reference.moe_route(hn, router, **route)
+                    assert (np.asarray(ids) == np.asarray(rids)).all(), (h, route["topk_method"], n)
+                    assert _rel_err(w, rw) < 1e-4, (h, route["topk_method"], n)
     print("moe_route ok")
 
 

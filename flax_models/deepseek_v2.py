@@ -28,9 +28,9 @@ class DeepseekV2Layer(nnx.Module):
             self.moe, self.mlp = None, SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
     def feed_forward(self, x, eps, impl):
+        if self.moe is not None:  # the MoE op normalises x itself (in its router's kernels when fused)
+            return self.moe(x, residual=x, norm=self.post_norm.weight[...], norm_eps=eps, impl=impl)
         h = rms_norm(x, self.post_norm.weight[...], eps)
-        if self.moe is not None:
-            return self.moe(h, residual=x, impl=impl)
         return ops.swiglu_mlp(h, residual=x, impl=impl, **self.mlp.weights())
 
 

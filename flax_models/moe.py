@@ -114,14 +114,16 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
         self.score_bias = _param(rngs, (e,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
 
-    def __call__(self, x, residual=None, *, impl="xla"):
-        """x [..., H] (normalised) -> routed + shared (+ residual): the block :func:`ops.moe`."""
+    def __call__(self, x, residual=None, *, norm=None, norm_eps=1e-6, impl="xla"):
+        """x [..., H] (normalised; with ``norm``, the RMSNorm weight [H], the pre-norm hidden state)
+        -> routed + shared (+ residual): the block :func:`ops.moe`."""
         c = self.cfg
         shape = x.shape
         h = shape[-1]
         y = ops.moe(x.reshape(-1, h), self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
                     shared=None if self.shared is None else self.shared.weights(),
-                    residual=None if residual is None else residual.reshape(-1, h), impl=impl,
+                    residual=None if residual is None else residual.reshape(-1, h), norm=norm, norm_eps=norm_eps,
+                    impl=impl,
                     top_k=c.num_experts_per_tok, topk_method=c.topk_method, n_group=c.n_group,
                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                     routed_scaling_factor=c.routed_scaling_factor,

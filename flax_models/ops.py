@@ -424,15 +424,20 @@ MOE_DECODE_MAX_ROWS = 64
 _SHARED_KEYS = ("w_gate", "w_up", "w_down")
 
 
-def moe_xla(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, shared_impl="xla", top_k,
-            topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False, routed_scaling_factor=1.0,
-            score_bias=None):
+def moe_xla(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, shared_impl="xla", norm=None,
+            norm_eps=1e-6, top_k, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+            routed_scaling_factor=1.0, score_bias=None):
     """DeepSeek-V2's MoE layer in jnp: route (:func:`flax_models.moe.route`), the routed experts
     (gathered for decode, grouped ragged_dot for prefill: :func:`flax_models.moe.experts_xla`)
     rounded to x.dtype, + residual, then the shared experts (one SwiGLU, the dict of
     :meth:`SwiGLU.weights`) through :func:`swiglu_mlp` with ``shared_impl`` and the sum so far as
-    its residual. x [N, H]; router [H, E]; w_gate / w_up [E, H, I]; w_down [E, I, H]."""
+    its residual. x [N, H] (with ``norm``, the RMSNorm weight [H], x is the pre-norm hidden
+    state and the layer sees :func:`rms_norm` of it); router [H, E]; w_gate / w_up [E, H, I];
+    w_down [E, I, H]."""
     from .moe import experts_xla, route  # noqa: PLC0415  (moe.py imports this module)
+
+    if norm is not None:
+        x = rms_norm(x, norm, norm_eps)
 
     weights, ids = route(x, router, top_k=top_k, method=topk_method, n_group=n_group, topk_group=topk_group,
                          norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
@@ -443,7 +448,8 @@ def moe_xla(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, shar
     return y
 
 
-def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="auto", shared_impl=None, **routing):
+def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="auto", shared_impl=None, norm=None,
+        norm_eps=1e-6, **routing):
     """DeepSeek-V2's MoE layer (the block "moe"); arguments and contract as :func:`moe_xla`.
 
     On ``jax_cluster.moe_decode`` (impl "fused" for any N; "auto" on a GPU for 16-bit x and at
@@ -469,12 +475,15 @@ def moe(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, impl="au
     chosen = _choose(impl, "moe", "moe_decode", x.dtype, unsupported=unsupported)
     if chosen is None:
         return moe_xla(x, router, w_gate, w_up, w_down, shared=shared, residual=residual,
-                       shared_impl=impl if shared_impl is None else shared_impl, **routing)
+                       shared_impl=impl if shared_impl is None else shared_impl, norm=norm, norm_eps=norm_eps,
+                       **routing)
     op, op_impl = chosen
+    if norm is not None and shared is not None and shared_impl is not None:
+        x, norm = rms_norm(x, norm, norm_eps), None  # the shared experts after the op need the normed x
     inside = None if (shared is None or shared_impl is not None) else {k: shared[k] for k in _SHARED_KEYS}
     try:
         y = _run("moe", "moe_decode", op, op_impl, x, router, w_gate, w_up, w_down, shared=inside, residual=residual,
-                 _inner={"swiglu": "moe shared experts"},
+                 norm=norm, norm_eps=norm_eps, _inner={"swiglu": "moe shared experts"},
                  _auto_why="impl=auto: the routed-experts kernel where its checks pass, else XLA", **routing)
     except ValueError as e:
         if "jax_cluster.swiglu" not in str(e.__cause__ or ""):

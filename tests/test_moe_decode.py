@@ -170,17 +170,46 @@ def test_cpu_shared_widths(rng, shared):
     assert ("jax_cluster_swiglu" in hlo or "dot" in hlo) if shared % 8 else "jax_cluster_swiglu" not in hlo
 
 
-def _route_both(x, router, device, **route):
-    """(weights, ids) of the router custom call and of XLA's reference, under jit on `device`."""
+def _route_both(x, router, device, norm=None, **route):
+    """(weights, ids) of the router custom call and of XLA's reference, under jit on `device`.
+    With a norm weight the call normalises x and the reference routes the call's h (their h
+    are compared by _check_normed); then also returns (the call's h, the jnp norm's h)."""
     kw = dict(top_k=2, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
               routed_scaling_factor=1.0)
     kw.update(_routing(route, router.shape[1]))
-    x, router = jax.device_put((x, router), device)
+    x, router, norm = jax.device_put((x, router, norm), device)
     if "score_bias" in kw:
         kw["score_bias"] = jax.device_put(kw["score_bias"], device)
-    ours = jax.jit(lambda x, r: md._route(x, r, kw, "cuda"))(x, router)
-    ref = jax.jit(lambda x, r: reference.moe_route(x, r, **kw))(x, router)
-    return [np.asarray(a) for a in ours], [np.asarray(a) for a in ref]
+    *ours, h = jax.jit(lambda x, r, g: md._route(x, r, kw, "cuda", g, NORM_EPS))(x, router, norm)
+    ref = jax.jit(lambda x, r: reference.moe_route(x, r, **kw))(h, router)
+    both = [np.asarray(a) for a in ours], [np.asarray(a) for a in ref]
+    if norm is None:
+        return both
+    return (*both, (np.asarray(h), _rms_norm_np(x, norm, NORM_EPS)))
+
+
+NORM_EPS = 1e-6
+
+
+def _rms_norm_np(x, weight, eps):
+    """RMSNorm with each rounding jnp writes (numpy: no fusion keeps excess precision)."""
+    dt = np.asarray(x).dtype
+    xf = np.asarray(x, np.float32)
+    rstd = np.float32(1) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(eps))
+    return (np.asarray(weight, np.float32) * (xf * rstd).astype(dt).astype(np.float32)).astype(dt)
+
+
+def _check_normed(h, ref, dtype):
+    """The router's h = RMSNorm(x) against jnp's: its sum of squares is summed in another order,
+    so its 1 / rms may differ in the last bits: a 16-bit element then rounds the other way,
+    rarely (one ulp), a float32 one moves by an ulp or two."""
+    h32, ref32 = np.asarray(h, np.float32), np.asarray(ref, np.float32)
+    if jnp.dtype(dtype).itemsize == 2:
+        ulps = 2 * np.abs(ref32) * 2.0 ** -jnp.finfo(jnp.dtype(dtype)).nmant  # 2 to 4 ulps
+        assert np.all(np.abs(h32 - ref32) <= ulps), np.max(np.abs(h32 - ref32) / ulps)
+        assert np.mean(h32 == ref32) > 0.98
+    else:
+        np.testing.assert_allclose(h32, ref32, rtol=1e-6, atol=1e-30)
 
 
 ROUTES = [dict(top_k=2), dict(top_k=6, routed_scaling_factor=2.5), dict(top_k=3, norm_topk_prob=True),
@@ -207,16 +236,48 @@ def test_cpu_router_custom_call(rng, route):
     assert hlo.count("jax_cluster_moe_route") == 1
 
 
+@pytest.mark.parametrize("route", ROUTES[::3], ids=str)
+def test_cpu_router_norm(rng, route):
+    """With a norm weight the router's custom call (CPU handler) returns h = RMSNorm(x) as jnp
+    rounds it, and routes h: N = 1, 5, 70; x float16 / bfloat16 / float32; H 64 and 200."""
+    for n, h, dtype in ((1, 64, "bfloat16"), (5, 200, "float16"), (70, 64, "float32")):
+        x, router = _arr(rng, (n, h), dtype, 3.0), _arr(rng, (h, 32), "float32", h ** -0.5)
+        norm = _arr(rng, (h,), dtype, 0.5) + 1
+        (w, i), (rw, ri), (hn, href) = _route_both(x, router, _cpu(), norm, **route)
+        _check_normed(hn, href, dtype)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "cuda"])
+def test_moe_decode_norm(rng, impl):
+    """moe_decode(x, norm=g) is moe_decode(RMSNorm(x)) for every impl, to a tolerance (the
+    custom call's h may differ by an ulp in rare elements; inside one jit XLA may keep h in
+    float32, its excess precision); a norm the op cannot take is a ValueError naming it."""
+    args, extra = _inputs(rng, 3, 64, 32, 8, "bfloat16", shared=64, residual=True)
+    g = _arr(rng, (64,), "bfloat16", 0.5) + 1
+    kw = dict(top_k=2, **GROUPED)
+    out = _run(dict(impl=impl, norm=g, norm_eps=1e-5, **kw), args, extra)
+    ref = _run(dict(impl=impl, **kw), dict(args, x=md._rms_norm(args["x"], g, 1e-5)), extra)
+    _check(out, ref, "bfloat16")
+    for bad, why in ((g[:8], r"norm must be a float array \[H\] = \(64,\)"),
+                     (jnp.ones((64,), jnp.int32), "norm must be a float array")):
+        with pytest.raises(ValueError, match=why):
+            jc.moe_decode(**args, **kw, norm=bad, impl=impl)
+    with pytest.raises(ValueError, match="norm_eps must be a finite number"):
+        jc.moe_decode(**args, **kw, norm=g, norm_eps=float("nan"), impl=impl)
+
+
 def test_router_vmap(rng):
     """vmap over x (one call over every instance's rows), and over x and V3's score_bias
     together (a call per instance)."""
     x, router = _arr(rng, (3, 5, 64), "bfloat16"), _arr(rng, (64, 16), "bfloat16", 0.125)
     kw = dict(top_k=3, topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=True,
               routed_scaling_factor=1.0)
-    w, i = jax.vmap(lambda v: md._route(v, router, kw, "cuda"))(x)
+    w, i, _ = jax.vmap(lambda v: md._route(v, router, kw, "cuda"))(x)
     biases = _arr(rng, (3, 16), "float32", 0.5)
     noaux = dict(kw, topk_method="noaux_tc", n_group=4, topk_group=2)
-    w3, i3 = jax.vmap(lambda v, b: md._route(v, router, dict(noaux, score_bias=b), "cuda"))(x, biases)
+    w3, i3, _ = jax.vmap(lambda v, b: md._route(v, router, dict(noaux, score_bias=b), "cuda"))(x, biases)
     hlo = jax.jit(jax.vmap(lambda v: md._route(v, router, kw, "cuda"))).lower(x).as_text()
     assert hlo.count("jax_cluster_moe_route") == 1
     for b in range(3):
@@ -224,6 +285,18 @@ def test_router_vmap(rng):
             rw, ri = reference.moe_route(x[b], router, **route)
             np.testing.assert_array_equal(np.asarray(oi[b]), np.asarray(ri))
             np.testing.assert_allclose(np.asarray(ow[b]), np.asarray(rw), rtol=1e-5, atol=1e-7)
+    # with a norm: folded into one call (a shared norm weight), or a call per instance (mapped)
+    g = _arr(rng, (3, 64), "bfloat16", 0.5) + 1
+    for fn, one in ((lambda v, gb: md._route(v, router, kw, "cuda", g[0]), True),
+                    (lambda v, gb: md._route(v, router, kw, "cuda", gb), False)):
+        wn, i_n, hn = jax.vmap(fn)(x, g)
+        assert jax.jit(jax.vmap(fn)).lower(x, g).as_text().count("jax_cluster_moe_route") == 1
+        for b in range(3):
+            gb = g[0] if one else g[b]
+            ow, oi, oh = md._route(x[b], router, kw, "cuda", gb)
+            np.testing.assert_array_equal(np.asarray(hn[b]), np.asarray(oh))
+            np.testing.assert_array_equal(np.asarray(i_n[b]), np.asarray(oi))
+            np.testing.assert_allclose(np.asarray(wn[b]), np.asarray(ow), rtol=1e-6, atol=1e-8)
 
 
 def test_cpu_handler_matches_reference_closely(rng):
@@ -349,8 +422,8 @@ def test_moe_experts_with_shared_experts(rng, dtype):
         args, extra = _inputs(rng, 3, 64, 32, 8, dtype, shared=width, residual=True)
         kw = dict(top_k=2, **GROUPED)
         # the router's custom call, as moe_decode(impl="cuda") routes (bitwise comparable below)
-        weights, ids = md._route(args["x"], args["router"], dict(top_k=2, norm_topk_prob=False,
-                                                                 routed_scaling_factor=1.0, **GROUPED), "cuda")
+        weights, ids, _ = md._route(args["x"], args["router"], dict(top_k=2, norm_topk_prob=False,
+                                                                    routed_scaling_factor=1.0, **GROUPED), "cuda")
         w = (args["w_gate"], args["w_up"], args["w_down"])
         ref = jc.moe_decode(**args, **extra, **kw, impl="reference")
         for impl in ("reference", "xla", "cuda"):
@@ -678,13 +751,14 @@ def test_gpu_deepseek_shapes(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ROUTES, ids=str)
 def test_gpu_router_kernel(rng, route):
-    """The router kernel picks XLA's experts and weights: N = 1, 3, 8 (its most rows; more
+    """The router kernels pick XLA's experts and weights: N = 1, 3, 8 (their most rows; more
     route in XLA), E = 64 (V2-Lite), 160 (V2, H 5120: many K chunks), 256 (V3, H 7168) and 512
-    (its most, at 8 rows: its largest shared memory), router bfloat16 and float32."""
+    (the most, at 8 rows: the largest shared memory), router bfloat16, float16 and float32;
+    with and without the norm in them (H 200: a K chunk off the 16-byte row loads' grid)."""
     for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (8, 2048, 64, "float16", "float32"),
                                    (8, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32"),
                                    (1, 7168, 256, "bfloat16", "float32"), (5, 7168, 256, "bfloat16", "bfloat16"),
-                                   (8, 1024, 512, "bfloat16", "float32"),
+                                   (8, 1024, 512, "bfloat16", "float32"), (2, 200, 24, "float16", "float16"),
                                    (16, 256, 16, "bfloat16", "bfloat16")):
         groups = route.get("n_group", 1)
         if route["top_k"] > e or groups > e or route["top_k"] > route.get("topk_group", 1) * e // groups:
@@ -693,6 +767,12 @@ def test_gpu_router_kernel(rng, route):
         (w, i), (rw, ri) = _route_both(x, router, _gpu(), **route)
         np.testing.assert_array_equal(i, ri)
         np.testing.assert_allclose(w, rw, rtol=3e-5, atol=1e-7)  # logits summed in another order (H up to 5120)
+        # with the norm in the kernels: h as jnp rounds it, and routed (x scaled: the norm undoes it)
+        norm = _arr(rng, (h,), dtype, 0.5) + 1
+        (w, i), (rw, ri), (hn, href) = _route_both(x * 3, router, _gpu(), norm, **route)
+        _check_normed(hn, href, dtype)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_allclose(w, rw, rtol=3e-5, atol=1e-7)
 
 
 @pytest.mark.gpu

@@ -5,13 +5,13 @@
 # and append mode; mla_decode_kernel.cu: contiguous and paged latent caches;
 # mla_projections_kernel.cu: mla_decode's projection kernels;
 # decoder_layer_kernel.cu: the one-launch layer; moe_decode_kernel.cu: the expert GEMVs and
-# the combine), not inside a JAX
+# the combine; moe_route_kernel.cu: the router), not inside a JAX
 # process: there compute-sanitizer 2025.3.1's racecheck stops with "Internal Sanitizer
 # Error: failed to handle a hardware exception" at the first kernel; alone the same kernels
 # run to the end (docs/attention_block.md).
 #   [ONLY=SUBSTRING] bash benchmarks/probes/sanitize_attention_kernels.sh > sanitize.log
 # JC_ATTENTION_PROBE, JC_DECODE_ATTENTION_PROBE, JC_MLA_PROBE, JC_MLA_PROJ_PROBE, JC_LAYER_PROBE,
-# JC_MOE_PROBE: the probe
+# JC_MOE_PROBE, JC_ROUTE_PROBE: the probe
 # binaries; without them they are
 # built here (2-3 min: build them on the CPU machine with the commands below and carry
 # them). The attention_block probe is built with every lane of the TMA kernel's consumer
@@ -48,6 +48,11 @@ mo=${JC_MOE_PROBE:-}
 if [ -z "$mo" ] && wanted moe_decode; then
   mo=/tmp/moe_decode_sanitize
   nvcc "${nvcc_flags[@]}" benchmarks/probes/moe_decode_kernel.cu cpp/ops/moe_decode/cpu.cc -o "$mo" || exit 1
+fi
+mr=${JC_ROUTE_PROBE:-}
+if [ -z "$mr" ] && wanted moe_route; then
+  mr=/tmp/moe_route_sanitize
+  nvcc "${nvcc_flags[@]}" benchmarks/probes/moe_route_kernel.cu cpp/ops/moe_decode/cpu.cc -o "$mr" || exit 1
 fi
 dl=${JC_LAYER_PROBE:-}
 if [ -z "$dl" ] && wanted decoder_layer; then
@@ -111,6 +116,15 @@ mo_configs=(
   "17 264 136 6 2 408"
   "2 64 8 6 2 80"
 )
+# moe_route: N H E k method norm router: V2-Lite's router with and without the norm, 8
+# rows, a small H of 8-row chunks, V3's and V2's (many chunks).
+mr_configs=(
+  "1 2048 64 6 greedy 1 f32"
+  "8 2048 64 6 greedy 0 f32"
+  "3 64 16 4 grouped 1 bf16"
+  "1 7168 256 8 noaux 1 bf16"
+  "5 5120 160 6 grouped 0 bf16"
+)
 # decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
 # 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
 dl_configs=(
@@ -155,6 +169,9 @@ for cfg in "${mp_configs[@]}"; do
 done
 for cfg in "${mo_configs[@]}"; do
   MOE_PDL=0 check "moe_decode $cfg" "$mo" $cfg  # racecheck does not follow programmatic launches
+done
+for cfg in "${mr_configs[@]}"; do
+  MOE_PDL=0 check "moe_route $cfg" "$mr" $cfg
 done
 for cfg in "${dl_configs[@]}"; do
   check "decoder_layer $cfg" "$dl" $cfg

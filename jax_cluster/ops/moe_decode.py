@@ -6,10 +6,11 @@
     routed = sum_s weights[:, s] * SwiGLU_{ids[:, s]}(x)  (+ residual)     [N, H] in x.dtype
     y      = swiglu(x, shared experts, residual=routed)  (without shared experts: routed)
 
-x [N, H] (normalised hidden states), router [H, E], w_gate / w_up [E, H, I], w_down
+x [N, H] (normalised hidden states, or with `norm` the pre-norm ones: the router's kernels
+then normalise them), router [H, E], w_gate / w_up [E, H, I], w_down
 [E, I, H]. The router (:func:`jax_cluster.reference.moe_route` is its contract) runs as
-the custom call jax_cluster_moe_route under "cuda" / "auto" where it takes the call (one
-kernel on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in XLA.
+the custom call jax_cluster_moe_route under "cuda" / "auto" where it takes the call (two
+kernels on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in XLA.
 `impl` decides the experts:
 
   "cuda"       the custom call jax_cluster_moe_decode: on a GPU three kernels (gate/up GEMV,
@@ -149,69 +150,86 @@ def _batching(args, dims, **params):
 _PRIM = ffi_primitive("moe_decode", abstract_eval=_abstract, batching_rule=_batching)
 
 
-def _route_abstract(x, router, score_bias, *, top_k, group_limited, noaux_tc, n_group, topk_group,
-                    norm_topk_prob, routed_scaling_factor):
-    del score_bias, norm_topk_prob, routed_scaling_factor
+def _route_abstract(x, router, score_bias, norm, *, top_k, group_limited, noaux_tc, n_group, topk_group,
+                    norm_topk_prob, routed_scaling_factor, norm_eps):
+    del score_bias, norm_topk_prob, routed_scaling_factor, norm_eps
     n, h = x.shape
+    has_norm = norm.shape[0] > 0
     ws = _plans().moe_route(n, h, router.shape[1], top_k, jnp.dtype(x.dtype).name, jnp.dtype(router.dtype).name,
-                            group_limited, n_group, topk_group, noaux_tc)["workspace_bytes"]
+                            group_limited, n_group, topk_group, noaux_tc, has_norm)["workspace_bytes"]
     return (ShapedArray((n, top_k), jnp.float32), ShapedArray((n, top_k), jnp.int32),
-            ShapedArray((ws,), np.uint8))
+            ShapedArray((n, h) if has_norm else (0,), x.dtype), ShapedArray((ws,), np.uint8))
 
 
 def _route_batching(args, dims, **params):
-    """vmap: one call over all instances' rows (a shared router and bias), or one call per instance."""
-    x, router, bias = args
+    """vmap: one call over all instances' rows (a shared router, bias and norm), or one call
+    per instance."""
+    x, router, bias, norm = args
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if dims[1] is None and dims[2] is None:
+    has_norm = norm.shape[-1] > 0
+    if all(d is None for d in dims[1:]):
         xs = fold_batch_axis(x, dims[0], size)
         b, n = xs.shape[:2]
-        if _route_plan(b * n, xs.shape[2], router.shape[1], params, xs.dtype, router.dtype)["usable"]:
-            w, i, ws = _ROUTE.bind(xs.reshape(b * n, -1), router, bias, **params)
-            return (w.reshape(b, n, -1), i.reshape(b, n, -1), ws), (0, 0, None)
+        if _route_plan(b * n, xs.shape[2], router.shape[1], params, xs.dtype, router.dtype, has_norm)["usable"]:
+            w, i, h, ws = _ROUTE.bind(xs.reshape(b * n, -1), router, bias, norm, **params)
+            return (w.reshape(b, n, -1), i.reshape(b, n, -1), h.reshape(b, n, -1) if has_norm else h, ws), \
+                (0, 0, 0 if has_norm else None, None)
     moved = [fold_batch_axis(a, d, size) if d is not None else a for a, d in zip(args, dims)]
 
     def one(j):
-        return tuple(_ROUTE.bind(*[a[j] if d is not None else a for a, d in zip(moved, dims)], **params)[:2])
+        return tuple(_ROUTE.bind(*[a[j] if d is not None else a for a, d in zip(moved, dims)], **params)[:3])
 
-    w, i = jax.lax.map(one, jnp.arange(size))
-    return (w, i, jnp.zeros((0,), np.uint8)), (0, 0, None)
+    w, i, h = jax.lax.map(one, jnp.arange(size))
+    return (w, i, h, jnp.zeros((0,), np.uint8)), (0, 0, 0, None)
 
 
 _ROUTE = ffi_primitive("moe_route", abstract_eval=_route_abstract, batching_rule=_route_batching)
 
 
-def _route_plan(n, h, e, params, dtype, router_dtype) -> dict:
+def _route_plan(n, h, e, params, dtype, router_dtype, has_norm=False) -> dict:
     """The C++ plan of a router call, and whether the custom call runs it here (the CPU
-    handler takes any call its checks pass; the kernel 16-bit x, <= 8 rows, <= 512 experts)."""
+    handler takes any call its checks pass; the kernel 16-bit x, <= 8 rows, <= 512 experts,
+    with a norm H % 8 == 0)."""
     plan = dict(_plans().moe_route(n, h, e, params["top_k"], jnp.dtype(dtype).name, jnp.dtype(router_dtype).name,
                                    params["group_limited"], params["n_group"], params["topk_group"],
-                                   params["noaux_tc"]))
+                                   params["noaux_tc"], has_norm))
     plan["usable"] = not plan["error"] and not (on_gpu() and plan["cuda_error"])
     return plan
 
 
-def _route(x, router, route: dict, impl: str):
-    """(weights, ids) of the router: the custom call under "cuda" / "auto" where it takes the
-    call, else XLA (jax_cluster.reference.moe_route)."""
+def _rms_norm(x, weight, eps):
+    """RMSNorm as jnp writes it (flax_models' rms_norm): float32 statistics, the normalised x
+    rounded to x.dtype, then times the weight in x.dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def _route(x, router, route: dict, impl: str, norm=None, norm_eps: float = 1e-6):
+    """(weights, ids, h) of the router, h = RMSNorm(x) with a norm weight (else x): the custom
+    call under "cuda" / "auto" where it takes the call (the norm in its kernels), else XLA
+    (jax_cluster.reference.moe_route on the jnp norm)."""
     noaux = route["topk_method"] == "noaux_tc"
     grouped = noaux or route["topk_method"] == "group_limited_greedy"
     params = dict(top_k=route["top_k"], group_limited=grouped, noaux_tc=noaux,
                   n_group=int(route["n_group"] or 1) if grouped else 1,
                   topk_group=int(route["topk_group"] or 1) if grouped else 1, norm_topk_prob=route["norm_topk_prob"],
-                  routed_scaling_factor=np.float32(route["routed_scaling_factor"]))
+                  routed_scaling_factor=np.float32(route["routed_scaling_factor"]), norm_eps=np.float32(norm_eps))
     n, h = x.shape
     wide = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)  # "auto" keeps float32 on XLA, as for the experts
     if (impl == "cuda" or (impl == "auto" and not wide)) and \
-            _route_plan(n, h, router.shape[1], params, x.dtype, router.dtype)["usable"]:
+            _route_plan(n, h, router.shape[1], params, x.dtype, router.dtype, norm is not None)["usable"]:
         bias = route.get("score_bias")
         if noaux:
             bias = jnp.zeros((router.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
         else:
             bias = jnp.zeros((0,), jnp.float32)
-        weights, ids, _ = _ROUTE.bind(x, router, bias, **params)
-        return weights, ids
-    return reference.moe_route(x, router, **route)
+        w_norm = jnp.zeros((0,), x.dtype) if norm is None else norm.astype(x.dtype)
+        weights, ids, normed, _ = _ROUTE.bind(x, router, bias, w_norm, **params)
+        return weights, ids, x if norm is None else normed
+    if norm is not None:
+        x = _rms_norm(x, norm, norm_eps)
+    return (*reference.moe_route(x, router, **route), x)
 
 
 # ----------------------------------------------------------------------------- the paths
@@ -442,6 +460,17 @@ def _check_routing(op: str, e: int, top_k, topk_method, n_group, topk_group, nor
                          f"{tuple(getattr(score_bias, 'shape', ()))}")
 
 
+def _check_norm(op: str, norm, eps, h: int) -> None:
+    if norm is None:
+        return
+    if tuple(getattr(norm, "shape", ())) != (h,) or not jnp.issubdtype(norm.dtype, jnp.floating):
+        raise ValueError(f"{op}: norm must be a float array [H] = ({h},), got "
+                         f"{getattr(getattr(norm, 'dtype', None), 'name', type(norm).__name__)} "
+                         f"{tuple(getattr(norm, 'shape', ()))}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: norm_eps must be a finite number >= 0, got {eps!r}")
+
+
 def _check_shared(op: str, shared, h: int, dtype) -> None:
     if shared is None:
         return
@@ -501,8 +530,8 @@ def _shared_after(op: str, x, shared, shared_done: bool, y, impl: str):
 
 def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str = "greedy", n_group=None,
                topk_group=None, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-               score_bias=None, shared: dict | None = None, residual=None, impl: str = "auto",
-               config: MoeDecodeConfig | None = None):
+               score_bias=None, shared: dict | None = None, residual=None, norm=None, norm_eps: float = 1e-6,
+               impl: str = "auto", config: MoeDecodeConfig | None = None):
     """DeepSeek-V2's (and V3's) MoE layer for N rows (see the module docstring): y [N, H] in x.dtype.
 
     x [N, H] float16 / bfloat16 (float32: "xla", "reference" or the CPU handler); router
@@ -517,8 +546,12 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     shared: None or dict(w_gate [H, Is], w_up [H, Is], w_down [Is, H]), the always-on
     shared experts (one SwiGLU: in the custom call's kernels under impl "cuda" / "auto" up
     to 8 rows on a GPU, else by jax_cluster.swiglu with the same impl). residual: None or
-    [N, H], added to the routed sum before the shared experts' output. config: a
-    MoeDecodeConfig (impl "auto" or "cuda")."""
+    [N, H], added to the routed sum before the shared experts' output. norm: None (x is
+    already normalised), or the weight [H] of the RMSNorm ahead of the layer: x is then the
+    pre-norm hidden state and the router and the experts see norm * (x * rsqrt(mean(x^2) +
+    norm_eps)), rounded as jnp rounds (the normalised x to x.dtype, then its product with the
+    weight); on the router's custom call the norm runs in its kernels, not as XLA kernels of
+    its own. config: a MoeDecodeConfig (impl "auto" or "cuda")."""
     op = "moe_decode"
     _check_call(op, impl, config)
     n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
@@ -529,13 +562,16 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     _check_routing(op, e, top_k, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                    score_bias)
     _check_shared(op, shared, h, x.dtype)
+    _check_norm(op, norm, norm_eps, h)
     if n == 0:
         return jnp.zeros((0, h), x.dtype)
     route = dict(top_k=int(top_k), topk_method=topk_method, n_group=n_group, topk_group=topk_group,
                  norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
                  score_bias=score_bias)
     if impl == "reference":
+        if norm is not None:
+            x = _rms_norm(x, norm, norm_eps)
         return reference.moe_decode(x, router, w_gate, w_up, w_down, **route, shared=shared, residual=residual)
-    weights, ids = _route(x, router, route, impl)
+    weights, ids, x = _route(x, router, route, impl, norm, norm_eps)
     y, shared_done = _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, shared)
     return _shared_after(op, x, shared, shared_done, y, impl)

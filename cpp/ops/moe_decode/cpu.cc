@@ -68,12 +68,21 @@ void moe_route(const MoeRouteParams& p) {
   const int64_t h = p.h, e = p.e, k = p.k;
   const int64_t per = p.group_limited ? e / p.n_group : e;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  std::vector<float> sc(e), ch(e), best(p.group_limited ? p.n_group : 0);
+  std::vector<float> sc(e), ch(e), best(p.group_limited ? p.n_group : 0), xr(h);
   for (int64_t n = 0; n < p.n; ++n) {
+    for (int64_t r = 0; r < h; ++r) xr[r] = load(p.dtype, p.x, n * h + r);
+    if (p.norm != nullptr) {  // h = RMSNorm(x), rounded as jnp rounds, written for the experts
+      float ss = 0.f;
+      for (float v : xr) ss += v * v;
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(h) + p.norm_eps);
+      for (int64_t r = 0; r < h; ++r) {
+        xr[r] = round_to(p.dtype, load(p.dtype, p.norm, r) * round_to(p.dtype, xr[r] * rstd));
+        store(p.dtype, p.normed, n * h + r, xr[r]);
+      }
+    }
     std::fill(sc.begin(), sc.end(), 0.f);
     for (int64_t r = 0; r < h; ++r) {
-      const float xv = load(p.dtype, p.x, n * h + r);
-      for (int64_t c = 0; c < e; ++c) sc[c] += xv * load(p.router_dtype, p.router, r * e + c);
+      for (int64_t c = 0; c < e; ++c) sc[c] += xr[r] * load(p.router_dtype, p.router, r * e + c);
     }
     if (p.noaux_tc) {  // sigmoid scores; the choice biased, a group scored by its two best
       for (int64_t c = 0; c < e; ++c) {

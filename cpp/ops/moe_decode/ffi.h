@@ -25,6 +25,7 @@ struct MoeRouteAttrs {
   int64_t topk_group;
   bool norm_topk_prob;
   float routed_scaling_factor;
+  float norm_eps;
 };
 
 struct MoeDecodeAttrs {
@@ -49,19 +50,22 @@ JAX_CLUSTER_FFI_ATTRS(jax_cluster::MoeRouteAttrs,
                       xla::ffi::StructMember<int64_t>("n_group"),
                       xla::ffi::StructMember<int64_t>("topk_group"),
                       xla::ffi::StructMember<bool>("norm_topk_prob"),
-                      xla::ffi::StructMember<float>("routed_scaling_factor"));
+                      xla::ffi::StructMember<float>("routed_scaling_factor"),
+                      xla::ffi::StructMember<float>("norm_eps"));
 
 namespace jax_cluster {
 
 namespace ffi = xla::ffi;
 
 // moe_route: x [N, H] (fp16 / bf16 / fp32), router [H, E] (fp32 / fp16 / bf16), score_bias
-// float32 [E] (noaux_tc; otherwise unused, any shape) -> weights float32 [N, k], ids int32
-// [N, k], workspace (uint8). Attributes: MoeRouteAttrs.
+// float32 [E] (noaux_tc; otherwise unused, any shape), norm [H] of x's dtype (or empty: no
+// norm) -> weights float32 [N, k], ids int32 [N, k], h [N, H] of x's dtype (RMSNorm(x); empty
+// without a norm), workspace (uint8). Attributes: MoeRouteAttrs.
 inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyBuffer router,
-                                                     ffi::AnyBuffer score_bias,
+                                                     ffi::AnyBuffer score_bias, ffi::AnyBuffer norm,
                                                      ffi::Result<ffi::AnyBuffer> weights,
                                                      ffi::Result<ffi::AnyBuffer> ids,
+                                                     ffi::Result<ffi::AnyBuffer> normed,
                                                      ffi::Result<ffi::AnyBuffer> workspace, MoeRouteAttrs a) {
   auto fail = [](const std::string& m) { return ffi::Unexpected(ffi_util::invalid("moe_route: " + m)); };
   auto xd = x.dimensions(), rd = router.dimensions();
@@ -84,6 +88,18 @@ inline ffi::ErrorOr<MoeRouteParams> decode_moe_route(ffi::AnyBuffer x, ffi::AnyB
   p.topk_group = a.topk_group;
   p.norm_topk_prob = a.norm_topk_prob;
   p.scaling = a.routed_scaling_factor;
+  p.norm_eps = a.norm_eps;
+  if (norm.element_count() > 0) {
+    auto nd = norm.dimensions();
+    if (norm.element_type() != x.element_type() || nd.size() != 1 || nd[0] != p.h) {
+      return fail("norm must be [H] of x's dtype, got " + ffi_util::dims_str(nd));
+    }
+    if (normed->element_type() != x.element_type() || static_cast<int64_t>(normed->element_count()) != p.n * p.h) {
+      return fail("with a norm, the normed output must be [N, H] of x's dtype");
+    }
+    p.norm = norm.untyped_data();
+    p.normed = normed->untyped_data();
+  }
   if (const std::string why = moe_route_check(p); !why.empty()) return fail(why);
   if (p.noaux_tc) {
     auto bd = score_bias.dimensions();

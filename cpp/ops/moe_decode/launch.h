@@ -12,7 +12,7 @@ namespace jax_cluster {
 // return code of every launch is checked. No allocation, no synchronisation, no memset.
 cudaError_t launch_moe_decode(const MoeDecodeParams& p, cudaStream_t stream);
 
-// The router kernel of route.h (zeroes its arrival counter in the workspace first).
+// The router's two kernels of route.h (partials, then select) on `stream`.
 cudaError_t launch_moe_route(const MoeRouteParams& p, cudaStream_t stream);
 
 }  // namespace jax_cluster

@@ -1,4 +1,4 @@
-// The router kernel of moe_decode (route.h has the algorithm and its contract).
+// The router kernels of moe_decode (route.h has the algorithm and its contract).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -22,13 +22,14 @@ static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in
 // per block, so their time is L2/DRAM round trips, not bytes.
 constexpr int kLoads = 16;
 
-// Shared memory, in floats: a partials block's staged x chunk [N][kc] and K-slice partials
-// [subs][kRowGroup][cols]; the select block's per-warp scores [E] and group bests [E], then
-// where several threads sum a score's chunks, their slice sums [slices][N * E] (at most
-// kThreads). Either at most 40 KB: under the 48 KB a launch may take without opting in.
-inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads; }
-// scores and group bests [2 kWarps][E], the chunk sums [kThreads], noaux_tc's score_bias [E]
-inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads + e; }
+// Shared memory, in floats: a partials block's staged h chunk [N][kc], K-slice partials
+// [subs][kRowGroup][cols] and the norm weight's chunk [kc]; the select block's per-warp
+// scores [E] and group bests [E], then where several threads sum a score's chunks, their
+// slice sums [slices][N * E] (at most kThreads), noaux_tc's score_bias [E] and the rows' raw
+// weights [kWarps][E] (k <= E): at E = 512, 52 KB (launch_ex opts every kernel in to the
+// device's maximum).
+inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads + kc; }
+inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads + e + kWarps * e; }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
 __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
@@ -38,51 +39,157 @@ __device__ __forceinline__ void better(float v, int i, float* bv, int* bi) {
   }
 }
 
-// Block c: the partial logits of K chunk c, [N][E] fp32, to the workspace.
-template <typename T, typename R>
-__global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeRouteParams p, int kc) {
-  extern __shared__ __align__(16) float smem[];
-  const int tid = threadIdx.x;
-  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
-  const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
-  const R* router = static_cast<const R*>(p.router);
-  float* partial = static_cast<float*>(p.workspace);
-  ptx::griddep_wait();  // x is the previous kernel's
-
-  // This chunk's partial logits: x[:, chunk] staged in fp32; column e's K rows split over
-  // `subs` thread slices, the slices summed in order.
-  float* sx = smem;
-  float* red = smem + N * kc;
+// With a norm: h[:, chunk] = RMSNorm(x)[:, chunk] staged in sx [N][kc] and written to
+// p.normed. Every block reads the rows whole (16-byte vectors, all rows' loads in flight) for
+// the sums of squares, and the same loads deliver its chunk, so x is read once. Sums: per
+// thread in vector order, a shuffle tree per warp, warps in order; sg holds the norm weight's
+// chunk (staged before the wait), red is scratch.
+template <typename T>
+__device__ void stage_normed_chunk(const MoeRouteParams& p, int k0, int rows, int kc, float* sx, const float* sg,
+                                   float* red) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = static_cast<int>(p.n), H = static_cast<int>(p.h), V = H / 8;
   const T* x = static_cast<const T*>(p.x);
-  for (int i = tid; i < N * rows; i += kThreads) {
-    const int n = i / rows, kk = i - n * rows;
-    sx[n * kc + kk] = to_float(x[static_cast<int64_t>(n) * H + k0 + kk]);
+  float ss[kMoeRouteMaxRows];
+#pragma unroll
+  for (int n = 0; n < kMoeRouteMaxRows; ++n) ss[n] = 0.f;
+  for (int v = tid; v < V; v += kThreads) {
+    uint4 raw[kMoeRouteMaxRows];
+#pragma unroll
+    for (int n = 0; n < kMoeRouteMaxRows; ++n) {
+      if (n < N) raw[n] = __ldcg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(n) * H) + v);
+    }
+#pragma unroll
+    for (int n = 0; n < kMoeRouteMaxRows; ++n) {
+      if (n >= N) break;
+      float f[8];
+      unpack<T>(raw[n], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        ss[n] = fmaf(f[j], f[j], ss[n]);
+        const int kk = 8 * v + j - k0;
+        if (kk >= 0 && kk < rows) sx[n * kc + kk] = f[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kMoeRouteMaxRows; ++n) {
+    if (n >= N) break;
+    for (int off = 16; off; off >>= 1) ss[n] += __shfl_xor_sync(0xffffffffu, ss[n], off);
+    if (lane == 0) red[warp * kMoeRouteMaxRows + n] = ss[n];
   }
   __syncthreads();
-  const int cols = min(E, kThreads), subs = kThreads / cols;
-  const int s = tid / cols, el = tid - s * cols;
+  float* rstd = red + kWarps * kMoeRouteMaxRows;
+  if (tid < N) {
+    float t = 0.f;
+    for (int w = 0; w < kWarps; ++w) t += red[w * kMoeRouteMaxRows + tid];
+    rstd[tid] = rsqrtf(t / static_cast<float>(H) + p.norm_eps);
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.normed);
+  for (int i = tid; i < N * rows; i += kThreads) {
+    const int n = i / rows, kk = i - n * rows;
+    const T v = from_float<T>(sg[kk] * to_float(from_float<T>(sx[n * kc + kk] * rstd[n])));
+    sx[n * kc + kk] = to_float(v);
+    out[static_cast<int64_t>(n) * H + k0 + kk] = v;
+  }
+}
+
+// The first batch of a thread's router loads for its chunk (column el, K slice s), issued
+// before the kernel's griddep_wait: the router depends on no earlier kernel.
+template <typename R>
+struct RouterBatch {
+  R w[kLoads];
+  __device__ void load(const R* router, int E, int k0, int rows, int e, int kb, int subs) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int kk = kb + u * subs;
+      if (kk < rows) w[u] = router[static_cast<int64_t>(k0 + kk) * E + e];  // chunk_logits reads no more
+    }
+  }
+};
+
+// How a block's threads split its chunk: `cols` experts per pass (thread el), the K rows over
+// `subs` slices (thread s).
+struct ChunkSplit {
+  int cols, subs, s, el;
+  __device__ explicit ChunkSplit(int E) {
+    cols = min(E, kThreads);
+    subs = kThreads / cols;
+    s = threadIdx.x / cols;
+    el = threadIdx.x - s * cols;
+  }
+  __device__ bool active(int e, int E) const { return s < subs && e < E; }
+};
+
+// Before the wait: the chunk's first router batch into registers, the rest of its rows
+// (contiguous) asked of L2, the norm weight's chunk staged in sg.
+template <typename T, typename R>
+__device__ void chunk_prologue(const MoeRouteParams& p, int k0, int rows, const ChunkSplit& sp,
+                               RouterBatch<R>* first, float* sg) {
+  const int E = static_cast<int>(p.e);
+  const R* router = static_cast<const R*>(p.router);
+  if (sp.active(sp.el, E)) first->load(router, E, k0, rows, sp.el, sp.s, sp.subs);
+  const int64_t chunk_bytes = static_cast<int64_t>(rows) * E * sizeof(R);
+  const R* chunk_w = router + static_cast<int64_t>(k0) * E;
+  if (threadIdx.x == 0 && chunk_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(chunk_w) % 16 == 0) {
+    ptx::prefetch_l2(chunk_w, static_cast<uint32_t>(chunk_bytes));
+  }
+  const T* norm = static_cast<const T*>(p.norm);
+  if (norm != nullptr) {
+    for (int kk = threadIdx.x; kk < rows; kk += kThreads) sg[kk] = to_float(norm[k0 + kk]);
+  }
+}
+
+// After the wait: h[:, chunk] in fp32 to sx [N][kc] (x's, or RMSNorm(x)'s written to p.normed too).
+template <typename T>
+__device__ void stage_chunk(const MoeRouteParams& p, int k0, int rows, int kc, float* sx, const float* sg,
+                            float* red) {
+  if (p.norm != nullptr) {
+    stage_normed_chunk<T>(p, k0, rows, kc, sx, sg, red);
+  } else {
+    const int N = static_cast<int>(p.n), H = static_cast<int>(p.h);
+    const T* x = static_cast<const T*>(p.x);
+    for (int i = threadIdx.x; i < N * rows; i += kThreads) {
+      const int n = i / rows, kk = i - n * rows;
+      sx[n * kc + kk] = to_float(x[static_cast<int64_t>(n) * H + k0 + kk]);
+    }
+  }
+  __syncthreads();
+}
+
+// The chunk's partial logits out[n * E + e] (fp32): column e's K
+// rows split over the thread slices, the slices summed in order; the first batch from
+// chunk_prologue. Ends with a barrier.
+template <typename R>
+__device__ void chunk_logits(const MoeRouteParams& p, int k0, int rows, int kc, const ChunkSplit& sp,
+                             const RouterBatch<R>& first, const float* sx, float* red, float* out) {
+  const int tid = threadIdx.x;
+  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e);
+  const R* router = static_cast<const R*>(p.router);
+  const int cols = sp.cols, subs = sp.subs, s = sp.s, el = sp.el;
   for (int e0 = 0; e0 < E; e0 += cols) {
     const int e = e0 + el;
-    const bool active = s < subs && e < E;
     for (int n0 = 0; n0 < N; n0 += kRowGroup) {
       float acc[kRowGroup];
 #pragma unroll
       for (int j = 0; j < kRowGroup; ++j) acc[j] = 0.f;
-      if (active) {
+      if (sp.active(e, E)) {
         for (int kb = s; kb < rows; kb += subs * kLoads) {
-          float w[kLoads];
-#pragma unroll
-          for (int u = 0; u < kLoads; ++u) {
-            const int kk = kb + u * subs;
-            w[u] = kk < rows ? to_float(router[static_cast<int64_t>(k0 + kk) * E + e]) : 0.f;
+          RouterBatch<R> b;
+          if (e0 == 0 && n0 == 0 && kb == s) {
+            b = first;
+          } else {
+            b.load(router, E, k0, rows, e, kb, subs);
           }
 #pragma unroll
           for (int u = 0; u < kLoads; ++u) {
             const int kk = kb + u * subs;
             if (kk >= rows) break;
+            const float w = to_float(b.w[u]);
 #pragma unroll
             for (int j = 0; j < kRowGroup; ++j) {
-              if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w[u], acc[j]);
+              if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w, acc[j]);
             }
           }
         }
@@ -97,18 +204,35 @@ __global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeR
         if (n0 + j >= N || e0 + l >= E) continue;
         float v = 0.f;
         for (int t = 0; t < subs; ++t) v += red[(t * kRowGroup + j) * cols + l];
-        __stcg(partial + (static_cast<int64_t>(c) * N + n0 + j) * E + e0 + l, v);
+        out[(n0 + j) * E + e0 + l] = v;
       }
       __syncthreads();
     }
   }
+}
+
+// Block c: the partial logits of K chunk c, [N][E] fp32, to the workspace.
+template <typename T, typename R>
+__global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeRouteParams p, int kc) {
+  extern __shared__ __align__(16) float smem[];
+  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
+  const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
+  float* sx = smem;
+  float* red = smem + N * kc;
+  float* sg = red + kRowGroup * kThreads;
+  const ChunkSplit sp(E);
+  RouterBatch<R> first;
+  chunk_prologue<T, R>(p, k0, rows, sp, &first, sg);
+  ptx::griddep_wait();  // x is the previous kernel's
+  stage_chunk<T>(p, k0, rows, kc, sx, sg, red);
+  chunk_logits<R>(p, k0, rows, kc, sp, first, sx, red, static_cast<float*>(p.workspace) + static_cast<int64_t>(c) * N * E);
   ptx::griddep_launch_dependents();  // the select kernel may launch; it waits for every chunk
 }
 
 // Row n's top_k of the warp's choices ch[E] ((value, index) argmax rounds, a chosen entry
-// becomes NaN): ids and the scores sc[id] to row n's outputs; returns the scores' sum (the same
-// on every lane, in rank order).
-__device__ float choose_top_k(const MoeRouteParams& p, int n, const float* sc, float* ch, int lane) {
+// becomes NaN): ids to row n's output, the scores sc[id] to raw[k] (the warp's shared memory);
+// returns the scores' sum (the same on every lane, in rank order).
+__device__ float choose_top_k(const MoeRouteParams& p, int n, const float* sc, float* ch, float* raw, int lane) {
   const int E = static_cast<int>(p.e), K = static_cast<int>(p.k);
   float sum = 0.f;
   for (int r = 0; r < K; ++r) {
@@ -127,7 +251,7 @@ __device__ float choose_top_k(const MoeRouteParams& p, int n, const float* sc, f
     w = __shfl_sync(0xffffffffu, w, bi & 31);
     if (lane == 0) {
       p.ids[static_cast<int64_t>(n) * K + r] = bi == INT_MAX ? -1 : bi;
-      p.weights[static_cast<int64_t>(n) * K + r] = w;
+      raw[r] = w;
     }
     sum += w;
     __syncwarp();
@@ -135,16 +259,16 @@ __device__ float choose_top_k(const MoeRouteParams& p, int n, const float* sc, f
   return sum;
 }
 
-// Row n's weights, written raw by choose_top_k, rescaled by the lanes that own them: V2
-// renormalises (norm_topk_prob, top_k > 1) or scales; V3 renormalises (norm_topk_prob), then scales.
-__device__ void finish_row(const MoeRouteParams& p, int n, float sum, int lane) {
+// Row n's weights from choose_top_k's raw ones (shared memory: no global round trip on the
+// router's path), rescaled by the lanes that own them: V2 renormalises (norm_topk_prob,
+// top_k > 1) or scales; V3 renormalises (norm_topk_prob), then scales.
+__device__ void finish_row(const MoeRouteParams& p, int n, float sum, const float* raw, int lane) {
   const int K = static_cast<int>(p.k);
   const bool norm = p.norm_topk_prob && (p.noaux_tc || K > 1);
   const float scale = p.noaux_tc || !norm ? p.scaling : 1.f;
   __syncwarp();  // lane 0's raw weights are visible
   for (int r = lane; r < K; r += 32) {
-    float* w = p.weights + static_cast<int64_t>(n) * K + r;
-    *w = (norm ? *w / (sum + 1e-20f) : *w) * scale;
+    p.weights[static_cast<int64_t>(n) * K + r] = (norm ? raw[r] / (sum + 1e-20f) : raw[r]) * scale;
   }
   __syncwarp();
 }
@@ -182,10 +306,67 @@ __device__ void noaux_tc_choice(const MoeRouteParams& p, float* sc, float* ch, c
   __syncwarp();
 }
 
+// The selection, a warp per row, from the logits: sums [slices][N * E] (a pair's logit is its
+// slices' sum in slice order; with one slice, sums may be smem itself: row n is then warp
+// n's scores already). smem: the select layout (select_smem_floats), noaux_tc's score_bias
+// staged at its place. Every thread of the block calls it.
+__device__ void select_rows(const MoeRouteParams& p, float* smem, const float* sums, int slices) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), pairs = N * E;
+  const float* bias = smem + 2 * kWarps * E + kThreads;
+  float* sc = smem + warp * E;               // this warp's row: scores
+  float* gb = smem + (kWarps + warp) * E;    // group bests (noaux_tc: then the choice)
+  float* raw = smem + 2 * kWarps * E + kThreads + E + warp * E;  // the row's raw weights (k <= E)
+  const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
+  for (int n = warp; n < N; n += kWarps) {
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32) {
+      float v = sums[n * E + e];
+      for (int sl = 1; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
+      sc[e] = v;
+      m = fmaxf(m, v);
+    }
+    if (p.noaux_tc) {
+      __syncwarp();
+      noaux_tc_choice(p, sc, gb, bias, lane);
+      finish_row(p, n, choose_top_k(p, n, sc, gb, raw, lane), raw, lane);
+      continue;
+    }
+    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float z = 0.f;
+    for (int e = lane; e < E; e += 32) {
+      const float ex = expf(sc[e] - m);
+      sc[e] = ex;
+      z += ex;
+    }
+    for (int off = 16; off; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+    for (int e = lane; e < E; e += 32) sc[e] = sc[e] / z;
+    __syncwarp();
+    if (p.group_limited) {
+      const int groups = static_cast<int>(p.n_group);
+      for (int g = lane; g < groups; g += 32) {
+        float b = -INFINITY;
+        for (int e = g * G; e < (g + 1) * G; ++e) b = fmaxf(b, sc[e]);
+        gb[g] = b;
+      }
+      __syncwarp();
+      // group g is kept when fewer than topk_group groups rank above it
+      for (int e = lane; e < E; e += 32) {
+        const int g = e / G;
+        int above = 0;
+        for (int h = 0; h < groups; ++h) above += gb[h] > gb[g] || (gb[h] == gb[g] && h < g);
+        if (above >= p.topk_group) sc[e] = 0.f;
+      }
+      __syncwarp();
+    }
+    finish_row(p, n, choose_top_k(p, n, sc, sc, raw, lane), raw, lane);
+  }
+}
+
 // One block: the logits (the chunks' partials summed) and the selection, a warp per row.
 __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRouteParams p, int chunks) {
   extern __shared__ __align__(16) float smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e);
   const float* partial = static_cast<const float*>(p.workspace);
   // score_bias is an input: staged before the wait (the partials kernel triggers this launch
@@ -216,52 +397,7 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
     sums[sl * pairs + pr] = v;
   }
   __syncthreads();
-  float* sc = smem + warp * E;               // this warp's row: scores
-  float* gb = smem + (kWarps + warp) * E;    // group bests (noaux_tc: then the choice)
-  const int G = p.group_limited ? E / static_cast<int>(p.n_group) : E;
-  for (int n = warp; n < N; n += kWarps) {
-    float m = -INFINITY;
-    for (int e = lane; e < E; e += 32) {
-      float v = sums[n * E + e];
-      for (int sl = 1; sl < slices; ++sl) v += sums[sl * pairs + n * E + e];
-      sc[e] = v;
-      m = fmaxf(m, v);
-    }
-    if (p.noaux_tc) {
-      __syncwarp();
-      noaux_tc_choice(p, sc, gb, bias, lane);
-      finish_row(p, n, choose_top_k(p, n, sc, gb, lane), lane);
-      continue;
-    }
-    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float z = 0.f;
-    for (int e = lane; e < E; e += 32) {
-      const float ex = expf(sc[e] - m);
-      sc[e] = ex;
-      z += ex;
-    }
-    for (int off = 16; off; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-    for (int e = lane; e < E; e += 32) sc[e] = sc[e] / z;
-    __syncwarp();
-    if (p.group_limited) {
-      const int groups = static_cast<int>(p.n_group);
-      for (int g = lane; g < groups; g += 32) {
-        float b = -INFINITY;
-        for (int e = g * G; e < (g + 1) * G; ++e) b = fmaxf(b, sc[e]);
-        gb[g] = b;
-      }
-      __syncwarp();
-      // group g is kept when fewer than topk_group groups rank above it
-      for (int e = lane; e < E; e += 32) {
-        const int g = e / G;
-        int above = 0;
-        for (int h = 0; h < groups; ++h) above += gb[h] > gb[g] || (gb[h] == gb[g] && h < g);
-        if (above >= p.topk_group) sc[e] = 0.f;
-      }
-      __syncwarp();
-    }
-    finish_row(p, n, choose_top_k(p, n, sc, sc, lane), lane);
-  }
+  select_rows(p, smem, sums, slices);
 }
 
 template <typename T, typename R>

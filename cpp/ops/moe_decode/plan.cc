@@ -50,8 +50,10 @@ int64_t workspace_bytes(int64_t n, int64_t k, int64_t h, int64_t i, const std::s
 
 nb::dict route_plan(int64_t n, int64_t h, int64_t e, int64_t k, const std::string& dtype,
                     const std::string& router_dtype, bool group_limited, int64_t n_group, int64_t topk_group,
-                    bool noaux_tc) {
+                    bool noaux_tc, bool has_norm) {
   MoeRouteParams p{};
+  static const char given = 0;  // the checks ask only whether a norm is given
+  p.norm = has_norm ? &given : nullptr;
   const bool known = dtype_from_name(dtype, &p.dtype) && dtype_from_name(router_dtype, &p.router_dtype);
   p.n = n;
   p.h = h;
@@ -82,7 +84,7 @@ void bind_moe_decode_plan(nb::module_& m) {
         "do), 'cuda_error' (why the CUDA kernels cannot run it), the resolved column tiles "
         "(0: the default) and the workspace bytes (i_s: the shared experts' width, 0: none)");
   m.def("moe_route", &route_plan, "n"_a, "h"_a, "e"_a, "k"_a, "dtype"_a, "router_dtype"_a, "group_limited"_a,
-        "n_group"_a, "topk_group"_a, "noaux_tc"_a = false,
+        "n_group"_a, "topk_group"_a, "noaux_tc"_a = false, "has_norm"_a = false,
         "moe_route's checks for one call: 'error', 'cuda_error' and the workspace bytes");
   m.def("moe_decode_workspace_bytes", &workspace_bytes, "n"_a, "k"_a, "h"_a, "i"_a, "dtype"_a, "i_s"_a = 0,
         "Workspace bytes of a call of N rows, k slots, hidden H, expert intermediate I, shared "

@@ -1,7 +1,10 @@
 // DeepSeek-V2's and V3's routers at decode, as one custom call (jax_cluster_moe_route) ahead
 // of the expert kernels:
 //
-//   logits = x @ router                       fp32 products and sums, x [N, H], router [H, E]
+//   h      = RMSNorm(x) with a norm weight:   norm * (x * rsqrt(mean(x^2) + eps)), each product
+//                                             rounded to x's dtype as jnp rounds; h is written
+//                                             out for the experts. Without one, h = x.
+//   logits = h @ router                       fp32 products and sums, x [N, H], router [H, E]
 //   V2 (greedy, group-limited greedy):
 //     scores = softmax(logits)
 //     group-limited: keep the topk_group groups (of E / n_group experts) whose best score is
@@ -20,11 +23,17 @@
 // sums in a fixed order, so its logits may differ from XLA's in the last bits and a pair of
 // scores within an ulp may rank the other way.
 //
-// CUDA: two kernels. Partials, grid (K chunks of H): block c stages x[:, chunk c] in fp32
-// and writes the chunk's fp32 partial logits [N][E] (each column's K rows split over the
-// block's threads, summed in a fixed order) to the workspace. Select, one block launched
-// programmatically behind it (no counter, so no memset in the stream): sums the chunks (a
-// fixed split over its threads, a fixed order) and selects, one warp per row. The router is a few hundred KB over tens of blocks, so a
+// CUDA. Block c of a grid over K chunks of H stages h[:, chunk c] in fp32 and computes the
+// chunk's fp32 partial logits [N][E] (each column's K rows split over the block's threads,
+// summed in a fixed order). With a norm every block reads the whole rows of x for their sums
+// of squares (a few KB from L2, the loads that also deliver its chunk), so the norm costs no
+// kernel of its own; block c writes h[:, chunk c]. The router depends on no earlier kernel:
+// each thread's first batch of router loads is issued before the PDL wait, the rest of the
+// chunk asked of L2. The chunks write their partials to the workspace; one select block
+// launched programmatically behind them (no counter, so no memset in the stream) sums them (a
+// fixed split over its threads, a fixed order) and selects. (A one-cluster form, partials
+// summed over DSMEM by rank 0, measured slower at V2-Lite's shape: docs/moe_decode.md.)
+// Selection: one warp per row. The router is a few hundred KB over tens of blocks, so a
 // block's time is memory round trips: each thread issues its loads in batches before using
 // them (a chunk is about kMoeRouteChunkBytes, one batch per thread at E = 64).
 // No float atomics: bitwise deterministic. Up to kMoeRouteMaxRows rows and
@@ -61,6 +70,9 @@ struct MoeRouteParams {
   const void* x;         // [N, H]
   const void* router;    // [H, E]
   const float* score_bias;  // [E] (noaux_tc; else unused)
+  const void* norm;      // [H] RMSNorm weight (x's dtype), or nullptr: x is routed as given
+  float norm_eps;
+  void* normed;          // [N, H] x's dtype: h = RMSNorm(x), written when norm is given
   float* weights;        // [N, k]
   int32_t* ids;          // [N, k]
   void* workspace;       // moe_route_workspace_bytes
@@ -78,7 +90,7 @@ inline int64_t moe_route_chunks(int64_t n, int64_t h, int64_t e, DType router_dt
   return (h + moe_route_chunk_rows(n, h, e, router_dtype) - 1) / moe_route_chunk_rows(n, h, e, router_dtype);
 }
 
-// Partial logits [chunks][N][E] fp32.
+// The partial logits [chunks][N][E] fp32.
 inline int64_t moe_route_workspace_bytes(int64_t n, int64_t h, int64_t e, DType router_dtype) {
   return moe_route_chunks(n, h, e, router_dtype) * n * e * 4;
 }
@@ -103,6 +115,7 @@ inline std::string moe_route_cuda_check(const MoeRouteParams& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return "x must be float16 or bfloat16 on the GPU";
   if (p.n > kMoeRouteMaxRows) return "at most " + std::to_string(kMoeRouteMaxRows) + " rows";
   if (p.e > kMoeRouteMaxExperts) return "at most " + std::to_string(kMoeRouteMaxExperts) + " experts";
+  if (p.norm != nullptr && p.h % 8) return "with a norm, H must be a multiple of 8 (16-byte row loads)";
   return "";
 }
 
