@@ -753,15 +753,18 @@ def test_gpu_deepseek_shapes(dtype):
 def test_gpu_router_kernel(rng, route):
     """The router kernels pick XLA's experts and weights: N = 1, 3, 8 (their most rows; more
     route in XLA), E = 64 (V2-Lite), 160 (V2, H 5120: many K chunks), 256 (V3, H 7168) and 512
-    (the most, at 8 rows: the largest shared memory), router bfloat16, float16 and float32;
-    with and without the norm in them (H 200: a K chunk off the 16-byte row loads' grid)."""
+    (the most, at 8 rows: the largest shared memory), router bfloat16, float16 and float32,
+    read as 16-byte vectors and (E 20 in bfloat16: rows off the 16-byte grid) one element at
+    a time; with and without the norm in them (H 200: a K chunk off the 16-byte row loads'
+    grid)."""
     for n, h, e, dtype, rdtype in ((1, 2048, 64, "bfloat16", "bfloat16"), (8, 2048, 64, "float16", "float32"),
                                    (8, 5120, 160, "bfloat16", "bfloat16"), (3, 64, 8, "bfloat16", "float32"),
                                    (1, 7168, 256, "bfloat16", "float32"), (5, 7168, 256, "bfloat16", "bfloat16"),
                                    (8, 1024, 512, "bfloat16", "float32"), (2, 200, 24, "float16", "float16"),
-                                   (16, 256, 16, "bfloat16", "bfloat16")):
+                                   (16, 256, 16, "bfloat16", "bfloat16"), (3, 200, 20, "bfloat16", "bfloat16"),
+                                   (5, 136, 12, "float16", "float32")):
         groups = route.get("n_group", 1)
-        if route["top_k"] > e or groups > e or route["top_k"] > route.get("topk_group", 1) * e // groups:
+        if route["top_k"] > e or e % groups or route["top_k"] > route.get("topk_group", 1) * e // groups:
             continue  # not a routing of this E
         x, router = _arr(rng, (n, h), dtype), _arr(rng, (h, e), rdtype, h ** -0.5)
         (w, i), (rw, ri) = _route_both(x, router, _gpu(), **route)

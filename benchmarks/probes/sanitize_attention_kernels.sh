@@ -117,8 +117,10 @@ mo_configs=(
   "2 64 8 6 2 80"
 )
 # moe_route: N H E k method norm router: V2-Lite's router with and without the norm, 8
-# rows, a small H of 8-row chunks, V3's and V2's (many chunks).
+# rows, a small H of 8-row chunks, V3's and V2's (many chunks), router rows off the 16-byte
+# grid (E 20 bf16: one element per load).
 mr_configs=(
+  "2 256 20 4 greedy 1 bf16"
   "1 2048 64 6 greedy 1 f32"
   "8 2048 64 6 greedy 0 f32"
   "3 64 16 4 grouped 1 bf16"

@@ -4,6 +4,8 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "jax_cluster/dispatch.cuh"
 #include "jax_cluster/launch.cuh"
@@ -16,19 +18,28 @@ namespace {
 
 constexpr int kThreads = kMoeRouteThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowGroup = 8;  // rows per pass over a chunk's router columns
 static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in warp n's row of shared memory");
 // Loads a thread issues before it uses the first: the router and partial reads are a few KB
 // per block, so their time is L2/DRAM round trips, not bytes.
 constexpr int kLoads = 16;
 
+// How a partials block reads the router: V experts of one K row per load (a 16-byte vector
+// where every K row of E elements starts 16-byte aligned, else V = 1), kLoads loads per
+// batch, kRowGroup rows of h per pass over its chunk (the accumulators: kRowGroup x V).
+template <int V>
+struct RouterRead {
+  static constexpr int kRowGroup = V == 1 ? 8 : 4;
+  static constexpr int kLoads = V == 1 ? 16 : 8;
+};
+
 // Shared memory, in floats: a partials block's staged h chunk [N][kc], K-slice partials
-// [subs][kRowGroup][cols] and the norm weight's chunk [kc]; the select block's per-warp
-// scores [E] and group bests [E], then where several threads sum a score's chunks, their
+// [subs][kRowGroup][cols x V] (subs x cols <= kThreads) and the norm weight's chunk [kc];
+// the select block's per-warp scores [E] and group bests [E], then where several threads sum a score's chunks, their
 // slice sums [slices][N * E] (at most kThreads), noaux_tc's score_bias [E] and the rows' raw
 // weights [kWarps][E] (k <= E): at E = 512, 52 KB (launch_ex opts every kernel in to the
 // device's maximum).
-inline int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + kRowGroup * kThreads + kc; }
+template <int V>
+int64_t partials_smem_floats(int64_t n, int64_t kc) { return n * kc + RouterRead<V>::kRowGroup * V * kThreads + kc; }
 inline int64_t select_smem_floats(int64_t e) { return 2 * kWarps * e + kThreads + e + kWarps * e; }
 
 // (value, index) of the larger score, the lower index on ties; NaN never wins.
@@ -95,26 +106,43 @@ __device__ void stage_normed_chunk(const MoeRouteParams& p, int k0, int rows, in
   }
 }
 
-// The first batch of a thread's router loads for its chunk (column el, K slice s), issued
-// before the kernel's griddep_wait: the router depends on no earlier kernel.
-template <typename R>
+// The first batch of a thread's router loads for its chunk (experts [e, e + V), K slice s),
+// issued before the kernel's griddep_wait: the router depends on no earlier kernel.
+template <typename R, int V>
 struct RouterBatch {
-  R w[kLoads];
+  using Raw = std::conditional_t<V == 1, R, uint4>;
+  static constexpr int kLoads = RouterRead<V>::kLoads;
+  Raw w[kLoads];
   __device__ void load(const R* router, int E, int k0, int rows, int e, int kb, int subs) {
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int kk = kb + u * subs;
-      if (kk < rows) w[u] = router[static_cast<int64_t>(k0 + kk) * E + e];  // chunk_logits reads no more
+      if (kk < rows) {  // chunk_logits reads no more
+        const R* at = router + static_cast<int64_t>(k0 + kk) * E + e;
+        if constexpr (V == 1) {
+          w[u] = *at;
+        } else {
+          w[u] = __ldg(reinterpret_cast<const uint4*>(at));
+        }
+      }
+    }
+  }
+  __device__ void floats(int u, float (&f)[V]) const {
+    if constexpr (V == 1) {
+      f[0] = to_float(w[u]);
+    } else {
+      unpack<R>(w[u], f);
     }
   }
 };
 
-// How a block's threads split its chunk: `cols` experts per pass (thread el), the K rows over
-// `subs` slices (thread s).
+// How a block's threads split its chunk: `cols` vectors of V experts per pass (thread el),
+// the K rows over `subs` slices (thread s).
+template <int V>
 struct ChunkSplit {
   int cols, subs, s, el;
   __device__ explicit ChunkSplit(int E) {
-    cols = min(E, kThreads);
+    cols = min(E / V, kThreads);  // V > 1 only where V divides E
     subs = kThreads / cols;
     s = threadIdx.x / cols;
     el = threadIdx.x - s * cols;
@@ -124,12 +152,12 @@ struct ChunkSplit {
 
 // Before the wait: the chunk's first router batch into registers, the rest of its rows
 // (contiguous) asked of L2, the norm weight's chunk staged in sg.
-template <typename T, typename R>
-__device__ void chunk_prologue(const MoeRouteParams& p, int k0, int rows, const ChunkSplit& sp,
-                               RouterBatch<R>* first, float* sg) {
+template <typename T, typename R, int V>
+__device__ void chunk_prologue(const MoeRouteParams& p, int k0, int rows, const ChunkSplit<V>& sp,
+                               RouterBatch<R, V>* first, float* sg) {
   const int E = static_cast<int>(p.e);
   const R* router = static_cast<const R*>(p.router);
-  if (sp.active(sp.el, E)) first->load(router, E, k0, rows, sp.el, sp.s, sp.subs);
+  if (sp.active(sp.el * V, E)) first->load(router, E, k0, rows, sp.el * V, sp.s, sp.subs);
   const int64_t chunk_bytes = static_cast<int64_t>(rows) * E * sizeof(R);
   const R* chunk_w = router + static_cast<int64_t>(k0) * E;
   if (threadIdx.x == 0 && chunk_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(chunk_w) % 16 == 0) {
@@ -158,52 +186,61 @@ __device__ void stage_chunk(const MoeRouteParams& p, int k0, int rows, int kc, f
   __syncthreads();
 }
 
-// The chunk's partial logits out[n * E + e] (fp32): column e's K
-// rows split over the thread slices, the slices summed in order; the first batch from
-// chunk_prologue. Ends with a barrier.
-template <typename R>
-__device__ void chunk_logits(const MoeRouteParams& p, int k0, int rows, int kc, const ChunkSplit& sp,
-                             const RouterBatch<R>& first, const float* sx, float* red, float* out) {
+// The chunk's partial logits out[n * E + e] (fp32): column e's K rows split over the thread
+// slices, the slices summed in order; the first batch from chunk_prologue. Ends with a
+// barrier.
+template <typename R, int V>
+__device__ void chunk_logits(const MoeRouteParams& p, int k0, int rows, int kc, const ChunkSplit<V>& sp,
+                             const RouterBatch<R, V>& first, const float* sx, float* red, float* out) {
+  constexpr int RG = RouterRead<V>::kRowGroup, L = RouterRead<V>::kLoads;
   const int tid = threadIdx.x;
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e);
   const R* router = static_cast<const R*>(p.router);
-  const int cols = sp.cols, subs = sp.subs, s = sp.s, el = sp.el;
-  for (int e0 = 0; e0 < E; e0 += cols) {
-    const int e = e0 + el;
-    for (int n0 = 0; n0 < N; n0 += kRowGroup) {
-      float acc[kRowGroup];
+  const int cols = sp.cols, subs = sp.subs, s = sp.s, el = sp.el, width = cols * V;
+  for (int e0 = 0; e0 < E; e0 += width) {
+    const int e = e0 + el * V;
+    for (int n0 = 0; n0 < N; n0 += RG) {
+      float acc[RG][V];
 #pragma unroll
-      for (int j = 0; j < kRowGroup; ++j) acc[j] = 0.f;
+      for (int j = 0; j < RG; ++j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[j][v] = 0.f;
       if (sp.active(e, E)) {
-        for (int kb = s; kb < rows; kb += subs * kLoads) {
-          RouterBatch<R> b;
+        for (int kb = s; kb < rows; kb += subs * L) {
+          RouterBatch<R, V> b;
           if (e0 == 0 && n0 == 0 && kb == s) {
             b = first;
           } else {
             b.load(router, E, k0, rows, e, kb, subs);
           }
 #pragma unroll
-          for (int u = 0; u < kLoads; ++u) {
+          for (int u = 0; u < L; ++u) {
             const int kk = kb + u * subs;
             if (kk >= rows) break;
-            const float w = to_float(b.w[u]);
+            float w[V];
+            b.floats(u, w);
 #pragma unroll
-            for (int j = 0; j < kRowGroup; ++j) {
-              if (n0 + j < N) acc[j] = fmaf(sx[(n0 + j) * kc + kk], w, acc[j]);
+            for (int j = 0; j < RG; ++j) {
+              if (n0 + j >= N) break;
+              const float xv = sx[(n0 + j) * kc + kk];
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[j][v] = fmaf(xv, w[v], acc[j][v]);
             }
           }
         }
       }
       if (s < subs) {
 #pragma unroll
-        for (int j = 0; j < kRowGroup; ++j) red[(s * kRowGroup + j) * cols + el] = acc[j];
+        for (int j = 0; j < RG; ++j)
+#pragma unroll
+          for (int v = 0; v < V; ++v) red[(s * RG + j) * width + el * V + v] = acc[j][v];
       }
       __syncthreads();
-      for (int i = tid; i < kRowGroup * cols; i += kThreads) {
-        const int j = i / cols, l = i - j * cols;
+      for (int i = tid; i < RG * width; i += kThreads) {
+        const int j = i / width, l = i - j * width;
         if (n0 + j >= N || e0 + l >= E) continue;
         float v = 0.f;
-        for (int t = 0; t < subs; ++t) v += red[(t * kRowGroup + j) * cols + l];
+        for (int t = 0; t < subs; ++t) v += red[(t * RG + j) * width + l];
         out[(n0 + j) * E + e0 + l] = v;
       }
       __syncthreads();
@@ -211,21 +248,23 @@ __device__ void chunk_logits(const MoeRouteParams& p, int k0, int rows, int kc, 
   }
 }
 
-// Block c: the partial logits of K chunk c, [N][E] fp32, to the workspace.
-template <typename T, typename R>
-__global__ void __launch_bounds__(kThreads) moe_route_partials_kernel(const MoeRouteParams p, int kc) {
+// Block c: the partial logits of K chunk c, [N][E] fp32, to the workspace. At most 64
+// blocks: no occupancy to keep, so the registers are not capped (the 16-byte form's
+// accumulators and batch spilled at 128).
+template <typename T, typename R, int V>
+__global__ void __launch_bounds__(kThreads, 1) moe_route_partials_kernel(const MoeRouteParams p, int kc) {
   extern __shared__ __align__(16) float smem[];
   const int N = static_cast<int>(p.n), E = static_cast<int>(p.e), H = static_cast<int>(p.h);
   const int c = blockIdx.x, k0 = c * kc, rows = min(kc, H - k0);
   float* sx = smem;
   float* red = smem + N * kc;
-  float* sg = red + kRowGroup * kThreads;
-  const ChunkSplit sp(E);
-  RouterBatch<R> first;
-  chunk_prologue<T, R>(p, k0, rows, sp, &first, sg);
+  float* sg = red + RouterRead<V>::kRowGroup * V * kThreads;
+  const ChunkSplit<V> sp(E);
+  RouterBatch<R, V> first;
+  chunk_prologue<T, R, V>(p, k0, rows, sp, &first, sg);
   ptx::griddep_wait();  // x is the previous kernel's
   stage_chunk<T>(p, k0, rows, kc, sx, sg, red);
-  chunk_logits<R>(p, k0, rows, kc, sp, first, sx, red, static_cast<float*>(p.workspace) + static_cast<int64_t>(c) * N * E);
+  chunk_logits<R, V>(p, k0, rows, kc, sp, first, sx, red, static_cast<float*>(p.workspace) + static_cast<int64_t>(c) * N * E);
   ptx::griddep_launch_dependents();  // the select kernel may launch; it waits for every chunk
 }
 
@@ -400,14 +439,22 @@ __global__ void __launch_bounds__(kThreads) moe_route_select_kernel(const MoeRou
   select_rows(p, smem, sums, slices);
 }
 
+template <typename T, typename R, int V>
+cudaError_t launch_partials(const MoeRouteParams& p, int kc, int chunks, cudaStream_t stream) {
+  return launch_programmatic(moe_route_partials_kernel<T, R, V>, dim3(static_cast<unsigned>(chunks)), dim3(kThreads),
+                             partials_smem_floats<V>(p.n, kc) * sizeof(float), true, stream, p, kc);
+}
+
 template <typename T, typename R>
 cudaError_t launch_typed(const MoeRouteParams& p, cudaStream_t stream) {
   const int kc = static_cast<int>(moe_route_chunk_rows(p.n, p.h, p.e, p.router_dtype));
   const int chunks = static_cast<int>(moe_route_chunks(p.n, p.h, p.e, p.router_dtype));
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(moe_route_partials_kernel<T, R>,
-                                                       dim3(static_cast<unsigned>(chunks)), dim3(kThreads),
-                                                       partials_smem_floats(p.n, kc) * sizeof(float), true, stream,
-                                                       p, kc));
+  // 16-byte router loads where every K row starts 16-byte aligned
+  constexpr int kVec = Vec16<R>::kLanes;
+  const bool vec = (p.e * static_cast<int64_t>(sizeof(R))) % 16 == 0 && reinterpret_cast<uintptr_t>(p.router) % 16 == 0;
+  const cudaError_t partials = vec ? launch_partials<T, R, kVec>(p, kc, chunks, stream)
+                                   : launch_partials<T, R, 1>(p, kc, chunks, stream);
+  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(partials);
   return launch_programmatic(moe_route_select_kernel, dim3(1), dim3(kThreads),
                              select_smem_floats(p.e) * sizeof(float), true, stream, p, chunks);
 }

@@ -34,8 +34,10 @@
 // fixed split over its threads, a fixed order) and selects. (A one-cluster form, partials
 // summed over DSMEM by rank 0, measured slower at V2-Lite's shape: docs/moe_decode.md.)
 // Selection: one warp per row. The router is a few hundred KB over tens of blocks, so a
-// block's time is memory round trips: each thread issues its loads in batches before using
-// them (a chunk is about kMoeRouteChunkBytes, one batch per thread at E = 64).
+// block's time is memory round trips: each thread reads 16-byte vectors of a K row's
+// experts (one element where E's rows are off the 16-byte grid) and issues its loads in
+// batches before using them (a chunk is about kMoeRouteChunkBytes, one batch per thread at
+// V2-Lite's E = 64; two at V3's 56 KB chunks).
 // No float atomics: bitwise deterministic. Up to kMoeRouteMaxRows rows and
 // kMoeRouteMaxExperts experts (larger calls route in XLA).
 #pragma once
