@@ -249,6 +249,16 @@ def test_cpu_router_norm(rng, route):
         np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
 
 
+def test_router_plan_norm_limit():
+    """The kernels read the rows for the norm as 16-byte vectors: with a norm, H off that grid
+    is a CUDA limit (the call routes in XLA on a GPU), not an error; without one it is none."""
+    plan = jc._extension.plans().moe_route
+    assert "H must be a multiple of 8" in plan(1, 100, 8, 2, "bfloat16", "float32", False, 1, 1, False, True)["cuda_error"]
+    for h, has_norm in ((100, False), (104, True)):
+        got = plan(1, h, 8, 2, "bfloat16", "float32", False, 1, 1, False, has_norm)
+        assert got["cuda_error"] == "" and got["error"] == "", (h, has_norm, got)
+
+
 @pytest.mark.parametrize("impl", ["reference", "xla", "cuda"])
 def test_moe_decode_norm(rng, impl):
     """moe_decode(x, norm=g) is moe_decode(RMSNorm(x)) for every impl, to a tolerance (the
