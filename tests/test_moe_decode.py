@@ -170,6 +170,9 @@ def test_cpu_shared_widths(rng, shared):
     assert ("jax_cluster_swiglu" in hlo or "dot" in hlo) if shared % 8 else "jax_cluster_swiglu" not in hlo
 
 
+NORM_EPS = 1e-6
+
+
 def _route_both(x, router, device, norm=None, **route):
     """(weights, ids) of the router custom call and of XLA's reference, under jit on `device`.
     With a norm weight the call normalises x and the reference routes the call's h (their h
@@ -186,9 +189,6 @@ def _route_both(x, router, device, norm=None, **route):
     if norm is None:
         return both
     return (*both, (np.asarray(h), _rms_norm_np(x, norm, NORM_EPS)))
-
-
-NORM_EPS = 1e-6
 
 
 def _rms_norm_np(x, weight, eps):
