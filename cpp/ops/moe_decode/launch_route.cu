@@ -19,8 +19,8 @@ namespace {
 constexpr int kThreads = kMoeRouteThreads;
 constexpr int kWarps = kThreads / 32;
 static_assert(kMoeRouteMaxRows <= kWarps, "the selection keeps row n's scores in warp n's row of shared memory");
-// Loads a thread issues before it uses the first: the router and partial reads are a few KB
-// per block, so their time is L2/DRAM round trips, not bytes.
+// Partial logits the select kernel's threads load before they use the first: a few KB, so
+// their time is L2 round trips, not bytes (the router's loads: RouterRead).
 constexpr int kLoads = 16;
 
 // How a partials block reads the router: V experts of one K row per load (a 16-byte vector
