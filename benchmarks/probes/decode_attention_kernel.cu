@@ -19,11 +19,9 @@
 #include "probe_check.h"
 
 static std::vector<__half> random_half(int64_t n, float scale, uint32_t seed) {
+  ProbeRandom rng(seed);
   std::vector<__half> v(n);
-  for (int64_t i = 0; i < n; ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    v[i] = __float2half(scale * (static_cast<float>(seed >> 8) / 8388608.f - 1.f));
-  }
+  for (auto& e : v) e = __float2half(scale * rng.uniform());
   return v;
 }
 

@@ -71,22 +71,16 @@ int main(int argc, char** argv) {
                 HQ = std::atoll(argv[5]), HKV = std::atoll(argv[6]), DH = std::atoll(argv[7]),
                 S = std::atoll(argv[8]);
   const bool llama = family == "llama";
-  uint32_t seed = 12345;
-  auto rnd = [&] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 8388608.f - 1.f; };
-  auto tensor = [&](int64_t n, float scale, float offset = 0.f) {
-    std::vector<uint16_t> t(n);
-    for (auto& v : t) v = cpu::float_to_bf16(offset + scale * rnd());
-    return t;
-  };
+  ProbeRandom rng(12345);
   const int64_t QKV = (HQ + 2 * HKV) * DH;
   const float sd = 1.7f / std::sqrt(static_cast<float>(D)), sf = 1.7f / std::sqrt(static_cast<float>(F));
-  auto x = tensor(B * D, 1.f), norm_w = tensor(D, 0.2f, 1.f), post_w = tensor(D, 0.2f, 1.f);
-  auto w_qkv = tensor(D * QKV, sd), w_o = tensor(HQ * DH * D, 1.7f / std::sqrt(static_cast<float>(HQ * DH)));
-  auto w1 = tensor(D * F, sd), w2 = tensor(llama ? D * F : 0, sd), w3 = tensor(F * D, sf);
-  auto norm_b = tensor(llama ? 0 : D, 0.1f), post_b = tensor(llama ? 0 : D, 0.1f);
-  auto qkv_b = tensor(llama ? 0 : QKV, 0.1f), o_b = tensor(llama ? 0 : D, 0.1f);
-  auto b1 = tensor(llama ? 0 : F, 0.1f), b3 = tensor(llama ? 0 : D, 0.1f);
-  auto k_cache = tensor(B * HKV * S * DH, 1.f), v_cache = tensor(B * HKV * S * DH, 1.f);
+  auto x = rng.bf16s(B * D, 1.f), norm_w = rng.bf16s(D, 0.2f, 1.f), post_w = rng.bf16s(D, 0.2f, 1.f);
+  auto w_qkv = rng.bf16s(D * QKV, sd), w_o = rng.bf16s(HQ * DH * D, 1.7f / std::sqrt(static_cast<float>(HQ * DH)));
+  auto w1 = rng.bf16s(D * F, sd), w2 = rng.bf16s(llama ? D * F : 0, sd), w3 = rng.bf16s(F * D, sf);
+  auto norm_b = rng.bf16s(llama ? 0 : D, 0.1f), post_b = rng.bf16s(llama ? 0 : D, 0.1f);
+  auto qkv_b = rng.bf16s(llama ? 0 : QKV, 0.1f), o_b = rng.bf16s(llama ? 0 : D, 0.1f);
+  auto b1 = rng.bf16s(llama ? 0 : F, 0.1f), b3 = rng.bf16s(llama ? 0 : D, 0.1f);
+  auto k_cache = rng.bf16s(B * HKV * S * DH, 1.f), v_cache = rng.bf16s(B * HKV * S * DH, 1.f);
   const int64_t rot = llama ? DH : DH / 4;
   std::vector<float> inv_freq(rot / 2);
   for (int64_t i = 0; i < rot / 2; ++i) inv_freq[i] = std::pow(10000.f, -2.f * i / rot);

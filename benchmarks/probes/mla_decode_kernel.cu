@@ -29,8 +29,7 @@ int main(int argc, char** argv) {
   const int64_t B = std::atoll(argv[1]), H = std::atoll(argv[2]), R = std::atoll(argv[3]),
                 DR = std::atoll(argv[4]), S = std::atoll(argv[5]), splits = std::atoll(argv[6]),
                 page = std::atoll(argv[7]), E = R + DR;
-  uint32_t seed = 12345;
-  auto rnd = [&] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 8388608.f - 1.f; };
+  ProbeRandom rng(12345);
   MlaDecodeParams p{};
   p.dtype = DType::kBF16;
   p.batch = B, p.num_heads = H, p.rank = R, p.rope_dim = DR, p.splits = splits, p.scale = 0.3f;
@@ -41,9 +40,9 @@ int main(int argc, char** argv) {
   const int64_t tokens = p.paged ? p.num_pages * page : B * S;
   std::vector<float> q(B * H * E), fresh(B * E);
   std::vector<uint16_t> cache(tokens * E);
-  for (auto& v : q) v = rnd();
-  for (auto& v : fresh) v = rnd();
-  for (auto& v : cache) v = cpu::float_to_bf16(rnd());
+  for (auto& v : q) v = rng.uniform();
+  for (auto& v : fresh) v = rng.uniform();
+  for (auto& v : cache) v = cpu::float_to_bf16(rng.uniform());
   std::vector<int32_t> lengths(B), table(B * blocks);
   const char* fixed = std::getenv("MLA_LEN");
   for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>(fixed ? std::atoll(fixed) : (b * 7919) % S);

@@ -25,18 +25,6 @@
 
 namespace {
 
-uint32_t seed = 12345;
-float rnd() {
-  seed = seed * 1664525u + 1013904223u;
-  return static_cast<float>(seed >> 8) / 8388608.f - 1.f;
-}
-
-std::vector<uint16_t> bf16s(int64_t n, float scale, float offset = 0.f) {
-  std::vector<uint16_t> v(n);
-  for (auto& e : v) e = jax_cluster::cpu::float_to_bf16(rnd() * scale + offset);
-  return v;
-}
-
 #if JAX_CLUSTER_MLA_TIMELINE
 // One launch of `launch` (kernel 0: mla_project, 1: mla_output) after `before`, then when
 // the blocks passed each phase boundary: first, median and last block, us from the first
@@ -93,12 +81,13 @@ int main(int argc, char** argv) {
                 QL = std::atoll(argv[4]), R = std::atoll(argv[5]), DN = std::atoll(argv[6]),
                 DR = std::atoll(argv[7]), DV = std::atoll(argv[8]), E = R + DR, QIN = QL > 0 ? QL : D;
   const float s = 1.f / std::sqrt(static_cast<float>(D));
-  auto x = bf16s(B * D, 1.f), norm = bf16s(D, 0.2f, 1.f), q_src = bf16s(QL > 0 ? B * QL : 0, 1.f),
-       w_q = bf16s(QIN * H * (DN + DR), 1.f / std::sqrt(static_cast<float>(QIN))), w_kv_a = bf16s(D * E, s),
-       kv_a_bias = bf16s(E, 0.1f), kv_a_norm = bf16s(R, 0.2f, 1.f),
-       w_kv_b = bf16s(R * H * (DN + DV), 1.f / std::sqrt(static_cast<float>(R))),
-       w_o = bf16s(H * DV * D, 1.f / std::sqrt(static_cast<float>(H * DV))), o_bias = bf16s(D, 0.1f),
-       o_lat = bf16s(B * H * R, 1.f);
+  ProbeRandom rng(12345);
+  auto x = rng.bf16s(B * D, 1.f), norm = rng.bf16s(D, 0.2f, 1.f), q_src = rng.bf16s(QL > 0 ? B * QL : 0, 1.f),
+       w_q = rng.bf16s(QIN * H * (DN + DR), 1.f / std::sqrt(static_cast<float>(QIN))), w_kv_a = rng.bf16s(D * E, s),
+       kv_a_bias = rng.bf16s(E, 0.1f), kv_a_norm = rng.bf16s(R, 0.2f, 1.f),
+       w_kv_b = rng.bf16s(R * H * (DN + DV), 1.f / std::sqrt(static_cast<float>(R))),
+       w_o = rng.bf16s(H * DV * D, 1.f / std::sqrt(static_cast<float>(H * DV))), o_bias = rng.bf16s(D, 0.1f),
+       o_lat = rng.bf16s(B * H * R, 1.f);
   std::vector<int32_t> lengths(B);
   for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>((b * 7919) % 4096);
   std::vector<float> inv_freq(DR / 2);

@@ -21,20 +21,6 @@
 
 #include "probe_check.h"
 
-namespace {
-
-uint32_t seed = 12345;
-uint32_t next() { return seed = seed * 1664525u + 1013904223u; }
-float rnd() { return static_cast<float>(next() >> 8) / 8388608.f - 1.f; }
-
-std::vector<uint16_t> bf16s(int64_t n, float scale) {
-  std::vector<uint16_t> v(n);
-  for (auto& e : v) e = jax_cluster::cpu::float_to_bf16(rnd() * scale);
-  return v;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 7) {
@@ -52,19 +38,21 @@ int main(int argc, char** argv) {
   p.has_residual = true;
   p.pdl = std::getenv("MOE_PDL") == nullptr || std::atoi(std::getenv("MOE_PDL")) != 0;
 
-  std::vector<uint16_t> x = bf16s(N * H, 1.f), res = bf16s(N * H, 1.f);
-  std::vector<uint16_t> wg = bf16s(E * H * I, 0.05f), wu = bf16s(E * H * I, 0.05f), wd = bf16s(E * I * H, 0.05f);
-  std::vector<uint16_t> sg = bf16s(H * IS, 0.05f), su = bf16s(H * IS, 0.05f), sd = bf16s(IS * H, 0.05f);
+  ProbeRandom rng(12345);
+  std::vector<uint16_t> x = rng.bf16s(N * H, 1.f), res = rng.bf16s(N * H, 1.f);
+  std::vector<uint16_t> wg = rng.bf16s(E * H * I, 0.05f), wu = rng.bf16s(E * H * I, 0.05f),
+                        wd = rng.bf16s(E * I * H, 0.05f);
+  std::vector<uint16_t> sg = rng.bf16s(H * IS, 0.05f), su = rng.bf16s(H * IS, 0.05f), sd = rng.bf16s(IS * H, 0.05f);
   std::vector<float> weights(N * K);
   std::vector<int32_t> ids(N * K);
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t s = 0; s < K; ++s) {
       int32_t e;
       do {
-        e = static_cast<int32_t>(next() % static_cast<uint32_t>(E));
+        e = static_cast<int32_t>(rng.next() % static_cast<uint32_t>(E));
       } while (std::find(&ids[n * K], &ids[n * K + s], e) != &ids[n * K + s]);
       ids[n * K + s] = e;
-      weights[n * K + s] = 0.5f + 0.5f * rnd();
+      weights[n * K + s] = 0.5f + 0.5f * rng.uniform();
     }
   }
 

@@ -23,20 +23,6 @@
 
 #include "probe_check.h"
 
-namespace {
-
-uint32_t seed = 4242;
-uint32_t next() { return seed = seed * 1664525u + 1013904223u; }
-float rnd() { return static_cast<float>(next() >> 8) / 8388608.f - 1.f; }
-
-std::vector<uint16_t> bf16s(int64_t n, float scale, float offset = 0.f) {
-  std::vector<uint16_t> v(n);
-  for (auto& e : v) e = jax_cluster::cpu::float_to_bf16(offset + rnd() * scale);
-  return v;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace jax_cluster;
   if (argc < 8) {
@@ -63,10 +49,11 @@ int main(int argc, char** argv) {
   }
   setenv("JAX_CLUSTER_PDL", std::getenv("MOE_PDL") != nullptr ? std::getenv("MOE_PDL") : "1", 1);
 
-  std::vector<uint16_t> x = bf16s(N * H, 3.f), gamma = bf16s(H, 0.5f, 1.f);
+  ProbeRandom rng(4242);
+  std::vector<uint16_t> x = rng.bf16s(N * H, 3.f), gamma = rng.bf16s(H, 0.5f, 1.f);
   std::vector<float> router(H * E), bias(E);
-  for (auto& v : router) v = rnd() / std::sqrt(static_cast<float>(H));
-  for (auto& v : bias) v = 0.5f * rnd();
+  for (auto& v : router) v = rng.uniform() / std::sqrt(static_cast<float>(H));
+  for (auto& v : bias) v = 0.5f * rng.uniform();
   std::vector<uint16_t> router16(H * E);
   for (int64_t i = 0; i < H * E; ++i) {
     router16[i] = cpu::float_to_bf16(router[i]);
