@@ -706,12 +706,13 @@ def test_gpu_configs_and_awkward_shapes(rng, dtype, config):
     """Every column tile on H, I multiples of 8 only (tile remainders of 8 columns), one
     expert (k = E = 1), more rows than a pass holds (N = 9, 70: several passes per expert),
     shared experts in the call (up to 8 rows) narrower than I, wider with a narrower last
-    chunk, or several chunks (10: more than the combine loads at once), duplicate ids
-    through moe_experts."""
+    chunk, or several chunks (10: more than the combine loads at once), past 8 rows where
+    swiglu's kernels cannot take H (136: the call keeps them), duplicate ids through
+    moe_experts."""
     cfg = MoeDecodeConfig(**config)
     for n, h, i, e, k, shared in ((1, 136, 72, 4, 2, 200), (9, 264, 200, 1, 1, None), (5, 264, 200, 1, 1, 8),
                                   (70, 136, 72, 4, 3, None), (8, 136, 72, 4, 3, 144), (3, 64, 8, 6, 6, 40),
-                                  (2, 64, 8, 6, 2, 80)):
+                                  (2, 64, 8, 6, 2, 80), (13, 136, 72, 4, 3, 200)):
         args, extra = _inputs(rng, n, h, i, e, dtype, shared=shared, residual=n % 2 == 1)
         kw = dict(top_k=k)
         weights, ids = _route_on_gpu(args, kw)

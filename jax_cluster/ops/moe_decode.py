@@ -47,6 +47,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
+from jax_cluster.ops.swiglu import supported as swiglu_supported
 from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["MoeDecodeConfig", "TOPK_METHODS", "autotune", "candidates", "launch_plan", "measure", "moe_decode",
@@ -277,8 +278,10 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
     if impl in ("auto", "cuda"):
         plan = None
         # the shared experts in the call where it takes them (Is % 8 == 0); on a GPU up to
-        # _SHARED_IN_CALL_ROWS rows (the CPU handler: any)
-        if shared is not None and (n <= _SHARED_IN_CALL_ROWS or not on_gpu()):
+        # _SHARED_IN_CALL_ROWS rows (the CPU handler: any), and past them where swiglu's
+        # kernels cannot take their shape (the call streams them once per 8 rows, but runs)
+        if shared is not None and (n <= _SHARED_IN_CALL_ROWS or not on_gpu() or
+                                   not swiglu_supported(h, shared["w_gate"].shape[1], x.dtype)):
             plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype, shared["w_gate"].shape[1])
             if plan["error"]:
                 plan, shared = None, None
