@@ -247,3 +247,19 @@ def test_swiglu(seed):
     got = jax.jit(lambda *a: jc.swiglu(*a, impl="cuda", config=config))(x, wg, wu, wd, res)
     want = reference.swiglu(x, wg, wu, wd, res)
     _close(got, want, s["dtype"], "swiglu", s)
+
+
+# ----------------------------------------------------------------------------- decode_attention
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_attention(seed):
+    rng = np.random.default_rng(5000 + seed)
+    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 20)), hkv=int(rng.integers(1, 9)),
+             group=int(rng.integers(1, 9)), dh=int(rng.choice([64, 80, 96, 128])), s_max=int(rng.integers(1, 5000)),
+             splits=None if seed % 3 else int(rng.integers(1, 70)))
+    f = _arrays(rng, s["dtype"])
+    b, hkv, g, dh, n = s["batch"], s["hkv"], s["group"], s["dh"], s["s_max"]
+    q, k, v = f(b, hkv, g, dh, scale=dh ** -0.5), f(b, hkv, n, dh, scale=1.0), f(b, hkv, n, dh, scale=1.0)
+    lengths = _lengths(rng, b, n)
+    config = None if s["splits"] is None else jc.DecodeAttentionConfig(splits=s["splits"])
+    got = jax.jit(lambda *a: jc.decode_attention(*a, impl="cuda", config=config))(q, k, v, lengths)
+    _close(got, reference.decode_attention(q, k, v, lengths), s["dtype"], "decode_attention", s)
