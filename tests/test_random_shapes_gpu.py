@@ -39,7 +39,7 @@ def _arrays(rng, dtype):
     return f
 
 
-def _mult8(rng, lo, hi, step=8):
+def _multiple(rng, lo, hi, step=8):
     return step * int(rng.integers(lo // step, hi // step + 1))
 
 
@@ -61,8 +61,8 @@ def _decoder_layer_case(seed):
     dh = int(rng.choice([64, 80, 96, 128]))
     hkv = int(rng.integers(1, 5))
     group = int(rng.integers(1, 9)) if family == "llama" else 1
-    shape = dict(family=family, dtype=DTYPES[seed // 2 % 2], batch=int(rng.integers(1, 9)), d=_mult8(rng, 64, 640),
-                 f=_mult8(rng, 64, 1800), hq=hkv * group, hkv=hkv, dh=dh, s_max=int(rng.integers(1, 1500)),
+    shape = dict(family=family, dtype=DTYPES[seed // 2 % 2], batch=int(rng.integers(1, 9)), d=_multiple(rng, 64, 640),
+                 f=_multiple(rng, 64, 1800), hq=hkv * group, hkv=hkv, dh=dh, s_max=int(rng.integers(1, 1500)),
                  rotary=dh if family == "llama" else 2 * int(rng.integers(1, dh // 2 + 1)),
                  bias=bool(rng.integers(2)), rope_layout=str(rng.choice(["half", "interleaved"])))
     if family == "gpt_neox":
@@ -102,7 +102,7 @@ def test_attention_block(seed):
     rng = np.random.default_rng(1000 + seed)
     dh = int(rng.choice([64, 80, 96, 128]))
     hkv = int(rng.integers(1, 5))
-    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 7)), d=_mult8(rng, 64, 640, 64), hq=hkv * int(rng.integers(1, 9)),
+    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 7)), d=_multiple(rng, 64, 640, 64), hq=hkv * int(rng.integers(1, 9)),
              hkv=hkv, dh=dh, s_max=int(rng.integers(1, 1500)), norm=str(rng.choice(["rms", "layer"])),
              bias=bool(rng.integers(2)), rotary=2 * int(rng.integers(1, dh // 2 + 1)),
              rope_layout=str(rng.choice(["half", "interleaved"])), residual=bool(rng.integers(2)))
@@ -138,10 +138,10 @@ def test_attention_block(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_mla_decode(seed):
     rng = np.random.default_rng(2000 + seed)
-    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 10)), hidden=_mult8(rng, 64, 512),
-             heads=int(rng.integers(1, 41)), rank=_mult8(rng, 8, 512), rope=_mult8(rng, 8, 64),
-             nope=_mult8(rng, 8, 128), v=_mult8(rng, 8, 128), s_max=int(rng.integers(1, 1200)),
-             q_lora=None if rng.integers(2) else _mult8(rng, 16, 384), bias=bool(rng.integers(2)),
+    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 10)), hidden=_multiple(rng, 64, 512),
+             heads=int(rng.integers(1, 41)), rank=_multiple(rng, 8, 512), rope=_multiple(rng, 8, 64),
+             nope=_multiple(rng, 8, 128), v=_multiple(rng, 8, 128), s_max=int(rng.integers(1, 1200)),
+             q_lora=None if rng.integers(2) else _multiple(rng, 16, 384), bias=bool(rng.integers(2)),
              residual=bool(rng.integers(2)), page=int(rng.choice([0, 1, 16, 64])),
              projections=str(rng.choice(["kernels", "xla"])) if seed % 3 else None)
     if s["projections"] == "kernels":
@@ -194,9 +194,9 @@ def test_moe_decode(seed):
     method = str(rng.choice(["greedy", "group_limited_greedy", "noaux_tc"])) if n_group > 1 else "greedy"
     topk_group = int(rng.integers(1, n_group + 1))
     kept = topk_group * (e // n_group) if method != "greedy" else e
-    s = dict(dtype=DTYPES[seed % 2], n=int(rng.choice([1, 2, 3, 5, 8, 13, 64])), h=_mult8(rng, 64, 768),
-             i=_mult8(rng, 8, 512), e=e, top_k=int(rng.integers(1, min(8, kept) + 1)), method=method,
-             n_group=n_group, topk_group=topk_group, shared=_mult8(rng, 8, 768) if rng.integers(2) else None,
+    s = dict(dtype=DTYPES[seed % 2], n=int(rng.choice([1, 2, 3, 5, 8, 13, 64])), h=_multiple(rng, 64, 768),
+             i=_multiple(rng, 8, 512), e=e, top_k=int(rng.integers(1, min(8, kept) + 1)), method=method,
+             n_group=n_group, topk_group=topk_group, shared=_multiple(rng, 8, 768) if rng.integers(2) else None,
              residual=bool(rng.integers(2)), norm=bool(rng.integers(2)), norm_topk_prob=bool(rng.integers(2)))
     f = _arrays(rng, s["dtype"])
     h, i = s["h"], s["i"]
@@ -237,8 +237,8 @@ def test_moe_decode(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_swiglu(seed):
     rng = np.random.default_rng(4000 + seed)
-    s = dict(dtype=DTYPES[seed % 2], m=int(rng.integers(1, 80)), d=_mult8(rng, 64, 1024, 64),
-             f=_mult8(rng, 64, 2048, 64),
+    s = dict(dtype=DTYPES[seed % 2], m=int(rng.integers(1, 80)), d=_multiple(rng, 64, 1024, 64),
+             f=_multiple(rng, 64, 2048, 64),
              variant=str(rng.choice(["tma", "gemv"])), residual=bool(rng.integers(2)))
     f = _arrays(rng, s["dtype"])
     x, wg, wu, wd = f(s["m"], s["d"], scale=1.0), f(s["d"], s["f"]), f(s["d"], s["f"]), f(s["f"], s["d"])
