@@ -102,10 +102,11 @@ def test_attention_block(seed):
     rng = np.random.default_rng(1000 + seed)
     dh = int(rng.choice([64, 80, 96, 128]))
     hkv = int(rng.integers(1, 5))
-    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 7)), d=_multiple(rng, 64, 640, 64), hq=hkv * int(rng.integers(1, 9)),
-             hkv=hkv, dh=dh, s_max=int(rng.integers(1, 1500)), norm=str(rng.choice(["rms", "layer"])),
-             bias=bool(rng.integers(2)), rotary=2 * int(rng.integers(1, dh // 2 + 1)),
-             rope_layout=str(rng.choice(["half", "interleaved"])), residual=bool(rng.integers(2)))
+    s = dict(dtype=DTYPES[seed % 2], batch=int(rng.integers(1, 7)), d=_multiple(rng, 64, 640, 64),
+             hq=hkv * int(rng.integers(1, 9)), hkv=hkv, dh=dh, s_max=int(rng.integers(1, 1500)),
+             norm=str(rng.choice(["rms", "layer"])), bias=bool(rng.integers(2)),
+             rotary=2 * int(rng.integers(1, dh // 2 + 1)), rope_layout=str(rng.choice(["half", "interleaved"])),
+             residual=bool(rng.integers(2)))
     configs = [c for c in jc.ops.attention_block.candidates(batch=s["batch"], num_q_heads=s["hq"], num_kv_heads=hkv,
                                                              head_dim=dh, max_seq=s["s_max"])
                if c != "xla" and c.kernel != "pallas"]
@@ -114,7 +115,8 @@ def test_attention_block(seed):
     f = _arrays(rng, s["dtype"])
     d, hq, cols = s["d"], s["hq"], (s["hq"] + 2 * hkv) * dh
     args = dict(x=f(s["batch"], d, scale=1.0), w_qkv=f(d, cols), w_o=f(hq * dh, d),
-                k_cache=f(s["batch"], hkv, s["s_max"], dh, scale=1.0), v_cache=f(s["batch"], hkv, s["s_max"], dh, scale=1.0),
+                k_cache=f(s["batch"], hkv, s["s_max"], dh, scale=1.0),
+                v_cache=f(s["batch"], hkv, s["s_max"], dh, scale=1.0),
                 lengths=_lengths(rng, s["batch"], s["s_max"]),
                 inv_freq=jnp.asarray(10000.0 ** (-np.arange(0, s["rotary"], 2) / s["rotary"]), jnp.float32))
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, norm=s["norm"], norm_weight=f(d, scale=0.2, offset=1.0),
@@ -123,11 +125,11 @@ def test_attention_block(seed):
         kw["norm_bias"] = f(d, scale=0.1)
     if s["bias"]:
         kw.update(qkv_bias=f(cols, scale=0.1), o_bias=f(d, scale=0.1))
-    launch_plan = {"error": "", "cuda_error": ""} if config.kernel != "fused" else jc.ops.attention_block.launch_plan(
-        config, batch=s["batch"], hidden=d, head_dim=dh, num_q_heads=hq,
-                                                     num_kv_heads=hkv, rotary_dim=s["rotary"], dtype=s["dtype"])
-    if launch_plan["error"] or launch_plan["cuda_error"]:
-        pytest.skip(f"the tuner would not run {config} here: {launch_plan['error'] or launch_plan['cuda_error']}")
+    if config.kernel == "fused":
+        plan = jc.ops.attention_block.launch_plan(config, batch=s["batch"], hidden=d, head_dim=dh, num_q_heads=hq,
+                                                  num_kv_heads=hkv, rotary_dim=s["rotary"], dtype=s["dtype"])
+        if plan["error"] or plan["cuda_error"]:
+            pytest.skip(f"the tuner would not run {config} here: {plan['error'] or plan['cuda_error']}")
     got = jax.jit(functools.partial(jc.attention_block, impl="cuda", config=config, **kw))(**args)
     want = reference.attention_block(**args, **kw)
     for name, g, r in zip(("y", "k_cache", "v_cache"), got, want):
@@ -164,8 +166,10 @@ def test_mla_decode(seed):
               residual=s["residual"])
     inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, dr, 2) / dr), jnp.float32)
     x = f(s["batch"], h, scale=1.0)
-    want_y, want_cache = jax.jit(functools.partial(jc.mla_decode, impl="reference", **kw))(x, w, cache, lengths, inv_freq)
+    reference_step = jax.jit(functools.partial(jc.mla_decode, impl="reference", **kw))
+    want_y, want_cache = reference_step(x, w, cache, lengths, inv_freq)
     config = jc.MlaDecodeConfig(projections=s["projections"]) if s["projections"] else None
+    step = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw))
     if s["page"]:
         page = s["page"]
         blocks = -(-s["s_max"] // page)
@@ -176,11 +180,11 @@ def test_mla_decode(seed):
         for b in range(s["batch"]):
             for j in range(blocks):
                 pool[table[b, j]] = padded[b, j * page:(j + 1) * page]
-        y, got_pool = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw))(
-            x, w, jnp.asarray(pool, s["dtype"]), lengths, inv_freq, block_table=jnp.asarray(table, jnp.int32))
+        y, got_pool = step(x, w, jnp.asarray(pool, s["dtype"]), lengths, inv_freq,
+                           block_table=jnp.asarray(table, jnp.int32))
         got = np.asarray(got_pool, np.float32)[table].reshape(s["batch"], blocks * page, r + dr)[:, : s["s_max"]]
     else:
-        y, got = jax.jit(functools.partial(jc.mla_decode, impl="cuda", config=config, **kw))(x, w, cache, lengths, inv_freq)
+        y, got = step(x, w, cache, lengths, inv_freq)
     _close(y, want_y, s["dtype"], "mla_decode y", s)
     _close(jnp.asarray(got, jnp.float32), want_cache.astype(jnp.float32), s["dtype"], "mla_decode cache", s)
 
