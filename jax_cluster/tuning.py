@@ -61,6 +61,7 @@ __all__ = [
     "CACHE_VERSION",
     "cache_path",
     "clear_memory_cache",
+    "context_bucket",
     "device_name",
     "enabled",
     "lookup",
@@ -143,6 +144,18 @@ def make_key(version: int, **fields) -> str:
     d4096 dtypefloat16"``). Bump `version` when an op's kernels or candidates change."""
     words = " ".join(f"{k}{v}" for k, v in fields.items())
     return f"v{version} {device_name()} {words}".strip()
+
+
+def context_bucket(max_seq: int, steps_per_octave: int = 8) -> int:
+    """The cache capacity one tuned pick stands for: `max_seq` rounded up to one of
+    `steps_per_octave` even steps between two powers of two (4096 -> 4096, 4224 -> 4608).
+    Picks between attention kernels turn on the context (the fused kernels lead where the
+    weights dominate, the split ones where the cache does), so the bucket stays within
+    1 / steps_per_octave of the capacity: rounded up to the next power of two, a
+    4224-slot cache was timed at 8192 slots and got the pick for twice its context."""
+    max_seq = max(1, int(max_seq))
+    step = max(1, (1 << (max_seq.bit_length() - 1)) // steps_per_octave)
+    return -(-max_seq // step) * step
 
 
 def encode(choice):

@@ -492,8 +492,8 @@ def test_tuner_keys_cache_alignment_and_pallas(monkeypatch):
     # (a JAX without Pallas' decode module takes nothing: every key is "pallas0")
     pallas = int(ab.pallas_supported(128, 4096))
     assert set(seen) == {f"b2 d512 hq8 hkv2 dh128 ctx4096 dtypefloat16 pallas{pallas} unaligned0",
-                         "b2 d512 hq8 hkv2 dh128 ctx8192 dtypefloat16 pallas0 unaligned1",
-                         "b2 d512 hq8 hkv2 dh128 ctx8192 dtypefloat16 pallas0 unaligned0"}
+                         "b2 d512 hq8 hkv2 dh128 ctx4608 dtypefloat16 pallas0 unaligned1",
+                         "b2 d512 hq8 hkv2 dh128 ctx4608 dtypefloat16 pallas0 unaligned0"}
     assert [(Config(kernel="pallas") in c) for k, c in sorted(seen.items())] == [bool(pallas), False, False]
     assert ab.tuning_key(2, 512, 8, 2, 4096, 128, jnp.float16).startswith(f"v{ab.KERNEL_VERSION} ")
     # the GPU's launch limits filter the fused candidates: hidden 32768 leaves no TMA ring

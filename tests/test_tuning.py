@@ -299,6 +299,14 @@ def test_make_key():
 
 
 # ---------------------------------------------------------------- attention_block's tuner
+def test_context_bucket_stays_within_an_eighth_of_the_capacity():
+    assert [tuning.context_bucket(s) for s in (1, 48, 600, 1024, 1152, 4096, 4097, 4224, 8191)] == [
+        1, 48, 640, 1024, 1152, 4096, 4608, 4608, 8192]
+    for s in range(1, 70000, 37):
+        b = tuning.context_bucket(s)
+        assert s <= b <= s * 9 / 8 + 1 and tuning.context_bucket(b) == b
+
+
 def test_attention_block_candidates_are_configs_and_json(cache):
     """attention_block's candidates are AttentionBlockConfigs and "xla"; each is stored as
     JSON ({"type": "AttentionBlockConfig", ...} or "xla") and found again, equal, by

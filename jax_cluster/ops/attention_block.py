@@ -404,10 +404,10 @@ def candidates(*, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 
 def _context_bucket(max_seq: int) -> tuple[int, bool]:
     """(the S_max timed for this shape, whether S_max is unaligned for XLA): context is
-    bucketed to a power of two; XLA pads a cache whose length is not a multiple of 32 (a
-    copy of it every step), so such a length is a key of its own, timed 16 short of the
-    bucket."""
-    bucket = 1 << max(0, (max_seq - 1).bit_length())
+    bucketed by `tuning.context_bucket`; XLA pads a cache whose length is not a multiple of
+    32 (a copy of it every step), so such a length is a key of its own, timed 16 short of
+    the bucket."""
+    bucket = tuning.context_bucket(max_seq)
     unaligned = max_seq % XLA_CACHE_ALIGN != 0
     return (bucket - 16 if unaligned and bucket > 32 else bucket), unaligned
 
@@ -415,7 +415,7 @@ def _context_bucket(max_seq: int) -> tuple[int, bool]:
 def tuning_key(batch, hidden, num_q_heads, num_kv_heads, max_seq, head_dim, dtype) -> str:
     _, unaligned = _context_bucket(max_seq)
     return tuning.make_key(KERNEL_VERSION, b=batch, d=hidden, hq=num_q_heads, hkv=num_kv_heads,
-                           dh=head_dim, ctx=1 << max(0, (max_seq - 1).bit_length()),
+                           dh=head_dim, ctx=tuning.context_bucket(max_seq),
                            dtype=jnp.dtype(dtype).name,
                            pallas=int(pallas_supported(head_dim, max_seq)), unaligned=int(unaligned))
 

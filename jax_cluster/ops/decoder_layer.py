@@ -240,7 +240,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
 def tuning_key(*, batch, hidden, num_q_heads, num_kv_heads, head_dim, max_seq, inter, family, parallel_residual,
                gelu_approximate, dtype) -> str:
     return tuning.make_key(KERNEL_VERSION, b=batch, d=hidden, hq=num_q_heads, hkv=num_kv_heads, dh=head_dim,
-                           ctx=1 << max(0, (max_seq - 1).bit_length()), f=inter, family=family,
+                           ctx=tuning.context_bucket(max_seq), f=inter, family=family,
                            parallel=int(bool(parallel_residual)), tanh=int(bool(gelu_approximate)),
                            dtype=jnp.dtype(dtype).name)
 
