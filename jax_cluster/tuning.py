@@ -151,8 +151,8 @@ def context_bucket(max_seq: int, steps_per_octave: int = 8) -> int:
     `steps_per_octave` even steps between two powers of two (4096 -> 4096, 4224 -> 4608).
     Picks between attention kernels turn on the context (the fused kernels lead where the
     weights dominate, the split ones where the cache does), so the bucket stays within
-    1 / steps_per_octave of the capacity: rounded up to the next power of two, a
-    4224-slot cache was timed at 8192 slots and got the pick for twice its context."""
+    1 / steps_per_octave of the capacity (the next power of two would time a 4224-slot
+    cache at 8192 slots: the pick for twice its context)."""
     max_seq = max(1, int(max_seq))
     step = max(1, (1 << (max_seq.bit_length() - 1)) // steps_per_octave)
     return -(-max_seq // step) * step
