@@ -47,8 +47,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
-from jax_cluster.ops.swiglu import supported as swiglu_supported
-from jax_cluster.ops.swiglu import swiglu
+from jax_cluster.ops.swiglu import supported as swiglu_supported, swiglu
 
 __all__ = ["MoeDecodeConfig", "TOPK_METHODS", "autotune", "candidates", "launch_plan", "measure", "moe_decode",
            "moe_experts", "tuning_key"]
