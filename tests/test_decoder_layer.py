@@ -255,7 +255,7 @@ def fake_gpu_tuner(monkeypatch, tmp_path):
     times, asked = {}, []
 
     def measure(path, **shape):
-        asked.append((path, shape["batch"], shape["family"]))
+        asked.append((path, shape["batch"], shape["family"], shape["max_seq"]))
         return times[path]
 
     monkeypatch.setattr(mod, "measure", measure)
@@ -263,13 +263,13 @@ def fake_gpu_tuner(monkeypatch, tmp_path):
     tuning.clear_memory_cache()
 
 
-def kernel_case(rng, family, batch=3):
+def kernel_case(rng, family, batch=3, s_max=S_MAX):
     """A bfloat16 layer the one-launch kernel covers (head_dim 64)."""
     w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_weights(rng, family, 128, 4, 2, 64, 256, True))
     args = dict(x=jnp.asarray(rng.standard_normal((batch, 128)), jnp.bfloat16), weights=w,
-                k_cache=jnp.asarray(rng.standard_normal((batch, 2, S_MAX, 64)), jnp.bfloat16),
-                v_cache=jnp.asarray(rng.standard_normal((batch, 2, S_MAX, 64)), jnp.bfloat16),
-                lengths=jnp.asarray(np.arange(batch) * 5 % S_MAX, jnp.int32),
+                k_cache=jnp.asarray(rng.standard_normal((batch, 2, s_max, 64)), jnp.bfloat16),
+                v_cache=jnp.asarray(rng.standard_normal((batch, 2, s_max, 64)), jnp.bfloat16),
+                lengths=jnp.asarray(np.arange(batch) * 5 % s_max, jnp.int32),
                 inv_freq=jnp.asarray(10000.0 ** (-np.arange(0, 64, 2) / 64), jnp.float32))
     return args, dict(family=family, num_q_heads=4, num_kv_heads=2, eps=1e-5)
 
@@ -284,7 +284,7 @@ def test_auto_runs_the_path_the_tuner_measured_faster(rng, fake_gpu_tuner, famil
     args, kw = kernel_case(rng, family)
     times.update(per_op=2e-6, one_launch=1e-6)
     assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", **kw)
-    assert sorted({p for p, _, _ in asked}) == ["one_launch", "per_op"] and all(b == 3 for _, b, _ in asked)
+    assert sorted({a[0] for a in asked}) == ["one_launch", "per_op"] and all(a[1] == 3 for a in asked)
     y, _, _ = jax.jit(functools.partial(decoder_layer, impl="auto", **kw))(**args)
     ry, _, _ = decoder_layer(**args, impl="reference", **kw)
     assert rel_l2(y, ry) <= TOLERANCE["bfloat16"]
@@ -293,6 +293,23 @@ def test_auto_runs_the_path_the_tuner_measured_faster(rng, fake_gpu_tuner, famil
     assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", **kw) and len(asked) == n
     other, _ = kernel_case(rng, family, batch=2)  # another shape is measured for itself
     assert "jax_cluster_decoder_layer" not in lowered(other, impl="auto", **kw) and len(asked) > n
+
+
+def test_auto_times_every_capacity_of_a_bucket_alike(rng, fake_gpu_tuner):
+    """Caches in one context bucket share a pick, timed at the bucket's capacity whichever
+    comes first (as attention_block's tuner times); a length XLA pads (not a multiple of 32)
+    is keyed apart and timed 16 slots short of the bucket."""
+    from jax_cluster import tuning
+    times, asked = fake_gpu_tuner
+    times.update(per_op=2e-6, one_launch=1e-6)
+    _, kw = kernel_case(rng, "llama")
+    measured = []
+    for s_max in (1000, 1024, 1008, 1152, 1088):
+        n = len(asked)
+        lowered(kernel_case(rng, "llama", s_max=s_max)[0], impl="auto", **kw)
+        measured.append(sorted({a[3] for a in asked[n:]}))
+    assert tuning.context_bucket(1000) == tuning.context_bucket(1008) == 1024
+    assert measured == [[1008], [1024], [], [1152], []]
 
 
 @pytest.mark.filterwarnings("ignore:.*no kernel for dtype float32")

@@ -402,18 +402,18 @@ def candidates(*, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int
     return out + ["xla"]
 
 
-def _context_bucket(max_seq: int) -> tuple[int, bool]:
-    """(the S_max timed for this shape, whether S_max is unaligned for XLA): context is
-    bucketed by `tuning.context_bucket`; XLA pads a cache whose length is not a multiple of
-    32 (a copy of it every step), so such a length is a key of its own, timed 16 short of
-    the bucket."""
+def timed_context(max_seq: int) -> tuple[int, bool]:
+    """(the S_max a tuner times for this cache, whether S_max is unaligned for XLA): context
+    is bucketed by `tuning.context_bucket`; XLA pads a cache whose length is not a multiple
+    of 32 (a copy of it every step), so such a length is a key of its own, timed 16 short
+    of the bucket. decoder_layer's tuner times its per-op path the same way."""
     bucket = tuning.context_bucket(max_seq)
     unaligned = max_seq % XLA_CACHE_ALIGN != 0
     return (bucket - 16 if unaligned and bucket > 32 else bucket), unaligned
 
 
 def tuning_key(batch, hidden, num_q_heads, num_kv_heads, max_seq, head_dim, dtype) -> str:
-    _, unaligned = _context_bucket(max_seq)
+    _, unaligned = timed_context(max_seq)
     return tuning.make_key(KERNEL_VERSION, b=batch, d=hidden, hq=num_q_heads, hkv=num_kv_heads,
                            dh=head_dim, ctx=tuning.context_bucket(max_seq),
                            dtype=jnp.dtype(dtype).name,
@@ -428,7 +428,7 @@ def measure(choice, *, batch, hidden, num_q_heads, num_kv_heads, max_seq, head_d
     loop, weights passed as arguments (captured as constants they are baked into every
     candidate's program and make compiles slow)."""
     hq, hkv = num_q_heads, num_kv_heads
-    ctx, _ = _context_bucket(max_seq)
+    ctx, _ = timed_context(max_seq)
     keys = iter(jax.random.split(jax.random.key(0), 8))
     # drawn on the device and in the caches' dtype: an fp32 draw of a batch-64, 128K-slot
     # cache would not fit

@@ -33,7 +33,7 @@ from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
-from jax_cluster.ops.attention_block import attention_block
+from jax_cluster.ops.attention_block import attention_block, timed_context
 from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["autotune", "decoder_layer"]
@@ -240,8 +240,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
 def tuning_key(*, batch, hidden, num_q_heads, num_kv_heads, head_dim, max_seq, inter, family, parallel_residual,
                gelu_approximate, dtype) -> str:
     return tuning.make_key(KERNEL_VERSION, b=batch, d=hidden, hq=num_q_heads, hkv=num_kv_heads, dh=head_dim,
-                           ctx=tuning.context_bucket(max_seq), f=inter, family=family,
-                           parallel=int(bool(parallel_residual)), tanh=int(bool(gelu_approximate)),
+                           ctx=tuning.context_bucket(max_seq), unaligned=int(timed_context(max_seq)[1]), f=inter,
+                           family=family, parallel=int(bool(parallel_residual)), tanh=int(bool(gelu_approximate)),
                            dtype=jnp.dtype(dtype).name)
 
 
@@ -292,7 +292,8 @@ def _pick_for(shape: dict) -> str:
     cannot run the layer, else the tuner's pick between the two."""
     if _kernel_error(shape):
         return "per_op"
-    return tuning.pick("decoder_layer", tuning_key(**shape), list(PATHS), functools.partial(measure, **shape),
+    timed = dict(shape, max_seq=timed_context(shape["max_seq"])[0])  # every capacity of the key times alike
+    return tuning.pick("decoder_layer", tuning_key(**shape), list(PATHS), functools.partial(measure, **timed),
                        heuristic="per_op")
 
 
