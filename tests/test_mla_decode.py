@@ -319,6 +319,29 @@ def test_gpu_invalid_rows_nan(rng, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_invalid_pages_nan(rng, splits):
+    """A row one of whose used blocks names a page outside the pool (past it, or negative) is
+    NaN and writes nothing, whether the bad block is read by the split that writes the new
+    token or by another one; the other rows are as with a valid table, bit for bit."""
+    args, kw = make_case(rng, dtype=jnp.float16, lengths=(0, 0, 0), s_max=300, **V2_LITE)
+    pool, table = to_pages(rng, args["latent_cache"], 64)
+    bad = np.array(table)
+    bad[0, 0] = pool.shape[0]  # row 0 (length 290): its first block, far from its new token
+    bad[2, 3] = -1  # row 2 (length 250): the block its new token goes to
+    lengths = jnp.asarray([290, 200, 250], jnp.int32)
+    cfg = MlaDecodeConfig(splits=splits)
+    args = dict(args, latent_cache=pool, lengths=lengths)
+    want, _ = run(args, kw, "cuda", _gpu(), block_table=table, config=cfg)
+    y, new_pool = run(args, kw, "cuda", _gpu(), block_table=jnp.asarray(bad), config=cfg)
+    y, new_pool, pool = np.asarray(y), np.asarray(new_pool), np.asarray(pool)
+    assert np.all(np.isnan(y[[0, 2]]))
+    np.testing.assert_array_equal(y[1], np.asarray(want)[1])
+    changed = [i for i in range(pool.shape[0]) if not np.array_equal(new_pool[i], pool[i], equal_nan=True)]
+    assert changed == [int(table[1, 200 // 64])]  # row 1's slot only
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape,lengths", [
     (V2_LITE, (4000,)),

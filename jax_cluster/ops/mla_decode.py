@@ -442,13 +442,16 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
                                                 rope_factor)
         o_lat, latent_cache = _attend_kernel(q_full, new, latent_cache, lengths, block_table, d, splits, scale)
         return _output_kernel(o_lat, weights, d, x if residual else None, counters), latent_cache
-    valid = _row_validity(lengths, block_table, capacity, pages)
-    q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
-                                   latent_eps)
     if splits is None:
+        valid = _row_validity(lengths, block_table, capacity, pages)
+        q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
+                                       latent_eps)
         o_lat, latent_cache = _attend_xla(q_nope, q_rope, new, w_kvb, latent_cache, lengths, block_table, d,
                                           scale, valid)
     else:
+        # The kernel gives an invalid row NaN and writes nothing, so that row's RoPE position
+        # is moot: no scan of the block table in XLA ahead of it.
+        q_nope, q_rope, new = _project(x, weights, d, lengths, inv_freq, rope_factor, eps, latent_eps)
         q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope], preferred_element_type=jnp.float32)
         q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], -1)
         o_lat, latent_cache = _attend_kernel(q_full, new.astype(jnp.float32), latent_cache, lengths, block_table,

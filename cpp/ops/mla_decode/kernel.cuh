@@ -80,12 +80,23 @@ struct MlaChunks {
 };
 
 // Whether row b may run: its length in range and, paged, every used block in the pool.
-// Every thread of the block calls it (a block-wide vote).
+// Every thread of the block calls it (a block-wide vote). A thread's block-table loads go
+// out kBatch at a time: one round trip for up to kBatch x kThreads blocks (a row of 32768
+// slots in 64-token pages has 512), not one per kThreads.
 template <int kThreads>
 __device__ __forceinline__ bool mla_row_valid_block(const MlaDecodeParams& p, int b, int length) {
+  constexpr int kBatch = 8;
   bool ok = length >= 0 && length < p.capacity;
   if (ok && p.paged) {
-    for (int i = threadIdx.x; i <= length / p.page_size; i += kThreads) ok &= mla_decode_block_valid(p, b, i);
+    const int used = length / static_cast<int>(p.page_size) + 1;
+    const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_blocks;
+    for (int i0 = threadIdx.x; i0 < used; i0 += kBatch * kThreads) {
+      int32_t page[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) page[j] = i0 + j * kThreads < used ? table[i0 + j * kThreads] : 0;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) ok &= mla_decode_page_valid(p, page[j]);
+    }
   }
   return __syncthreads_and(ok) != 0;
 }
@@ -109,7 +120,54 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
 
   ptx::griddep_wait();  // q, new_latent and the cache come from the previous kernels
   const int length = p.lengths[b];
-  if (!mla_row_valid_block<L::kThreads>(p, b, length)) {
+  const bool in_range = length >= 0 && length < p.capacity;
+  const int n_tok = length + 1;
+  const int per = ((n_tok + S - 1) / S + L::kTokens - 1) / L::kTokens * L::kTokens;
+  const int t0 = split * per, t1 = min(n_tok, t0 + per);
+  const int tiles = in_range && t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
+  const bool writes_token = in_range && t0 <= length && length < t1;
+
+  // Thread tid loads row tid / 4 of a stage, used chunks tid % 4, + 4, ... A paged row's
+  // page is looked up with a page outside the pool read as page 0: the stages can then be
+  // issued before the row's validity is known (its block-table round trip hides under
+  // them), and an invalid row, which only ever gets NaN, reads inside the pool.
+  const int ld_row = tid >> 2, ld_sub = tid & 3;
+  auto row_of = [&](int tile) -> int64_t {  // the cache row of this thread's row of a tile
+    const int t = t0 + tile * L::kTokens + ld_row;
+    if (tile >= tiles || t >= t1) return -1;
+    if (!p.paged) return static_cast<int64_t>(b) * p.capacity + t;
+    const int32_t page = p.block_table[static_cast<int64_t>(b) * p.max_blocks + t / p.page_size];
+    return static_cast<int64_t>(mla_decode_page_valid(p, page) ? page : 0) * p.page_size + t % p.page_size;
+  };
+  const MlaChunks used(R, DR);
+  auto load_stage = [&](int64_t cache_row, int stage) {  // cache_row < 0: past the split
+    const bool ok = cache_row >= 0;
+    const T* row = ok ? cache + cache_row * E : cache;
+    const uint32_t base = ptx::smem_addr(kv_s + stage * L::kStageBytes);
+    for (int u = ld_sub; u < used.count(); u += 4) {
+      const int c = used.shared_chunk<RT>(u);
+      const int f = MlaChunks::feature<RT>(c, R, DR);
+      const bool real = ok && f >= 0;
+      cp_async_16(base + swz(ld_row, c, L::kRowBytes), real ? row + f : row, real ? 16u : 0u);
+    }
+  };
+  // Every stage in flight from the start (a 64-token split is two stages: both HBM round
+  // trips overlap), and before Q, whose L2 round trip then hides under them; a stage's
+  // buffer is refilled kStages tiles ahead once it is read. The split holding the step's
+  // token issues them once the token is in its slot.
+  auto issue_first_stages = [&]() {
+#pragma unroll
+    for (int st = 0; st < L::kStages; ++st) {
+      if (st < tiles) load_stage(row_of(st), st);
+      cp_async_commit();
+    }
+  };
+  // A row's validity is a block-wide vote (block-table loads when paged); an invalid row
+  // only gets NaN. The split holding the step's token votes before it writes anything; the
+  // others once their stages and Q's loads are issued, so that the three round trips
+  // overlap.
+  auto leave_invalid = [&]() {
+    cp_async_wait<0>();  // nothing may land in shared memory after the block has left
     ptx::griddep_launch_dependents();
     if (S == 1) {  // else the merge kernel writes the NaN row
       for (int i = tid; i < L::kHeads * R; i += L::kThreads) {
@@ -117,14 +175,12 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
         if (h < H) out[(static_cast<int64_t>(b) * H + h) * R + i % R] = T(NAN);
       }
     }
-    return;
-  }
-  const int n_tok = length + 1;
-  const int per = ((n_tok + S - 1) / S + L::kTokens - 1) / L::kTokens * L::kTokens;
-  const int t0 = split * per, t1 = min(n_tok, t0 + per);
-  const MlaChunks used(R, DR);
-
-  if (t0 <= length && length < t1) {  // the step's token into its slot, before it is streamed
+  };
+  if (writes_token) {  // the step's token into its slot, before it is streamed
+    if (!mla_row_valid_block<L::kThreads>(p, b, length)) {
+      leave_invalid();
+      return;
+    }
     // Every element loaded before the first store: one round trip instead of one per
     // element (the compiler cannot move a load above a store that may alias it).
     T* dst = cache + mla_decode_slot_offset(p, b, length) * E;
@@ -143,30 +199,8 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     __threadfence();
     __syncthreads();  // (block-uniform) written for every thread that streams it
   }
-
-  // Thread tid loads row tid / 4 of a stage, used chunks tid % 4, + 4, ...
-  const int ld_row = tid >> 2, ld_sub = tid & 3;
-  auto load_stage = [&](int first, int stage) {
-    const int t = first + ld_row;
-    const bool ok = t < t1;
-    const T* row = ok ? cache + mla_decode_slot_offset(p, b, t) * E : cache;
-    const uint32_t base = ptx::smem_addr(kv_s + stage * L::kStageBytes);
-    for (int u = ld_sub; u < used.count(); u += 4) {
-      const int c = used.shared_chunk<RT>(u);
-      const int f = MlaChunks::feature<RT>(c, R, DR);
-      const bool real = ok && f >= 0;
-      cp_async_16(base + swz(ld_row, c, L::kRowBytes), real ? row + f : row, real ? 16u : 0u);
-    }
-  };
-  const int tiles = t1 > t0 ? (t1 - t0 + L::kTokens - 1) / L::kTokens : 0;
-  // Every stage in flight from the start (a 64-token split is two stages: both HBM round
-  // trips overlap), and before Q, whose L2 round trip then hides under them; a stage's
-  // buffer is refilled kStages tiles ahead once it is read.
-#pragma unroll
-  for (int st = 0; st < L::kStages; ++st) {
-    if (st < tiles) load_stage(t0 + st * L::kTokens, st);
-    cp_async_commit();
-  }
+  issue_first_stages();
+  int64_t refill_row = row_of(L::kStages);  // looked up a tile before it is needed
 
   // Q: 16 heads x used chunks, rounded to T; padding and heads past H are zero. Every
   // thread's loads are issued before the first store (one L2 round trip, not one per item).
@@ -184,6 +218,10 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
         qv[j][0] = src[0];  // E and f are multiples of 8: 32-byte aligned
         qv[j][1] = src[1];
       }
+    }
+    if (!writes_token && !mla_row_valid_block<L::kThreads>(p, b, length)) {
+      leave_invalid();
+      return;
     }
 #pragma unroll
     for (int j = 0; j < L::kQItems; ++j) {
@@ -317,7 +355,8 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
     }
     if (tile + L::kStages < tiles) {
       __syncthreads();  // every warp is done with this stage's buffer
-      load_stage(t0 + (tile + L::kStages) * L::kTokens, tile % L::kStages);
+      load_stage(refill_row, tile % L::kStages);
+      refill_row = row_of(tile + L::kStages + 1);
     }
     cp_async_commit();  // a group per iteration, empty or not: the wait above counts them
   }
@@ -356,12 +395,15 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
 template <typename T>
 __global__ void __launch_bounds__(128) mla_decode_merge_kernel(const MlaDecodeParams p) {
   __shared__ float weight[kMlaDecodeMaxSplits];
-  ptx::griddep_wait();
   const int h = blockIdx.y, b = blockIdx.z, c = blockIdx.x * 128 + threadIdx.x;
   const int R = static_cast<int>(p.rank), S = static_cast<int>(p.splits);
   const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
   T* out = static_cast<T*>(p.out) + bh * R;
-  if (!mla_row_valid_block<128>(p, b, p.lengths[b])) {
+  // lengths and the block table are the call's inputs, complete before the split kernel
+  // passed its own wait: checked while the split kernel drains.
+  const bool valid = mla_row_valid_block<128>(p, b, p.lengths[b]);
+  ptx::griddep_wait();
+  if (!valid) {
     if (c < R) out[c] = T(NAN);
     return;
   }

@@ -17,10 +17,14 @@ JAX_CLUSTER_HOST_DEVICE inline int64_t mla_decode_slot_offset(const MlaDecodePar
   return page * p.page_size + t % p.page_size;
 }
 
+// Whether `page` is a page of the pool.
+JAX_CLUSTER_HOST_DEVICE inline bool mla_decode_page_valid(const MlaDecodeParams& p, int32_t page) {
+  return page >= 0 && page < p.num_pages;
+}
+
 // Whether block `i` of row b names a page of the pool.
 JAX_CLUSTER_HOST_DEVICE inline bool mla_decode_block_valid(const MlaDecodeParams& p, int64_t b, int64_t i) {
-  const int32_t page = p.block_table[b * p.max_blocks + i];
-  return page >= 0 && page < p.num_pages;
+  return mla_decode_page_valid(p, p.block_table[b * p.max_blocks + i]);
 }
 
 // lengths[b] in [0, capacity) and, paged, every used block (0..length / page) in the pool.
