@@ -343,13 +343,18 @@ _GPU_CHILD = """
 """
 
 
+def _skip_without_two_gpus():
+    """Every test below launches two GPU processes (the launcher refuses more ranks than GPUs)."""
+    if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
+        pytest.skip("needs 2 GPUs and the NVSHMEM module")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,mode", [("ring", "ok"), ("torus", "ok"), ("torus", "copy")])
 def test_two_gpus_nvshmem_equals_single_device_attention(name, mode):
     """Against the reference, and bitwise against the XLA backend, with arrivals read in
     place (ok) or copied out (copy)."""
-    if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
-        pytest.skip("needs 2 GPUs and the NVSHMEM module")
+    _skip_without_two_gpus()
     res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), name, mode], 2, timeout=300, gpus=True,
                     env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "30"})
     out = [res.text(r) for r in range(2)]
@@ -359,6 +364,7 @@ def test_two_gpus_nvshmem_equals_single_device_attention(name, mode):
 
 @pytest.mark.gpu
 def test_two_gpus_arena_too_small_is_an_error_until_grown():
+    _skip_without_two_gpus()
     res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", "arena"], 2, timeout=300,
                     gpus=True, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "30"})
     out = [res.text(r) for r in range(2)]
@@ -367,8 +373,7 @@ def test_two_gpus_arena_too_small_is_an_error_until_grown():
 
 
 def _fault_run(mode):
-    if ln.count_gpus() < 2 or not nvshmem._extension()[0]:
-        pytest.skip("needs 2 GPUs and the NVSHMEM module")
+    _skip_without_two_gpus()
     t = time.monotonic()
     res = ln.launch([sys.executable, "-P", "-c", textwrap.dedent(_GPU_CHILD), "ring", mode], 2, timeout=240, gpus=True,
                     env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", nvshmem.TIMEOUT_ENV: "5"})

@@ -134,10 +134,7 @@ __global__ void __launch_bounds__(MlaTile<RT>::kThreads, 2)
   const int ld_row = tid >> 2, ld_sub = tid & 3;
   auto row_of = [&](int tile) -> int64_t {  // the cache row of this thread's row of a tile
     const int t = t0 + tile * L::kTokens + ld_row;
-    if (tile >= tiles || t >= t1) return -1;
-    if (!p.paged) return static_cast<int64_t>(b) * p.capacity + t;
-    const int32_t page = p.block_table[static_cast<int64_t>(b) * p.max_blocks + t / p.page_size];
-    return static_cast<int64_t>(mla_decode_page_valid(p, page) ? page : 0) * p.page_size + t % p.page_size;
+    return tile >= tiles || t >= t1 ? -1 : mla_decode_slot_offset(p, b, t);
   };
   const MlaChunks used(R, DR);
   auto load_stage = [&](int64_t cache_row, int stage) {  // cache_row < 0: past the split

@@ -8,18 +8,21 @@
 
 namespace jax_cluster {
 
-// The token offset (in units of E features) of slot t of row b: contiguous b * S_max + t,
-// paged block_table[b, t / page] * page + t % page. t must lie in a valid row's used blocks.
-JAX_CLUSTER_HOST_DEVICE inline int64_t mla_decode_slot_offset(const MlaDecodeParams& p, int64_t b,
-                                                              int64_t t) {
-  if (!p.paged) return b * p.capacity + t;
-  const int64_t page = p.block_table[b * p.max_blocks + t / p.page_size];
-  return page * p.page_size + t % p.page_size;
-}
-
 // Whether `page` is a page of the pool.
 JAX_CLUSTER_HOST_DEVICE inline bool mla_decode_page_valid(const MlaDecodeParams& p, int32_t page) {
   return page >= 0 && page < p.num_pages;
+}
+
+// The token offset (in units of E features) of slot t of row b: contiguous b * S_max + t,
+// paged block_table[b, t / page] * page + t % page. A page outside the pool reads as page 0,
+// so that the kernels may issue a row's loads before its validity vote (an invalid row only
+// gets NaN, whatever they read); a valid row never meets one.
+JAX_CLUSTER_HOST_DEVICE inline int64_t mla_decode_slot_offset(const MlaDecodeParams& p, int64_t b,
+                                                              int64_t t) {
+  if (!p.paged) return b * p.capacity + t;
+  const int32_t page = p.block_table[b * p.max_blocks + t / p.page_size];
+  return static_cast<int64_t>(mla_decode_page_valid(p, page) ? page : 0) * p.page_size +
+         t % p.page_size;
 }
 
 // Whether block `i` of row b names a page of the pool.
