@@ -2,10 +2,12 @@
 # One call on the GPU machine: build there (or install a carried wheel), run the GPU tests,
 # the sanitizers and the named benchmarks; logs packed into $OUT/logs.tgz (default
 # ./gpu_out), a short table last and in $OUT/summary.txt.
-#   bash benchmarks/gpu_check.sh [--tests PATHS] [-k EXPR] [--no-sanitize] [bench ...]
+#   bash benchmarks/gpu_check.sh [--tests PATHS] [-k EXPR] [--shard K/N] [--no-sanitize] [bench ...]
 #   (bench: a script under benchmarks/ without .py, e.g. swiglu or probes/swiglu_mixed;
 #   BENCH_ARGS: arguments for every bench, e.g. BENCH_ARGS=--quick)
 #   e.g. bash benchmarks/gpu_check.sh --tests tests/test_attention_block.py attention_block
+#   (the whole GPU suite takes about 20 minutes in 8 processes on an H200: --shard 0/3, 1/3 and
+#   2/3 split it into three calls that each fit a 10-minute limit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -13,11 +15,13 @@ mkdir -p "$OUT"
 TESTS="tests"
 SANITIZE=1
 SELECT=()
+SHARD=()
 BENCHES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS="$2"; shift 2 ;;
     -k) SELECT=(-k "$2"); shift 2 ;;
+    --shard) SHARD=(--shard "$2"); shift 2 ;;
     --no-sanitize) SANITIZE=0; shift ;;
     *) BENCHES+=("$1"); shift ;;
   esac
@@ -68,7 +72,7 @@ if ls .carry/wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
 # -P: the source tree (no compiled modules) must not shadow the installed package
-step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" "${SELECT[@]}" $TESTS
+step gpu-tests gpu_tests.log python3 -P -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" "${SELECT[@]}" "${SHARD[@]}" $TESTS
 tail -5 "$OUT/gpu_tests.log"
 for b in "${BENCHES[@]}"; do
   step "bench-$b" "bench_${b//\//_}.log" python3 "benchmarks/$b.py" ${BENCH_ARGS:-}

@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices for sharding tests, the `gpu` marker."""
+"""Test setup: 8 fake CPU devices for sharding tests, the `gpu` marker, `--shard K/N`."""
 
 import os
 
@@ -22,7 +22,30 @@ def _gpu_available() -> bool:
 HAS_GPU = _gpu_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run every N-th collected test from the K-th (0 <= K < N): the GPU suite in "
+                          "pieces that each fit one call of a time-limited machine")
+
+
+def _take_shard(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--shard {spec!r}: expected K/N with 0 <= K < N, e.g. 0/3")
+    # every N-th test, not a slice: each shard gets a share of every file's slow tests
+    kept = [item for i, item in enumerate(items) if i % n == k]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _take_shard(config, items)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with jax's CUDA backend (none found)")
