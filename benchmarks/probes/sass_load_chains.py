@@ -16,8 +16,9 @@ branch. The compiler cannot batch such loads itself, and in the PTX they are har
         -Icpp -Icpp/include -cubin cpp/ops/swiglu/launch_tma.cu -o /tmp/k.cubin
     python benchmarks/probes/sass_load_chains.py /tmp/k.cubin [--kernel NAME] [--min 4] [--loops]
 
-cuobjdump comes with the CUDA toolkit, or from PyPI (`pip install nvidia-cuda-cuobjdump`,
-binary under nvidia/cu*/bin); --cuobjdump names it. A finding is a place to look, not a
+cuobjdump comes with the CUDA toolkit, or from PyPI (`pip install nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`: its -sass calls nvdisasm, found on PATH; both binaries under
+nvidia/cu*/bin); --cuobjdump names it. A finding is a place to look, not a
 verdict: warps of one block overlap each other's waits, and a chain off the hot path costs
 little.
 """
