@@ -586,14 +586,19 @@ def test_launch_plan():
 
 # ---------------------------------------------------------------- tuning
 def test_tuner_candidates_key_and_measure():
-    """The tilings and XLA's gather are measured; the key buckets N to powers of two; the
-    measurement runs every candidate (here through the CPU handler) on a random routing."""
+    """The tilings, XLA's gather and the grouped ragged_dot are measured; the key buckets N to
+    powers of two; the measurement runs every candidate (the kernels through the CPU handler)
+    on a random routing."""
     cands = md.candidates()
-    assert cands[-1] == "xla" and len(cands) == 5 and all(isinstance(c, MoeDecodeConfig) for c in cands[:-1])
+    assert cands[-2:] == ["xla", "ragged_dot"] and len(cands) == 6
+    assert all(isinstance(c, MoeDecodeConfig) for c in cands[:-2])
+    assert md.candidates(grouped=False) == cands[:-1]
+    # ragged_dot reads every expert: timed only where the rows can choose them all
+    assert md._grouped_is_a_candidate(3, 2, 8) and not md._grouped_is_a_candidate(1, 6, 64)
     assert md.tuning_key(3, 64, 32, 8, 2, 0, jnp.bfloat16) == md.tuning_key(4, 64, 32, 8, 2, 0, jnp.bfloat16)
     assert md.tuning_key(5, 64, 32, 8, 2, 0, jnp.bfloat16) != md.tuning_key(4, 64, 32, 8, 2, 0, jnp.bfloat16)
     assert md.tuning_key(1, 64, 32, 8, 2, 64, jnp.bfloat16).startswith(f"v{md.KERNEL_VERSION} ")
-    for choice in (cands[0], "xla"):
+    for choice in (cands[0], "xla", "ragged_dot"):
         assert 0 < md.measure(choice, n=2, h=64, i=32, e=8, k=2, i_s=64, dtype=jnp.bfloat16, calls=2) < 1
     assert md.autotune(1, 64, 32, 8, 2, jnp.bfloat16) == MoeDecodeConfig()  # on CPU: nothing to tune
 
@@ -623,6 +628,47 @@ def test_tuner_picks_caches_and_runs_the_winner(rng, tmp_path, monkeypatch):
     hlo = jax.jit(lambda a: jc.moe_decode(**dict(zip(names, a)), top_k=2)).lower(list(args.values())).as_text()
     assert "jax_cluster_moe_decode" not in hlo  # 3 rows, no shared experts: a new key, xla won
     assert md.autotune(3, 64, 32, 8, 2, jnp.bfloat16) == "xla"
+
+
+def test_tuner_can_pick_the_grouped_ragged_dot_form(rng, tmp_path, monkeypatch):
+    """Where jax.lax.ragged_dot measures fastest, impl="auto" runs that formulation: no custom
+    call for the experts, the result the reference's (shared experts and residual added)."""
+    monkeypatch.setenv("JAX_CLUSTER_TUNING", "1")
+    monkeypatch.setattr(md, "on_gpu", lambda: True)
+    monkeypatch.setattr(md, "measure", lambda c, **shape: 1e-5 if c == "ragged_dot" else 1e-4)
+    ran = []
+    for name, form in list(md._XLA_FORMS.items()):
+        monkeypatch.setitem(md._XLA_FORMS, name, lambda *a, name=name, form=form: ran.append(name) or form(*a))
+    args, extra = _inputs(rng, 24, 64, 32, 8, "bfloat16", shared=64, residual=True)
+    kw = dict(top_k=3)
+    names = list(args)
+    hlo = jax.jit(lambda a, ex: jc.moe_decode(**dict(zip(names, a)), **ex, **kw)).lower(
+        list(args.values()), extra).as_text()
+    assert "jax_cluster_moe_decode" not in hlo and ran == ["ragged_dot"]
+    assert md.autotune(24, 64, 32, 8, 3, jnp.bfloat16) == "ragged_dot"
+    ref = _run(dict(impl="reference", **kw), args, extra, _cpu())
+    _check(_run(dict(impl="auto", **kw), args, extra, _cpu()), ref, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_form_matches_the_gather_form(rng, dtype):
+    """The ragged_dot formulation against the reference and the gather form: duplicate ids in
+    a row, an expert chosen by every row, an expert nobody chose, a residual; traced ids
+    outside [0, E) give an all-NaN row, the others computed normally; no rows at all."""
+    args, extra = _inputs(rng, 20, 64, 32, 8, dtype, residual=True)
+    ids = jnp.asarray(np.stack([np.full(20, 3), rng.integers(0, 7, 20), np.full(20, 3)], 1), jnp.int32)
+    weights = jnp.asarray(rng.random((20, 3)), jnp.float32)
+    w = (args["w_gate"], args["w_up"], args["w_down"])
+    ref = np.asarray(reference.moe_experts(args["x"], weights, ids, *w, extra["residual"]))
+    grouped = np.asarray(jax.jit(md._grouped_experts)(args["x"], weights, ids, *w, extra["residual"]))
+    _check(grouped, ref, dtype)
+    _check(grouped, np.asarray(md._xla_experts(args["x"], weights, ids, *w, extra["residual"])), dtype)
+    bad = ids.at[5, 1].set(8).at[9, 0].set(-1)
+    out = np.asarray(jax.jit(md._grouped_experts)(args["x"], weights, bad, *w, None))
+    assert np.isnan(out[5]).all() and np.isnan(out[9]).all()
+    rows = [r for r in range(20) if r not in (5, 9)]
+    _check(out[rows], np.asarray(reference.moe_experts(args["x"], weights, ids, *w))[rows], dtype)
+    assert md._grouped_experts(args["x"][:0], weights[:0], ids[:0], *w, None).shape == (0, 64)
 
 
 def test_ffi_validation_errors():
@@ -815,7 +861,8 @@ def test_gpu_auto_tunes_once_and_caches(rng, tmp_path, monkeypatch):
     key = "moe_decode|" + md.tuning_key(2, 512, 256, 16, 4, 256, jnp.bfloat16)
     entry = json.loads((tmp_path / "tuning.json").read_text())["entries"][key]
     assert entry["winner"] in [jc.tuning.encode(c) for c in md.candidates()]
-    assert len(entry["times_us"]) == len(md.candidates())  # every candidate measured
+    # every candidate measured (not ragged_dot: 2 rows x 4 slots cannot choose all 16 experts)
+    assert len(entry["times_us"]) == len(md.candidates(grouped=False))
     calls = []
     monkeypatch.setattr(md, "measure", lambda *a, **k: calls.append(a) or 1.0)
     jc.tuning.clear_memory_cache()

@@ -22,8 +22,9 @@ kernels on a GPU: up to 8 rows and 512 experts; the C++ handler on CPU), else in
                not a multiple of 8, the shared experts run through jax_cluster.swiglu.
   "auto"       "cuda" where the kernels take the shape and dtype (float16 / bfloat16, H and
                I multiples of 8), else "xla" with a one-time warning. On a GPU without a
-               config, the tuner (jax_cluster.tuning) measures the column tilings and the
-               "xla" path once per shape bucket and GPU and runs the fastest (autotune()).
+               config, the tuner (jax_cluster.tuning) measures the column tilings, the
+               "xla" path and the grouped jax.lax.ragged_dot formulation once per shape
+               bucket and GPU and runs the fastest (autotune()).
   "xla"        the gather formulation a JAX user writes (flax_models' experts_gather): the
                chosen experts' weights gathered per (row, slot), XLA's einsums in x.dtype.
   "reference"  jax_cluster.reference.moe_decode (fp32).
@@ -54,7 +55,7 @@ __all__ = ["MoeDecodeConfig", "TOPK_METHODS", "autotune", "candidates", "launch_
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Bump when the kernels change enough that cached tuning results should be measured again.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 COLS = (32, 64, 128)
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -255,6 +256,35 @@ def _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual):
     return jnp.where(valid[:, None], y, jnp.nan).astype(x.dtype)
 
 
+def _grouped_experts(x, weights, ids, w_gate, w_up, w_down, residual):
+    """The grouped formulation (flax_models' experts_grouped, its prefill path): the (row,
+    slot) pairs sorted by expert, jax.lax.ragged_dot over the E groups (each chosen expert's
+    weights read once), the results scattered back; the gather form's rounding points."""
+    f32 = jnp.float32
+    n, k = ids.shape
+    e = w_gate.shape[0]
+    if n == 0:
+        return jnp.zeros((0, x.shape[1]), x.dtype)
+    valid = jnp.all((ids >= 0) & (ids < e), axis=-1)
+    flat = jnp.clip(ids, 0, e - 1).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=f32).astype(x.dtype)
+    u = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=f32).astype(x.dtype)
+    h = (_silu(g) * u.astype(f32)).astype(x.dtype)
+    ys = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=f32).astype(x.dtype)
+    y_e = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
+    y = jnp.einsum("nkh,nk->nh", y_e.astype(f32), weights.astype(f32))
+    if residual is not None:
+        y = y + residual.astype(f32)
+    return jnp.where(valid[:, None], y, jnp.nan).astype(x.dtype)
+
+
+# What the tuner can pick besides a kernel config: the formulations a JAX user writes.
+_XLA_FORMS = {"xla": _xla_experts, "ragged_dot": _grouped_experts}
+
+
 def _custom_call(x, weights, ids, w_gate, w_up, w_down, shared, residual, plan: dict, pdl: bool):
     has_res = residual is not None
     none = jnp.zeros((0,), x.dtype)
@@ -293,8 +323,8 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
         if not why_not and impl == "auto" and config is None and on_gpu():
             i_s = shared["w_gate"].shape[1] if shared is not None else 0
             config = _pick(n, h, i, e, k, i_s, x.dtype)
-            if config == "xla":
-                return _xla_experts(x, weights, ids, w_gate, w_up, w_down, residual), False
+            if config in _XLA_FORMS:
+                return _XLA_FORMS[config](x, weights, ids, w_gate, w_up, w_down, residual), False
             plan = launch_plan(config, max(n, 1), h, i, e, k, x.dtype, i_s)
         if why_not:
             if impl == "cuda":
@@ -311,11 +341,20 @@ def _routed(op, x, weights, ids, w_gate, w_up, w_down, residual, impl, config, s
 
 
 # ----------------------------------------------------------------------------- tuning
-def candidates() -> list:
+def candidates(grouped: bool = True) -> list:
     """What the tuner measures for one shape: the tensor-core kernels at 64 and 128 columns
     for each GEMV (the 32-column CUDA-core form lost everywhere it was measured), and the
-    gather formulation on XLA, so that "auto" is never slower than what a JAX user writes."""
-    return [MoeDecodeConfig(cols_up=u, cols_down=d) for u in (64, 128) for d in (64, 128)] + ["xla"]
+    formulations a JAX user writes on XLA, so that "auto" is never slower than them: the
+    gather ("xla") and, with `grouped`, the grouped jax.lax.ragged_dot ("ragged_dot")."""
+    forms = list(_XLA_FORMS) if grouped else [f for f in _XLA_FORMS if f != "ragged_dot"]
+    return [MoeDecodeConfig(cols_up=u, cols_down=d) for u in (64, 128) for d in (64, 128)] + forms
+
+
+def _grouped_is_a_candidate(n: int, k: int, e: int) -> bool:
+    """ragged_dot reads every expert's weights (measured: 22x the kernels' time at DeepSeek-V3's
+    batch 1), so it is timed only where the rows' N k pairs can choose every expert: the timing
+    inputs hold min(E, N k) experts, and fewer would time it on less than it reads."""
+    return _n_bucket(n) * k >= e
 
 
 def _n_bucket(n: int) -> int:
@@ -332,9 +371,10 @@ def tuning_key(n: int, h: int, i: int, e: int, k: int, i_s: int, dtype) -> str:
 def _timing_inputs(n, h, i, e, k, i_s, dtype, *, seed=0, l2_bytes=64 << 20):
     """Random rows, a random routing (each row k distinct experts of min(E, n k): the kernels
     read only chosen experts, so E past that only costs memory; V3's 256 experts would be
-    22 GB) and enough copies of the expert weights that rotating over them defeats the L2."""
+    22 GB; all E where ragged_dot, which reads every expert, is timed) and enough copies of
+    the expert weights that rotating over them defeats the L2."""
     dtype = jnp.dtype(dtype)
-    experts = min(e, max(k, n * k))
+    experts = e if _grouped_is_a_candidate(n, k, e) else min(e, max(k, n * k))
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]), jnp.int32)
     weights = jnp.asarray(rng.random((n, k)) + 0.5, jnp.float32)
@@ -356,34 +396,40 @@ def _timing_inputs(n, h, i, e, k, i_s, dtype, *, seed=0, l2_bytes=64 << 20):
 
 
 def measure(choice, *, n: int, h: int, i: int, e: int, k: int, i_s: int, dtype, calls: int = 16) -> float:
-    """Seconds per call of `choice` (a MoeDecodeConfig, or "xla": the gather formulation and
-    the shared experts on XLA's dots) on the default device: `calls` calls chained inside one
+    """Seconds per call of `choice` (a MoeDecodeConfig, or "xla" / "ragged_dot": that
+    formulation and the shared experts on XLA's dots) on the default device: `calls` calls chained inside one
     jit (each output is the next call's rows; the routing is fixed, so the values do not
     change what is read), rotating over the weight copies. An optimization barrier on the
     routing before each call: with the same ids and weights XLA would otherwise gather the
     chosen experts once for every call (a model's layers each gather their own)."""
     x, weights, ids, layers = _timing_inputs(n, h, i, e, k, i_s, dtype)
-    kwargs = dict(impl="xla") if choice == "xla" else dict(impl="cuda", config=choice)
+
+    def one(x, wt, ix, w):
+        if isinstance(choice, str):
+            y = _XLA_FORMS[choice](x, wt, ix, w["w_gate"], w["w_up"], w["w_down"], None)
+            return _shared_after("moe_experts", x, w["shared"], False, y, "xla")
+        return moe_experts(x, wt, ix, w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], impl="cuda",
+                           config=choice)
 
     def run(x, weights, ids, layers):
         for c in range(calls):
-            w = layers[c % len(layers)]
             x, wt, ix = jax.lax.optimization_barrier((x, weights, ids))
-            x = moe_experts(x, wt, ix, w["w_gate"], w["w_up"], w["w_down"], shared=w["shared"], **kwargs)
+            x = one(x, wt, ix, layers[c % len(layers)])
         return x
 
     return tuning.time_call(jax.jit(run), x, weights, ids, layers) / calls
 
 
 def _pick(n: int, h: int, i: int, e: int, k: int, i_s: int, dtype):
-    return tuning.pick("moe_decode", tuning_key(n, h, i, e, k, i_s, dtype), candidates(),
+    return tuning.pick("moe_decode", tuning_key(n, h, i, e, k, i_s, dtype),
+                       candidates(_grouped_is_a_candidate(n, k, e)),
                        functools.partial(measure, n=n, h=h, i=i, e=e, k=k, i_s=i_s, dtype=jnp.dtype(dtype)),
                        heuristic=MoeDecodeConfig())
 
 
 def autotune(n: int, h: int, i: int, e: int, k: int, dtype, *, shared_width: int = 0):
     """Runs the tuner now for one shape (e.g. at deployment warm-up) and returns what
-    impl="auto" will run for it on this GPU: a MoeDecodeConfig or "xla". shared_width: the
+    impl="auto" will run for it on this GPU: a MoeDecodeConfig, "xla" or "ragged_dot". shared_width: the
     shared experts' Is when they run in the call (up to 8 rows), else 0."""
     if not on_gpu():
         return MoeDecodeConfig()  # nothing to tune: the CPU handler computes the same math
