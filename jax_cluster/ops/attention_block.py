@@ -309,6 +309,8 @@ def attention_block(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"attention_block: scale must be finite, got {scale}")
+    if x.shape[0] == 0:  # no rows: nothing to launch (a grid of no blocks is a launch error)
+        return jnp.zeros(x.shape, x.dtype), k_cache, v_cache
     args = (x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq)
     kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm,
                   norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, qkv_bias=qkv_bias,

@@ -173,6 +173,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
         raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _check_lengths(op, lengths, b, k_cache.shape[2])
+    if b == 0:  # no rows: nothing to launch
+        return jnp.zeros(q.shape, q.dtype)
     splits = _use_kernel(op, impl, k_cache, group, config)
     if impl == "reference":
         return reference.decode_attention(q, k_cache, v_cache, lengths)
@@ -256,6 +258,8 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
                          f"{tuple(inv_freq.shape)}")
     if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
+    if b == 0:  # no rows: nothing to launch, the caches unchanged
+        return jnp.zeros((0, hkv, num_q_heads // hkv, dh), k_cache.dtype), k_cache, v_cache
     splits = _use_kernel(op, impl, k_cache, group, config, append=True, rotary_dim=rotary_dim)
     kw = dict(num_q_heads=num_q_heads, scale=scale, rotary_dim=rotary_dim, rope_layout=rope_layout)
     if impl == "reference":

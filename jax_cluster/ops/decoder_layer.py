@@ -25,6 +25,7 @@ jnp, "reference" the fp32 reference.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +201,12 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     """
     op = "decoder_layer"
     check_impl(op, impl)
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     w = dict(weights)
     _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
+    if x.shape[0] == 0:  # no rows: nothing to launch, the caches unchanged
+        return jnp.zeros(x.shape, x.dtype), k_cache, v_cache
     kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,
               rope_layout=rope_layout, scale=scale, parallel_residual=parallel_residual,
               gelu_approximate=gelu_approximate)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -428,8 +429,12 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
     """
     op = "mla_decode"
     d = _Dims(int(num_heads), int(kv_lora_rank), int(qk_nope_head_dim), int(qk_rope_head_dim), int(v_head_dim))
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     weights = dict(weights)
     capacity, pages = _check(op, x, weights, latent_cache, lengths, inv_freq, block_table, d)
+    if x.shape[0] == 0:  # no rows: nothing to launch, the cache unchanged
+        return jnp.zeros(x.shape, x.dtype), latent_cache
     splits = _use_kernel(op, impl, config, x, d, capacity, block_table is not None)
     kw = dict(num_heads=d.heads, kv_lora_rank=d.rank, qk_nope_head_dim=d.nope, qk_rope_head_dim=d.rope,
               v_head_dim=d.v, scale=scale, eps=eps, latent_eps=latent_eps, residual=residual,
