@@ -65,3 +65,19 @@ def test_moe_with_no_rows(rng, impl):
     x = _arr(rng, (0, 64))
     experts = _arr(rng, (8, 64, 32)), _arr(rng, (8, 64, 32)), _arr(rng, (8, 32, 64))
     _same(jc.moe_decode(x, _arr(rng, (64, 8)), *experts, top_k=2, impl=impl), x)
+
+
+def test_no_rows_still_checks_impl_and_config(rng):
+    """The early return for no rows comes after the checks of impl and config."""
+    w, (k, v), lengths, inv_freq = _layer(rng)
+    q = _arr(rng, (B, HKV, HQ // HKV, DH))
+    with pytest.raises(ValueError, match="impl"):
+        jc.decode_attention(q, k, v, lengths, impl="fast")
+    with pytest.raises(ValueError, match="a config applies to impl='auto' or 'cuda'"):
+        jc.decode_attention(q, k, v, lengths, impl="xla", config=jc.DecodeAttentionConfig(splits=2))
+    with pytest.raises(ValueError, match="impl"):
+        jc.decoder_layer(_arr(rng, (B, D)), w, k, v, lengths, inv_freq, family="llama", num_q_heads=HQ,
+                         num_kv_heads=HKV, eps=1e-5, impl="fast")
+    with pytest.raises(ValueError, match="rope_layout"):
+        jc.decoder_layer(_arr(rng, (B, D)), w, k, v, lengths, inv_freq, family="llama", num_q_heads=HQ,
+                         num_kv_heads=HKV, eps=1e-5, rope_layout="neox")

@@ -384,10 +384,13 @@ def test_gpu_auto_runs_the_kernel(rng):
 @pytest.mark.parametrize("impl", ["auto", "cuda", "xla", "reference"])
 def test_no_rows_and_weights_not_a_mapping(rng, impl):
     """A batch of no rows returns an empty y and the cache as it was, launching nothing (a grid
-    of no blocks is a launch error); weights that are not a mapping are a TypeError."""
+    of no blocks is a launch error), after the checks of weights and impl; weights that are
+    not a mapping are a TypeError."""
     args, kw = make_case(rng, lengths=np.zeros((0,), np.int32), dtype=jnp.bfloat16)
     y, cache = mla_decode(**args, **kw, impl=impl)
     assert y.shape == args["x"].shape and y.dtype == args["x"].dtype
     np.testing.assert_array_equal(np.asarray(cache, np.float32), np.asarray(args["latent_cache"], np.float32))
     with pytest.raises(TypeError, match="mla_decode: weights must be a mapping of names to arrays, got tuple"):
         mla_decode(**dict(args, weights=tuple(args["weights"].values())), **kw, impl=impl)
+    with pytest.raises(ValueError, match="impl"):  # checked before the early return
+        mla_decode(**args, **kw, impl=impl + "_")

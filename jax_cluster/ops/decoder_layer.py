@@ -205,6 +205,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     w = dict(weights)
     _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
+    if rope_layout not in ("half", "interleaved"):
+        raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
     if x.shape[0] == 0:  # no rows: nothing to launch, the caches unchanged
         return jnp.zeros(x.shape, x.dtype), k_cache, v_cache
     kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,
@@ -216,8 +218,6 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     if impl == "auto" and gpu and one_launch is None:
         one_launch = _pick(x, w, k_cache, **kw) == "one_launch"
     if impl == "cuda" or (impl == "auto" and gpu and one_launch):
-        if rope_layout not in ("half", "interleaved"):
-            raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
         why = _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
                                 gelu_approximate) if gpu else ""
         if not why:

@@ -387,12 +387,16 @@ def _use_projection_kernels(op, config, x, weights, d: _Dims) -> bool:
     return not why_not and (choice == "kernels" or x.shape[0] <= DEFAULT_PROJECTION_ROWS)
 
 
-def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
-    """The token splits to launch with, or None for the jnp formulation."""
+def _check_call(op, impl, config):
     check_impl(op, impl)
     check_config(op, config, MlaDecodeConfig)
     if config is not None and impl in ("xla", "reference"):
         raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
+
+
+def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
+    """The token splits to launch with, or None for the jnp formulation (impl and config
+    already checked: _check_call)."""
     if impl in ("xla", "reference"):
         return None
     b = x.shape[0]
@@ -429,6 +433,7 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
     """
     op = "mla_decode"
     d = _Dims(int(num_heads), int(kv_lora_rank), int(qk_nope_head_dim), int(qk_rope_head_dim), int(v_head_dim))
+    _check_call(op, impl, config)
     if not isinstance(weights, Mapping):
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     weights = dict(weights)
