@@ -901,3 +901,20 @@ def test_gpu_vmap_and_chained_layers(rng):
     ref = jc.moe_decode(jc.moe_decode(args["x"], **rest, top_k=4, residual=args["x"], impl="reference"), **rest,
                         top_k=4, impl="reference")
     _check(y, ref, "float16", factor=2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_form_and_its_timing(rng):
+    """The ragged_dot candidate on the GPU: its output against the reference (an expert
+    nobody chose, duplicates), and the tuner's measurement of it (all E experts held)."""
+    args, extra = _inputs(rng, 8, 256, 128, 16, "bfloat16", residual=True)
+    ids = jnp.asarray(np.stack([rng.integers(0, 15, 8), np.full(8, 3)], 1), jnp.int32)
+    weights = jnp.asarray(rng.random((8, 2)), jnp.float32)
+    w = [jax.device_put(args[k], _gpu()) for k in ("w_gate", "w_up", "w_down")]
+    x, res = jax.device_put((args["x"], extra["residual"]), _gpu())
+    out = jax.jit(md._grouped_experts)(x, jax.device_put(weights, _gpu()), jax.device_put(ids, _gpu()), *w, res)
+    ref = reference.moe_experts(args["x"], weights, ids, args["w_gate"], args["w_up"], args["w_down"],
+                                extra["residual"])
+    _check(np.asarray(out), np.asarray(ref), "bfloat16")
+    assert md._grouped_is_a_candidate(8, 2, 16)
+    assert 0 < md.measure("ragged_dot", n=8, h=256, i=128, e=16, k=2, i_s=128, dtype=jnp.bfloat16, calls=2) < 1
