@@ -4,6 +4,7 @@ launch error). Runs on the default device: the kernels' paths on a GPU, the C++ 
 on CPU (mla_decode's case is in test_mla_decode.py). Weights passed as something
 other than a mapping are a TypeError naming it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,16 @@ import pytest
 import jax_cluster as jc
 
 IMPLS = ["auto", "cuda", "xla", "reference"]
+
+
+@pytest.fixture(autouse=True, params=["default", pytest.param("gpu", marks=pytest.mark.gpu)])
+def _device(request):
+    """Every test twice: on the default device, and as a `gpu` test (run by `-m gpu`) on the GPU."""
+    if request.param == "gpu":
+        with jax.default_device(jax.devices("gpu")[0]):
+            yield
+    else:
+        yield
 B, D, HQ, HKV, DH, S, F = 0, 128, 4, 2, 64, 64, 256
 
 
