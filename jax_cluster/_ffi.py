@@ -11,6 +11,7 @@ validating the arguments (clear errors at trace time, before any kernel runs).
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Callable
 
@@ -41,6 +42,17 @@ def check_config(op: str, config, config_type: type) -> None:
     if config is not None and not isinstance(config, config_type):
         article = "an" if config_type.__name__[0] in "AEIOU" else "a"
         raise TypeError(f"{op}: config must be {article} {config_type.__name__} or None, got {config!r}")
+
+
+def check_eps(op: str, name: str, eps) -> None:
+    """A norm's epsilon: a concrete finite number >= 0 (a negative one makes the norm NaN on
+    small rows; the kernels take it as a launch constant, so it cannot be traced)."""
+    try:
+        value = None if isinstance(eps, (bool, str, bytes)) else float(eps)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        value = None
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {eps!r}")
 
 
 def check_array(op: str, name: str, array, shape, dtype=None) -> None:

@@ -15,7 +15,7 @@ import pytest
 from flax_models import ops
 from flax_models.layers import layer_norm, rms_norm
 from flax_models.presets import PRESETS, random_model
-from jax_cluster import decoder_layer, reference
+from jax_cluster import attention_block, decoder_layer, reference
 from jax_cluster.testing import TOLERANCE, rel_l2
 
 S_MAX = 24
@@ -198,6 +198,14 @@ def test_errors_before_anything_runs(rng):
         decoder_layer(**args, **dict(kw, rotary_dim=7))
     with pytest.raises(ValueError, match="impl must be"):
         decoder_layer(**args, **kw, impl="fast")
+    for eps in (-1e-5, float("nan"), "1e-5"):  # a negative eps makes the norm NaN on small rows
+        with pytest.raises(ValueError, match="decoder_layer: eps must be a finite number >= 0"):
+            decoder_layer(**args, **dict(kw, eps=eps))
+        w = args["weights"]
+        with pytest.raises(ValueError, match="attention_block: eps must be a finite number >= 0"):
+            attention_block(args["x"], w["qkv"], w["o"], args["k_cache"], args["v_cache"], args["lengths"],
+                            args["inv_freq"], num_q_heads=kw["num_q_heads"], num_kv_heads=kw["num_kv_heads"],
+                            norm_weight=w["norm"], eps=eps)
     neox, nkw = case(rng, "gpt_neox", jnp.float32, hkv=4, rotary=4)
     with pytest.raises(ValueError, match="missing \\['norm_bias'\\]"):
         decoder_layer(**dict(neox, weights={k: v for k, v in neox["weights"].items() if k != "norm_bias"}), **nkw)

@@ -394,3 +394,6 @@ def test_no_rows_and_weights_not_a_mapping(rng, impl):
         mla_decode(**dict(args, weights=tuple(args["weights"].values())), **kw, impl=impl)
     with pytest.raises(ValueError, match="impl"):  # checked before the early return
         mla_decode(**args, **kw, impl=impl + "_")
+    for name in ("eps", "latent_eps"):
+        with pytest.raises(ValueError, match=f"mla_decode: {name} must be a finite number >= 0"):
+            mla_decode(**args, **dict(kw, **{name: -1e-6}), impl=impl)

@@ -41,7 +41,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
+from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
                               num_sms, on_gpu, warn_once)
 from jax_cluster.ops.attention_block_unfused import (attention_block_pallas, attention_block_split_k,
                                                      attention_block_xla, pallas_supported)
@@ -306,6 +306,8 @@ def attention_block(
     _validate(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
               num_kv_heads=num_kv_heads, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias,
               qkv_bias=qkv_bias, o_bias=o_bias, rotary_dim=rotary_dim, rope_layout=rope_layout)
+    if norm is not None:
+        check_eps("attention_block", "eps", eps)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"attention_block: scale must be finite, got {scale}")

@@ -33,7 +33,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import check_array, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
+from jax_cluster._ffi import check_array, check_eps, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
 from jax_cluster.ops.attention_block import attention_block, timed_context
 from jax_cluster.ops.swiglu import swiglu
 
@@ -207,6 +207,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
     if rope_layout not in ("half", "interleaved"):
         raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
+    check_eps(op, "eps", eps)
     if x.shape[0] == 0:  # no rows: nothing to launch, the caches unchanged
         return jnp.zeros(x.shape, x.dtype), k_cache, v_cache
     kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,

@@ -40,8 +40,8 @@ from jax.core import ShapedArray
 from jax.interpreters import batching
 
 from jax_cluster import _extension, reference
-from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis, num_sms,
-                              on_gpu, warn_once)
+from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
+                              num_sms, on_gpu, warn_once)
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
@@ -438,6 +438,8 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     weights = dict(weights)
     capacity, pages = _check(op, x, weights, latent_cache, lengths, inv_freq, block_table, d)
+    check_eps(op, "eps", eps)
+    check_eps(op, "latent_eps", latent_eps)
     if x.shape[0] == 0:  # no rows: nothing to launch, the cache unchanged
         return jnp.zeros(x.shape, x.dtype), latent_cache
     splits = _use_kernel(op, impl, config, x, d, capacity, block_table is not None)

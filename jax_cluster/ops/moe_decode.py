@@ -46,7 +46,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, fold_batch_axis,
+from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
 from jax_cluster.ops.swiglu import supported as swiglu_supported, swiglu
 
@@ -515,8 +515,7 @@ def _check_norm(op: str, norm, eps, h: int) -> None:
         raise ValueError(f"{op}: norm must be a float array [H] = ({h},), got "
                          f"{getattr(getattr(norm, 'dtype', None), 'name', type(norm).__name__)} "
                          f"{tuple(getattr(norm, 'shape', ()))}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"{op}: norm_eps must be a finite number >= 0, got {eps!r}")
+    check_eps(op, "norm_eps", eps)
 
 
 def _check_shared(op: str, shared, h: int, dtype) -> None:
