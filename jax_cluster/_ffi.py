@@ -44,6 +44,15 @@ def check_config(op: str, config, config_type: type) -> None:
         raise TypeError(f"{op}: config must be {article} {config_type.__name__} or None, got {config!r}")
 
 
+def check_call(op: str, impl: str, config, config_type: type) -> None:
+    """impl and config of a call: a known impl, a config of the op's type or None, and no
+    config with impl "xla" / "reference" (they launch nothing a config could choose)."""
+    check_impl(op, impl)
+    check_config(op, config, config_type)
+    if config is not None and impl in ("xla", "reference"):
+        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
+
+
 def check_eps(op: str, name: str, eps) -> None:
     """A norm's epsilon: a concrete finite number >= 0 (a negative one makes the norm NaN on
     small rows; the kernels take it as a launch constant, so it cannot be traced)."""

@@ -6,7 +6,6 @@ other than a mapping are a TypeError naming it."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_cluster as jc

@@ -41,7 +41,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
+from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               num_sms, on_gpu, warn_once)
 from jax_cluster.ops.attention_block_unfused import (attention_block_pallas, attention_block_split_k,
                                                      attention_block_xla, pallas_supported)
@@ -297,10 +297,7 @@ def attention_block(
     impl="auto", the heuristic fused configuration for impl="cuda".
     On a GPU the fused kernel takes head_dim 64/80/96/128, D % 64 == 0, float16/bfloat16.
     """
-    check_impl("attention_block", impl)
-    check_config("attention_block", config, AttentionBlockConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"attention_block: a config applies to impl='auto' or 'cuda', not {impl!r}")
+    check_call("attention_block", impl, config, AttentionBlockConfig)
     head_dim = k_cache.shape[-1] if k_cache.ndim == 4 else 0
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     _validate(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,

@@ -34,7 +34,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference
-from jax_cluster._ffi import (check_config, check_impl, ffi_primitive, fold_batch_axis, num_sms,
+from jax_cluster._ffi import (check_call, ffi_primitive, fold_batch_axis, num_sms,
                               on_gpu, warn_once)
 
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
@@ -107,17 +107,10 @@ def _plan(batch, num_kv_heads, group, head_dim, max_seq, dtype, splits, append=F
                                                     jnp.dtype(dtype).name, splits, append, rotary_dim))
 
 
-def _check_call(op: str, impl: str, config) -> None:
-    check_impl(op, impl)
-    check_config(op, config, DecodeAttentionConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
-
-
 def _use_kernel(op: str, impl: str, k_cache, group: int, config, *, append=False, rotary_dim=0):
     """The token splits to launch with, or None for XLA's einsums (impl="xla"/"reference",
     or "auto" where the kernels do not take the shape: a one-time warning; "cuda" raises).
-    impl and config are checked already (_check_call)."""
+    impl and config are checked already (check_call)."""
     if impl in ("xla", "reference"):
         return None
     b, hkv, max_seq, dh = k_cache.shape
@@ -177,7 +170,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
         raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _check_lengths(op, lengths, b, k_cache.shape[2])
-    _check_call(op, impl, config)
+    check_call(op, impl, config, DecodeAttentionConfig)
     if b == 0:  # no rows: nothing to launch
         return jnp.zeros(q.shape, q.dtype)
     splits = _use_kernel(op, impl, k_cache, group, config)
@@ -263,7 +256,7 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
                          f"{tuple(inv_freq.shape)}")
     if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
-    _check_call(op, impl, config)
+    check_call(op, impl, config, DecodeAttentionConfig)
     if b == 0:  # no rows: nothing to launch, the caches unchanged
         return jnp.zeros((0, hkv, num_q_heads // hkv, dh), k_cache.dtype), k_cache, v_cache
     splits = _use_kernel(op, impl, k_cache, group, config, append=True, rotary_dim=rotary_dim)

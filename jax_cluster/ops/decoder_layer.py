@@ -34,7 +34,7 @@ from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import check_array, check_eps, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
-from jax_cluster.ops.attention_block import attention_block, timed_context
+from jax_cluster.ops.attention_block import ROPE_LAYOUTS, attention_block, timed_context
 from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["autotune", "decoder_layer"]
@@ -205,7 +205,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     w = dict(weights)
     _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
-    if rope_layout not in ("half", "interleaved"):
+    if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
     check_eps(op, "eps", eps)
     if x.shape[0] == 0:  # no rows: nothing to launch, the caches unchanged

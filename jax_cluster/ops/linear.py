@@ -29,7 +29,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference
-from jax_cluster._ffi import (check_config, check_impl, ffi_primitive, fold_batch_axis, num_sms,
+from jax_cluster._ffi import (check_call, ffi_primitive, fold_batch_axis, num_sms,
                               warn_once)
 
 __all__ = ["LinearConfig", "linear", "supported", "workspace_bytes"]
@@ -145,10 +145,7 @@ def linear(a, w, residual=None, *, out_dtype=None, impl: str = "auto",
     or float32. impl: "auto", "cuda", "xla" or "reference" (module docstring). config: a
     LinearConfig for impl "auto" / "cuda" (None: LinearConfig()).
     """
-    check_impl("linear", impl)
-    check_config("linear", config, LinearConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"linear: a config applies to impl='auto' or 'cuda', not {impl!r}")
+    check_call("linear", impl, config, LinearConfig)
     k, n, out_dtype = _validate(a, w, residual, out_dtype)
     if impl == "reference":
         return reference.linear(a, w, residual, out_dtype)

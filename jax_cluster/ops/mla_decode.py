@@ -40,7 +40,7 @@ from jax.core import ShapedArray
 from jax.interpreters import batching
 
 from jax_cluster import _extension, reference
-from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
+from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               num_sms, on_gpu, warn_once)
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
@@ -387,16 +387,9 @@ def _use_projection_kernels(op, config, x, weights, d: _Dims) -> bool:
     return not why_not and (choice == "kernels" or x.shape[0] <= DEFAULT_PROJECTION_ROWS)
 
 
-def _check_call(op, impl, config):
-    check_impl(op, impl)
-    check_config(op, config, MlaDecodeConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
-
-
 def _use_kernel(op, impl, config, x, d: _Dims, capacity, paged):
     """The token splits to launch with, or None for the jnp formulation (impl and config
-    already checked: _check_call)."""
+    already checked: check_call)."""
     if impl in ("xla", "reference"):
         return None
     b = x.shape[0]
@@ -433,7 +426,7 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
     """
     op = "mla_decode"
     d = _Dims(int(num_heads), int(kv_lora_rank), int(qk_nope_head_dim), int(qk_rope_head_dim), int(v_head_dim))
-    _check_call(op, impl, config)
+    check_call(op, impl, config, MlaDecodeConfig)
     if not isinstance(weights, Mapping):
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     weights = dict(weights)

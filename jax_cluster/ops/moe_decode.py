@@ -46,7 +46,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import (check_array, check_config, check_eps, check_impl, ffi_primitive, fold_batch_axis,
+from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
 from jax_cluster.ops.swiglu import supported as swiglu_supported, swiglu
 
@@ -346,7 +346,7 @@ def candidates(grouped: bool = True) -> list:
     for each GEMV (the 32-column CUDA-core form lost everywhere it was measured), and the
     formulations a JAX user writes on XLA, so that "auto" is never slower than them: the
     gather ("xla") and, with `grouped`, the grouped jax.lax.ragged_dot ("ragged_dot")."""
-    forms = list(_XLA_FORMS) if grouped else [f for f in _XLA_FORMS if f != "ragged_dot"]
+    forms = list(_XLA_FORMS) if grouped else ["xla"]
     return [MoeDecodeConfig(cols_up=u, cols_down=d) for u in (64, 128) for d in (64, 128)] + forms
 
 
@@ -397,9 +397,9 @@ def _timing_inputs(n, h, i, e, k, i_s, dtype, *, seed=0, l2_bytes=64 << 20):
 
 def measure(choice, *, n: int, h: int, i: int, e: int, k: int, i_s: int, dtype, calls: int = 16) -> float:
     """Seconds per call of `choice` (a MoeDecodeConfig, or "xla" / "ragged_dot": that
-    formulation and the shared experts on XLA's dots) on the default device: `calls` calls chained inside one
-    jit (each output is the next call's rows; the routing is fixed, so the values do not
-    change what is read), rotating over the weight copies. An optimization barrier on the
+    formulation and the shared experts on XLA's dots) on the default device: `calls` calls
+    chained inside one jit (each output is the next call's rows; the routing is fixed, so
+    the values do not change what is read), rotating over the weight copies. An optimization barrier on the
     routing before each call: with the same ids and weights XLA would otherwise gather the
     chosen experts once for every call (a model's layers each gather their own)."""
     x, weights, ids, layers = _timing_inputs(n, h, i, e, k, i_s, dtype)
@@ -429,8 +429,8 @@ def _pick(n: int, h: int, i: int, e: int, k: int, i_s: int, dtype):
 
 def autotune(n: int, h: int, i: int, e: int, k: int, dtype, *, shared_width: int = 0):
     """Runs the tuner now for one shape (e.g. at deployment warm-up) and returns what
-    impl="auto" will run for it on this GPU: a MoeDecodeConfig, "xla" or "ragged_dot". shared_width: the
-    shared experts' Is when they run in the call (up to 8 rows), else 0."""
+    impl="auto" will run for it on this GPU: a MoeDecodeConfig, "xla" or "ragged_dot".
+    shared_width: the shared experts' Is when they run in the call (up to 8 rows), else 0."""
     if not on_gpu():
         return MoeDecodeConfig()  # nothing to tune: the CPU handler computes the same math
     return _pick(n, h, i, e, k, shared_width, jnp.dtype(dtype))
@@ -438,10 +438,7 @@ def autotune(n: int, h: int, i: int, e: int, k: int, dtype, *, shared_width: int
 
 # ----------------------------------------------------------------------------- validation
 def _check_call(op: str, impl: str, config) -> None:
-    check_impl(op, impl)
-    check_config(op, config, MoeDecodeConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"{op}: a config applies to impl='auto' or 'cuda', not {impl!r}")
+    check_call(op, impl, config, MoeDecodeConfig)
 
 
 def _check_experts(op: str, x, w_gate, w_up, w_down, residual) -> tuple[int, int, int, int]:

@@ -38,7 +38,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jax_cluster import _extension, reference, tuning
-from jax_cluster._ffi import (check_array, check_config, check_impl, ffi_primitive, num_sms,
+from jax_cluster._ffi import (check_array, check_call, ffi_primitive, num_sms,
                               on_gpu, warn_once)
 from jax_cluster.ops._swiglu_timing import timing_inputs, timing_loop
 
@@ -278,10 +278,7 @@ def _validate(x, w_gate, w_up, w_down, residual):
 
 
 def _check_call(impl: str, config) -> None:
-    check_impl("swiglu", impl)
-    check_config("swiglu", config, SwigluConfig)
-    if config is not None and impl in ("xla", "reference"):
-        raise ValueError(f"swiglu: a config applies to impl='auto' or 'cuda', not {impl!r}")
+    check_call("swiglu", impl, config, SwigluConfig)
 
 
 def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, impl: str = "auto",
