@@ -19,12 +19,16 @@
 //   finish   one chunk: the tile's [B, 256] sums go to the phase's epilogue; several:
 //            fp32 partials, and the unit that raises the tile's counter to `chunks` sums them
 //            in chunk order and runs the epilogue (threadfence-reduction); then the tile's
-//            ready flag is raised for the units and items that read it
+//            ready flag is raised for the units and items that read it. The epilogue's
+//            addend (residual, bias) is loaded when the stream ends: its round trip overlaps
+//            the partials' store, count and sum instead of following them
 // Every sum has a fixed order whoever arrives last: bitwise reproducible.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 #include "jax_cluster/gemv_mma.cuh"
 #include "jax_cluster/ptx.cuh"
@@ -71,14 +75,20 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
   return kLayerStageFloats + NB * 16 + kLayerRowGroups * NB * kLayerTileCols + NB * kLayerTileCols + 32;
 }
 
+// A GEMV whose epilogue adds nothing to its sums before finish (layer_gemv_unit's addend).
+struct LayerNoAddend {};
+
 // One unit (tile, chunk) of GEMV g. wait(k_begin, k_end): returns once the inputs of K rows
 // [k_begin, k_end) exist (all threads call it; it may wait in thread 0 only: a block barrier
-// follows); in(b, k): the fp32 input; finish(tile, vals, batch): the epilogue of the tile's
-// sums vals[b * 256 + v] (shared memory, all threads call it); then ready[tile] is raised.
-template <typename T, int NB, typename Wait, typename In, typename Finish>
+// follows); in(b, k): the fp32 input; addend(b, col): what the tile's sum of output column
+// col < n gets added (LayerNoAddend: nothing; not for paired GEMVs), read only after the
+// unit's waits; finish(tile, vals, batch): the epilogue of the tile's sums plus addends
+// vals[b * 256 + v] (shared memory, all threads call it); then ready[tile] is raised.
+template <typename T, int NB, typename Wait, typename In, typename Addend, typename Finish>
 __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
                                 int batch, float* smem, float* partials, unsigned int* tile_counters,
-                                unsigned int* ready, Wait wait, In in, Finish finish) {
+                                unsigned int* ready, Wait wait, In in, Addend addend, Finish finish) {
+  constexpr bool kAdds = !std::is_same_v<Addend, LayerNoAddend>;
   constexpr int tc = kLayerTileCols, half = tc / 2, U = kLayerStepsInFlight, groups = kLayerRowGroups;
   const int64_t k0 = chunk * g.chunk_rows, rows = min(g.chunk_rows, g.k - k0);
   const int cs = layer_stage_stride(static_cast<int>(g.chunk_rows));
@@ -167,6 +177,19 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     const int64_t need = min(staged_rows, 16 * static_cast<int64_t>(groups * U) * (i + 1));
     if (need > staged) stage_to(need);
   });
+  // Thread tid sums (and finishes) tile column tid of every row: its addends, asked for now.
+  // The loads here and in the chunk sums below go to clamped rows and columns (in bounds)
+  // and are not predicated: a load under a branch waits before the next one is issued.
+  float add[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) add[b] = 0.f;
+  if constexpr (kAdds) {
+    const int64_t c = tile * tc + tid, cc = min(c, g.n - 1);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) add[b] = addend(min(b, batch - 1), cc);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) add[b] = c < g.n ? add[b] : 0.f;
+  }
   // acc[q] = {(col, row), (col, row + 1), (col + 1, row), (col + 1, row + 1)}, col = v + 2q,
   // row = 2 cl of the batch.
 #pragma unroll
@@ -177,19 +200,22 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
       if (b < NB) red[(rg * NB + b) * tc + c] = acc[q][j];
     }
   }
+  static_assert(tc == kLayerThreads, "a thread per tile column");
   __syncthreads();
-  for (int e = tid; e < NB * tc; e += kLayerThreads) {
-    float s = 0.f;
+  float sum[NB];
 #pragma unroll
-    for (int r = 0; r < groups; ++r) s += red[r * NB * tc + e];
-    vals[e] = s;
+  for (int b = 0; b < NB; ++b) {
+    sum[b] = 0.f;
+#pragma unroll
+    for (int r = 0; r < groups; ++r) sum[b] += red[(r * NB + b) * tc + tid];
   }
   if (g.chunks > 1) {
     // Partials [chunk][b][tile][256]; the last unit of the tile sums them in chunk order.
     const int64_t stride = static_cast<int64_t>(batch) * g.tiles * tc;
-    for (int e = tid; e < batch * tc; e += kLayerThreads) {
-      const int b = e / tc, c = e % tc;
-      __stcg(partials + chunk * stride + (b * g.tiles + tile) * tc + c, vals[e]);
+    float* mine = partials + chunk * stride + tile * tc + tid;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (b < batch) __stcg(mine + b * g.tiles * tc, sum[b]);
     }
     __syncthreads();
     if (tid == 0) {
@@ -199,14 +225,33 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
     }
     __syncthreads();
     if (!*last) return;
-    for (int e = tid; e < batch * tc; e += kLayerThreads) {
-      const int b = e / tc, c = e % tc;
-      const float* p = partials + (b * g.tiles + tile) * tc + c;
-      float s = 0.f;
-      for (int64_t k = 0; k < g.chunks; ++k) s += __ldcg(p + k * stride);
-      vals[e] = s;
+    // The chunks in steps of 16 / NB, every row's loads of a step issued before any sum:
+    // about 16 loads in flight whatever NB, and no remainder loop (a step past the last chunk
+    // reloads it and skips the sum). Unrolled over rows outside instead, the code grew by a
+    // quarter at NB = 8 and its GEMV phases slowed.
+    constexpr int kStep = 16 / NB;
+    const float* p = partials + tile * tc + tid;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) sum[b] = 0.f;
+    for (int64_t k0 = 0; k0 < g.chunks; k0 += kStep) {
+      float v[kStep][NB];
+#pragma unroll
+      for (int u = 0; u < kStep; ++u) {
+        const int64_t k = min(k0 + u, g.chunks - 1);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) v[u][b] = __ldcg(p + k * stride + min(b, batch - 1) * g.tiles * tc);
+      }
+#pragma unroll
+      for (int u = 0; u < kStep; ++u) {
+        if (k0 + u < g.chunks) {
+#pragma unroll
+          for (int b = 0; b < NB; ++b) sum[b] += v[u][b];
+        }
+      }
     }
   }
+#pragma unroll
+  for (int b = 0; b < NB; ++b) vals[b * tc + tid] = sum[b] + add[b];
   __syncthreads();
   finish(tile, vals, batch);
   __syncthreads();

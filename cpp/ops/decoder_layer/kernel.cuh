@@ -171,6 +171,39 @@ __device__ __forceinline__ void layer_tile_epilogue(int64_t col0, int64_t n, int
   }
 }
 
+// The (mean, M2) of each of the nb rows of a tile's n values vals[b * 256 + c] into
+// out[2 b], out[2 b + 1]: warp b for row b, a fixed shuffle tree (reproducible). Every
+// thread calls it (block barriers inside).
+template <int NB>
+__device__ __forceinline__ void layer_tile_stats(const float* vals, int n, int nb, float* out) {
+  static_assert(NB <= kLayerThreads / 32, "a warp per row");
+  constexpr int per_lane = kLayerTileCols / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (warp < nb) {
+    float v[per_lane], s = 0.f;
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) {
+      const int c = lane + 32 * i;
+      v[i] = c < n ? vals[warp * kLayerTileCols + c] : 0.f;
+      s += v[i];
+    }
+    for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    const float mu = s / n;
+    float m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) {
+      const float dv = lane + 32 * i < n ? v[i] - mu : 0.f;
+      m2 += dv * dv;
+    }
+    for (int off = 16; off; off >>= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, off);
+    if (lane == 0) {
+      __stcg(out + 2 * warp, mu);
+      __stcg(out + 2 * warp + 1, m2);
+    }
+  }
+}
+
 template <typename T, int NB, int DH>
 __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_layer_kernel(const DecoderLayerArgs args) {
   extern __shared__ __align__(16) float layer_smem[];
@@ -236,10 +269,10 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
 
   // ---- up front: QKV (and the parallel residual's MLP up)
   layer_x_stats<T, NB>(p, x_mean, x_rstd);
+  auto qkv_bias = [&](int, int64_t c) { return weight_at<T>(p.qkv_bias, c); };
   auto finish_qkv = [&](int64_t tile, const float* vals, int nb) {
     layer_tile_epilogue<NB>(
-        tile * kLayerTileCols, cols, nb,
-        [&](int b, int j, int64_t c) { return vals[b * kLayerTileCols + j] + weight_at<T>(p.qkv_bias, c); },
+        tile * kLayerTileCols, cols, nb, [&](int b, int j, int64_t) { return vals[b * kLayerTileCols + j]; },
         [&](int b, int, int64_t c, float v) { __stcg(qkv + b * cols + c, v); });
   };
   // scale[b]: RMSNorm's 1 / rms(h) when MLP up multiplied h * w_norm (else null).
@@ -266,13 +299,13 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   each_unit(kGemvQkv, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvQkv], w_qkv(), tile, chunk, batch, smem, partials(kGemvQkv),
                            tile_counters(kGemvQkv), ready(kGemvQkv), no_wait, norm_of_x(p.norm_w, p.norm_b),
-                           finish_qkv);
+                           qkv_bias, finish_qkv);
   });
   if (parallel) {
     each_unit(kGemvUp, pl.gemv[kGemvQkv].units(), [&](int64_t tile, int64_t chunk) {
       layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
                              tile_counters(kGemvUp), ready(kGemvUp), no_wait,
-                             norm_of_x(p.post_norm_w, p.post_norm_b),
+                             norm_of_x(p.post_norm_w, p.post_norm_b), LayerNoAddend{},
                              [&](int64_t t, const float* vals, int nb) { finish_up(t, vals, nb, nullptr); });
     });
   }
@@ -326,14 +359,14 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
         wait_heads(kb, min(ke, hqd));
         layer_wait_tiles(ready(kGemvUp), max(kb, hqd) - hqd, ke - hqd, up_width);
       };
+      auto residual = [&](int b, int64_t c) {
+        return to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c) + weight_at<T>(p.b3, c);
+      };
       layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
-                             ready(kGemvO), wait, in, [&](int64_t t, const float* vals, int nb) {
+                             ready(kGemvO), wait, in, residual, [&](int64_t t, const float* vals, int nb) {
                                layer_tile_epilogue<NB>(
                                    t * kLayerTileCols, d, nb,
-                                   [&](int b, int j, int64_t c) {
-                                     return to_float(x[b * d + c]) + vals[b * kLayerTileCols + j] +
-                                            weight_at<T>(p.o_bias, c) + weight_at<T>(p.b3, c);
-                                   },
+                                   [&](int b, int j, int64_t) { return vals[b * kLayerTileCols + j]; },
                                    [&](int b, int, int64_t c, float v) { store_y(b, c, v); });
                              });
     });
@@ -342,33 +375,16 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   }
 
   // ---- sequential: o-proj -> h (and its tile statistics), each unit once its heads are merged
+  auto x_and_bias = [&](int b, int64_t c) { return to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c); };
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
-                           ready(kGemvO), wait_heads, attn_in, [&](int64_t t, float* vals, int nb) {
+                           ready(kGemvO), wait_heads, attn_in, x_and_bias, [&](int64_t t, float* vals, int nb) {
                              const int tc = kLayerTileCols;
                              layer_tile_epilogue<NB>(
-                                 t * tc, d, nb,
-                                 [&](int b, int j, int64_t c) {
-                                   return vals[b * tc + j] + (to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c));
-                                 },
-                                 [&](int b, int j, int64_t c, float v) {
-                                   vals[b * tc + j] = v;
-                                   __stcg(h + b * d + c, v);
-                                 });
-                             __syncthreads();
-                             if (threadIdx.x < nb) {  // the tile's (mean, M2) of row b
-                               const int b = threadIdx.x;
-                               const int n = static_cast<int>(min(static_cast<int64_t>(tc), d - t * tc));
-                               float mu = 0.f, m2 = 0.f;
-                               for (int c = 0; c < n; ++c) mu += vals[b * tc + c];
-                               mu /= n;
-                               for (int c = 0; c < n; ++c) {
-                                 const float dv = vals[b * tc + c] - mu;
-                                 m2 += dv * dv;
-                               }
-                               __stcg(ws + pl.h_stats + (t * p.batch + b) * 2, mu);
-                               __stcg(ws + pl.h_stats + (t * p.batch + b) * 2 + 1, m2);
-                             }
+                                 t * tc, d, nb, [&](int b, int j, int64_t) { return vals[b * tc + j]; },
+                                 [&](int b, int, int64_t c, float v) { __stcg(h + b * d + c, v); });
+                             layer_tile_stats<NB>(vals, static_cast<int>(min(static_cast<int64_t>(tc), d - t * tc)), nb,
+                                                  ws + pl.h_stats + t * p.batch * 2);
                            });
   });
   mark(4);
@@ -398,7 +414,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
       return (v - h_mean[b]) * h_rstd[b] * weight_at<T>(p.post_norm_w, k) + weight_at<T>(p.post_norm_b, k);
     };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
-                           tile_counters(kGemvUp), ready(kGemvUp), wait, in,
+                           tile_counters(kGemvUp), ready(kGemvUp), wait, in, LayerNoAddend{},
                            [&](int64_t t, const float* vals, int nb) {
                              ensure_h_stats();
                              finish_up(t, vals, nb, layer_norm ? nullptr : h_rstd);
@@ -408,16 +424,14 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
 
   // ---- MLP down: y = h + act W_down (+ b_out), each unit once the act tiles of its chunk are in
   auto act_in = [=](int b, int64_t k) { return __ldcg(act + b * f + k); };
+  auto h_and_bias = [&](int b, int64_t c) { return __ldcg(h + b * d + c) + weight_at<T>(p.b3, c); };
   each_unit(kGemvDown, 0, [&](int64_t tile, int64_t chunk) {
     auto wait = [&](int64_t kb, int64_t ke) { layer_wait_tiles(ready(kGemvUp), kb, ke, up_width); };
     layer_gemv_unit<T, NB>(pl.gemv[kGemvDown], w_down(), tile, chunk, batch, smem, partials(kGemvDown),
-                           tile_counters(kGemvDown), ready(kGemvDown), wait, act_in,
+                           tile_counters(kGemvDown), ready(kGemvDown), wait, act_in, h_and_bias,
                            [&](int64_t t, const float* vals, int nb) {
                              layer_tile_epilogue<NB>(
-                                 t * kLayerTileCols, d, nb,
-                                 [&](int b, int j, int64_t c) {
-                                   return __ldcg(h + b * d + c) + vals[b * kLayerTileCols + j] + weight_at<T>(p.b3, c);
-                                 },
+                                 t * kLayerTileCols, d, nb, [&](int b, int j, int64_t) { return vals[b * kLayerTileCols + j]; },
                                  [&](int b, int, int64_t c, float v) { store_y(b, c, v); });
                            });
   });
