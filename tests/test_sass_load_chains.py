@@ -32,6 +32,11 @@ BATCHED = [  # the same loads issued first
     "STG.E desc[UR4][R6.64], R3", "STG.E desc[UR4][R12.64], R9", "STG.E.64 desc[UR4][R28.64], R24",
     "EXIT",
 ]
+ASYNC = [  # cp.async copies into shared memory: no register receives data, nothing waits
+    "LDGSTS.E.BYPASS.128 [R13+0x4800], desc[UR8][R8.64], P1", "IADD3 R13, R13, 0x10, RZ",
+    "LDGSTS.E.BYPASS.128 [R13+0x4800], desc[UR8][R10.64], P1", "IADD3 R13, R13, 0x10, RZ",
+    "LDGSTS.E.BYPASS.128 [R13+0x4800], desc[UR8][R12.64], P1", "LDGDEPBAR", "EXIT",
+]
 LOOP = [  # staging: load, store to shared memory, next iteration
     "MOV R1, c[0x0][0x28]", "LDG.E.128 R4, desc[UR4][R2.64]", "IADD3 R2, R2, 0x1000, RZ",
     "STS.128 [R0], R4", "ISETP.GE.AND P0, PT, R2, R30, PT", "@!P0 BRA 0x10", "EXIT",
@@ -45,6 +50,13 @@ def test_serial_loads_chain_and_batched_ones_do_not():
     assert (n1, n2) == ("serial", "batched")
     assert tool.longest_chain(serial) == (3, 0x90)  # four loads: three wait for the one before
     assert tool.longest_chain(batched)[0] == 0
+
+
+def test_async_copies_to_shared_memory_are_not_loads_into_registers():
+    tool = _tool()
+    [(_, insts)] = tool.functions(_function("async", ASYNC))
+    assert tool.longest_chain(insts)[0] == 0
+    assert tool.waiting_loops(insts) == []
 
 
 def test_a_loop_that_uses_its_load_before_branching_back_waits_every_iteration():

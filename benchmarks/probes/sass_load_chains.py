@@ -38,6 +38,12 @@ _REG = re.compile(r"\bR(\d+)\b")
 _STORES = ("STG", "STS", "ST.", "RED", "ATOM")
 
 
+def _is_load(op: str) -> bool:
+    """A global load into registers; cp.async (LDGSTS: global to shared, waited for by its
+    own barrier) and its LDGDEPBAR are not: their register operands are addresses."""
+    return op.startswith("LDG") and not op.startswith(("LDGSTS", "LDGDEPBAR"))
+
+
 def functions(sass: str) -> list[tuple[str, list[tuple[int, str]]]]:
     """(name, [(address, instruction)]) of every function in cuobjdump -sass output."""
     out = []
@@ -66,7 +72,7 @@ def longest_chain(insts: list[tuple[int, str]]) -> tuple[int, int | None]:
     for addr, ins in insts:
         op = ins.split()[0] if ins else ""
         regs = _REG.findall(ins)
-        if op.startswith("LDG"):
+        if _is_load(op):
             if pending is not None:
                 chain = chain + 1 if used else 0
                 if chain > best:
@@ -94,7 +100,7 @@ def waiting_loops(insts: list[tuple[int, str]], max_body: int = 400) -> list[tup
         for _, b in insts[where[target]:k + 1]:
             op = b.split()[0] if b else ""
             regs = _REG.findall(b)
-            if op.startswith("LDG"):
+            if _is_load(op):
                 loads += 1
                 pending |= _loaded(op, regs)
             elif pending & _reads(op, regs):
