@@ -179,7 +179,7 @@ __device__ void layer_gemv_unit(const LayerGemv& g, const LayerWeights<T>& w, in
   });
   // Thread tid sums (and finishes) tile column tid of every row: its addends, asked for now.
   // The loads here and in the chunk sums below go to clamped rows and columns (in bounds)
-  // and are not predicated: a load under a branch waits before the next one is issued.
+  // and are not predicated: a load and its use under one branch waited for the load before.
   float add[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) add[b] = 0.f;
