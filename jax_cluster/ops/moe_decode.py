@@ -437,10 +437,6 @@ def autotune(n: int, h: int, i: int, e: int, k: int, dtype, *, shared_width: int
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_call(op: str, impl: str, config) -> None:
-    check_call(op, impl, config, MoeDecodeConfig)
-
-
 def _check_experts(op: str, x, w_gate, w_up, w_down, residual) -> tuple[int, int, int, int]:
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"{op}: x must be [N, H], got shape {tuple(getattr(x, 'shape', ()))}")
@@ -543,7 +539,7 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, residual=None, *, shared:
     (every impl). shared / impl / config: as moe_decode.
     """
     op = "moe_experts"
-    _check_call(op, impl, config)
+    check_call(op, impl, config, MoeDecodeConfig)
     n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
     _check_shared(op, shared, h, x.dtype)
     if getattr(ids, "ndim", None) != 2 or ids.shape[0] != n or jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
@@ -597,7 +593,7 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
     weight); on the router's custom call the norm runs in its kernels, not as XLA kernels of
     its own. config: a MoeDecodeConfig (impl "auto" or "cuda")."""
     op = "moe_decode"
-    _check_call(op, impl, config)
+    check_call(op, impl, config, MoeDecodeConfig)
     n, h, i, e = _check_experts(op, x, w_gate, w_up, w_down, residual)
     if getattr(router, "ndim", None) != 2 or tuple(router.shape) != (h, e):
         raise ValueError(f"{op}: router must be [H, E] = ({h}, {e}), got shape {tuple(getattr(router, 'shape', ()))}")

@@ -277,10 +277,6 @@ def _validate(x, w_gate, w_up, w_down, residual):
     return d, f
 
 
-def _check_call(impl: str, config) -> None:
-    check_call("swiglu", impl, config, SwigluConfig)
-
-
 def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, impl: str = "auto",
            config: SwigluConfig | None = None):
     """Fused SwiGLU MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down (+ residual).
@@ -291,7 +287,7 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, impl: str = "auto",
     run exactly (impl "auto" or "cuda"); None: the tuner's pick for impl="auto", the
     default SwigluConfig() for impl="cuda".
     """
-    _check_call(impl, config)
+    check_call("swiglu", impl, config, SwigluConfig)
     d, f = _validate(x, w_gate, w_up, w_down, residual)
     if impl == "reference":
         return reference.swiglu(x, w_gate, w_up, w_down, residual)
@@ -389,7 +385,7 @@ def swiglu_tp(x, w_gate, w_up, w_down, residual=None, *, mesh, axis: str = "tp",
     """
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-    _check_call(impl, config)
+    check_call("swiglu", impl, config, SwigluConfig)
     if w_down is None:
         raise ValueError("swiglu_tp: w_down is required (the up stage alone needs no collective)")
     size = mesh.shape[axis]
