@@ -19,6 +19,7 @@ Cases that do not fit in device memory are listed as skipped.
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
         [--combos B:CTX,...] [--part NAME]     # one slice of the grid, merged into the table
         [--trace]                              # and each fused case's kernels per token and per layer
+        [--page-size N]                        # DeepSeek: the latent cache in pages of N tokens
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 try:
     import flax_models  # noqa: F401
@@ -95,8 +97,15 @@ def weight_bytes_per_step(cfg, wbytes, batch, itemsize) -> int:
     return int(wbytes - moe_layers * (e - active) * per_expert)
 
 
-def random_cache(model, batch, max_len, ctx, seed=0):
-    cache = model.init_cache(batch, max_len)
+def random_cache(model, batch, max_len, ctx, seed=0, page_size=None):
+    """A cache of random values with ctx tokens in every row; with page_size, MLA's latent
+    cache in pages of a shuffled pool (the rows' pages scattered over it)."""
+    if page_size is None:
+        cache = model.init_cache(batch, max_len)
+    else:
+        blocks = -(-max_len // page_size)
+        table = np.random.default_rng(seed).permutation(batch * blocks).reshape(batch, blocks).astype(np.int32)
+        cache = model.init_cache(batch, max_len, page_size=page_size, block_table=table)
     key = jax.random.key(seed)
     fill = jax.jit(lambda k, a: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype), donate_argnums=(1,))
     lengths = jnp.full((batch,), ctx, jnp.int32)
@@ -108,7 +117,7 @@ def random_cache(model, batch, max_len, ctx, seed=0):
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
 
-def time_decode(model, impl, batch, ctx, steps, trials, trace=None):
+def time_decode(model, impl, batch, ctx, steps, trials, trace=None, page_size=None):
     """Seconds per decode step (one token for every row) at context ctx; with trace (a
     label), also prints the kernel timeline of two calls (common.print_timeline: time per
     kernel per step, the gaps between kernels)."""
@@ -122,7 +131,7 @@ def time_decode(model, impl, batch, ctx, steps, trials, trace=None):
     run = jax.jit(run, donate_argnums=(2,))
     # slots for ctx + steps, rounded as the engine allocates them (XLA pads a cache whose
     # length is not a multiple of 32: a copy of it every step)
-    cache = random_cache(model, batch, cache_slots(ctx + steps), ctx)
+    cache = random_cache(model, batch, cache_slots(ctx + steps), ctx, page_size=page_size)
     state = [jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size, cache, jax.random.key(1)]
     del cache
 
@@ -158,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="also print each fused and one_launch case's "
                    "kernel timeline (CUPTI through jax.profiler): time per kernel per token, gaps, "
                    "and what each kernel of a layer adds to it")
+    p.add_argument("--page-size", type=int, default=None, help="DeepSeek models: the latent cache in pages "
+                   "of this many tokens, shuffled over the pool (other models are left out)")
     p.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
                    "into the table (a case measured again replaces its row)")
     args = p.parse_args(argv)
@@ -188,6 +199,9 @@ def main(argv=None) -> int:
     save = _saver(name, steps, trials, bw, fused, args.part)
     for tag, preset in models.items():
         cfg = PRESETS[preset]
+        if args.page_size and not hasattr(cfg, "kv_lora_rank"):
+            print(f"{tag}: left out (--page-size: a paged cache is MLA's)")
+            continue
         for dt in dtypes:
             dtype = parse_dtype(dt)
             t0 = time.perf_counter()
@@ -196,7 +210,7 @@ def main(argv=None) -> int:
             print(f"{tag} {dt}: {wbytes / 1e9:.2f} GB of weights, made in {time.perf_counter() - t0:.1f} s")
             for batch, ctx in combos:
                 kv = kv_bytes_per_step(cfg, batch, ctx, jnp.dtype(dtype).itemsize)
-                base = f"{tag} b{batch} ctx{ctx} {dt}"
+                base = f"{tag} b{batch} ctx{ctx} {dt}" + (f" paged{args.page_size}" if args.page_size else "")
                 need = wbytes + kv * (ctx + steps) / ctx
                 if mem is not None and need > 0.92 * mem:
                     rows.append({"case": f"{base} xla", "skipped": f"needs {need / 1e9:.0f} GB > device memory"})
@@ -212,7 +226,8 @@ def main(argv=None) -> int:
                 for vname, impl in variants:
                     try:
                         s = time_decode(model, impl, batch, ctx, steps, trials,
-                                        trace=f"{base} {vname}" if args.trace and vname != "xla" else None)
+                                        trace=f"{base} {vname}" if args.trace and vname != "xla" else None,
+                                        page_size=args.page_size)
                     except ValueError as exc:  # the one-launch kernel's coverage (e.g. rows), named
                         if vname != "one_launch":
                             raise

@@ -3,7 +3,7 @@ generation and a command line (``python -m flax_models.generate``). Never import
 import time: fused ops are loaded lazily by :mod:`flax_models.ops`.
 """
 
-from .cache import KVCache, LatentCache
+from .cache import KVCache, LatentCache, PagedLatentCache
 from .config import DeepseekV2Config, GPTNeoXConfig, LlamaConfig, RopeConfig, config_from_hf
 from .deepseek_v2 import DeepseekV2
 from .gpt_neox import GPTNeoX
@@ -12,5 +12,5 @@ from .loading import CheckpointError, from_pretrained, load_tokenizer
 
 __all__ = [
     "CheckpointError", "DeepseekV2", "DeepseekV2Config", "GPTNeoX", "GPTNeoXConfig", "KVCache", "LatentCache",
-    "Llama", "LlamaConfig", "RopeConfig", "config_from_hf", "from_pretrained", "load_tokenizer",
+    "Llama", "LlamaConfig", "PagedLatentCache", "RopeConfig", "config_from_hf", "from_pretrained", "load_tokenizer",
 ]

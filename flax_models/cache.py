@@ -1,6 +1,7 @@
-"""Decode caches (DESIGN.md): per layer k and v [B, H_kv, S_max, head_dim], lengths[b] = tokens
-already cached; the next token goes to slot lengths[b] at RoPE position lengths[b]. MLA keeps one
-latent per token instead: [B, 1, S_max, kv_lora_rank + rope_dim] (one shared "KV head").
+"""Decode caches: per layer k and v [B, H_kv, S_max, head_dim], lengths[b] = tokens already
+cached; the next token goes to slot lengths[b] at RoPE position lengths[b]. MLA keeps one latent
+per token instead: [B, 1, S_max, kv_lora_rank + rope_dim] (one shared "KV head"), or the same
+rows in pages of a pool shared by the batch (PagedLatentCache).
 
 Caches are pytrees (jax.tree_util.register_dataclass), passed to jitted steps with donation so the
 updates happen in place.
@@ -12,6 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from . import attention as attn
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +54,13 @@ class LatentCache:
         latent = tuple(jnp.zeros((batch, 1, max_len, latent_dim), dtype) for _ in range(num_layers))
         return cls(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))
 
+    block_table = None  # contiguous rows
+
+    @staticmethod
+    def write_prompt(layer, new):
+        """A layer's cache with new [B, T, E] at slots 0..T-1."""
+        return attn.write_prefix(layer, new[:, :, None, :])
+
     @property
     def max_len(self) -> int:
         return self.latent[0].shape[2]
@@ -60,3 +71,60 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in self.latent)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedLatentCache:
+    """MLA's latent cache in pages, as serving systems hold it: per layer a pool
+    [num_pages, page_size, E] shared by the batch, and a block table [B, max_blocks]: slot t of
+    row b is offset t % page_size of page block_table[b, t // page_size]. Rows may share pages
+    (a common prompt prefix) as long as no two rows write the same slot. Decode steps write
+    slot lengths[b] of each row and read slots 0..lengths[b]; jax_cluster.mla_decode takes the
+    pool and the table as they are (docs/mla_decode.md)."""
+
+    latent: tuple  # per layer [num_pages, page_size, E]
+    block_table: jax.Array  # [B, max_blocks] int32
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def create(cls, *, num_layers, batch, max_len, latent_dim, dtype, page_size, block_table=None, num_pages=None):
+        """A pool of num_pages pages (default: every row's own max_len slots) per layer and a
+        block table (default: row b's blocks are pages b * max_blocks ..., in order)."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        blocks = -(-max_len // page_size)
+        if block_table is None:
+            block_table = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
+        table = np.asarray(block_table)  # concrete: a cache is built outside jit
+        if table.ndim != 2 or table.shape[0] != batch or table.shape[1] < 1:
+            raise ValueError(f"block_table must be [batch={batch}, max_blocks >= 1], got {table.shape}")
+        if num_pages is None:
+            num_pages = int(table.max()) + 1
+        if table.min() < 0 or table.max() >= num_pages:
+            raise ValueError(f"block_table names pages outside the pool of {num_pages}: "
+                             f"{int(table.min())}..{int(table.max())}")
+        latent = tuple(jnp.zeros((num_pages, page_size, latent_dim), dtype) for _ in range(num_layers))
+        return cls(latent=latent, block_table=jnp.asarray(table, jnp.int32), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.latent)
+
+    def write_prompt(self, layer, new):
+        """A layer's pool with new [B, T, E] at slots 0..T-1 of each row."""
+        t = new.shape[1]
+        pos = jnp.arange(t)
+        pages = self.block_table[:, pos // self.page_size]  # [B, T]
+        return layer.at[pages, pos % self.page_size].set(new.astype(layer.dtype), mode="drop")

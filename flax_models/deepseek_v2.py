@@ -10,7 +10,7 @@ from flax import nnx
 
 from . import ops
 from .base import CausalLM
-from .cache import LatentCache
+from .cache import LatentCache, PagedLatentCache
 from .config import DeepseekV2Config
 from .layers import RMSNorm, SwiGLU, rms_norm
 from .mla import LATENT_NORM_EPS, MLA, softmax_scale
@@ -48,21 +48,29 @@ class DeepseekV2(CausalLM):
     def _final_norm(self, x):
         return self.norm(x)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> LatentCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None, *, page_size: int | None = None,
+                   block_table=None, num_pages: int | None = None) -> LatentCache | PagedLatentCache:
+        """Contiguous rows of max_len slots, or with page_size a PagedLatentCache (block_table
+        and num_pages as PagedLatentCache.create takes them)."""
         c = self.config
-        return LatentCache.create(num_layers=c.num_layers, batch=batch, max_len=max_len,
-                                  latent_dim=c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype or self.dtype)
+        kw = dict(num_layers=c.num_layers, batch=batch, max_len=max_len,
+                  latent_dim=c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype or self.dtype)
+        if page_size is None:
+            if block_table is not None or num_pages is not None:
+                raise ValueError("block_table and num_pages describe a paged cache: give page_size too")
+            return LatentCache.create(**kw)
+        return PagedLatentCache.create(**kw, page_size=page_size, block_table=block_table, num_pages=num_pages)
 
-    def _prefill_layers(self, x, cos, sin, cache: LatentCache):
+    def _prefill_layers(self, x, cos, sin, cache):
         eps = self.config.rms_norm_eps
         lats = []
         for layer, lat in zip(self.layers, cache.latent):
-            a, lat = layer.attn.prefill(layer.input_norm(x), cos, sin, lat)
+            a, new = layer.attn.prefill(layer.input_norm(x), cos, sin)
             x = layer.feed_forward(x + a, eps, "xla")
-            lats.append(lat)
+            lats.append(cache.write_prompt(lat, new))
         return x, dataclasses.replace(cache, latent=tuple(lats))
 
-    def _decode_layers(self, x, cache: LatentCache, impl):
+    def _decode_layers(self, x, cache, impl):
         c = self.config
         inv_freq = self.inv_freq()
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
@@ -72,7 +80,8 @@ class DeepseekV2(CausalLM):
         lats = []
         for layer, lat in zip(self.layers, cache.latent):
             x, lat = ops.mla_decode(x, layer.attn.weights(layer.input_norm.weight[...]), lat, cache.lengths,
-                                    inv_freq, rope_factor=self.rope_factor(), impl=a_impl, **kw)
+                                    inv_freq, rope_factor=self.rope_factor(), block_table=cache.block_table,
+                                    impl=a_impl, **kw)
             x = layer.feed_forward(x, c.rms_norm_eps, m_impl)
             lats.append(lat)
         return x, dataclasses.replace(cache, latent=tuple(lats))

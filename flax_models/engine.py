@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Sequence
 
@@ -38,7 +39,16 @@ def cache_slots(tokens: int) -> int:
     return _round_up(tokens, CACHE_MULTIPLE)
 
 
-def decode_routes(model, batch: int, cache_len: int, impl=None) -> list:
+def init_cache(model, batch: int, max_len: int, page_size: int | None = None):
+    """model.init_cache, paged where page_size is given (MLA's latent cache only)."""
+    if page_size is None:
+        return model.init_cache(batch, max_len)
+    if "page_size" not in inspect.signature(model.init_cache).parameters:
+        raise ValueError(f"a paged cache is MLA's (DeepSeek): {type(model).__name__} keeps contiguous rows")
+    return model.init_cache(batch, max_len, page_size=page_size)
+
+
+def decode_routes(model, batch: int, cache_len: int, impl=None, page_size: int | None = None) -> list:
     """How each block of one decode step runs (a list of :class:`flax_models.ops.Route`).
 
     The step is traced abstractly: nothing is computed or allocated, so ``model`` may be the
@@ -47,7 +57,7 @@ def decode_routes(model, batch: int, cache_len: int, impl=None) -> list:
     """
     impl = model.impl if impl is None else ops.normalize_impl(impl)
     graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: model.init_cache(batch, cache_len))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, cache_len, page_size))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     with ops.record_routes() as routes:
         jax.eval_shape(lambda st, t, c: nnx.merge(graphdef, st).decode(t, c, impl=impl), state, tokens, cache)
@@ -152,13 +162,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16):
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), seed: int = 0, eos_token_ids: Sequence[int] = (),
-             impl=None, progress: bool = False, pad_multiple: int = 16) -> GenerationResult:
-    """Generates max_new_tokens tokens (fewer if every row ended) for a batch of prompts."""
+             impl=None, progress: bool = False, pad_multiple: int = 16,
+             page_size: int | None = None) -> GenerationResult:
+    """Generates max_new_tokens tokens (fewer if every row ended) for a batch of prompts; with
+    page_size, over a paged latent cache (DeepSeek models)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     tokens, lengths = pad_prompts(prompts, pad_multiple)
     b, t = tokens.shape
-    cache = model.init_cache(b, cache_slots(t + max_new_tokens))
+    cache = init_cache(model, b, cache_slots(t + max_new_tokens), page_size)
     engine = Engine.for_model(model, sampling, impl)
     key = jax.random.key(seed)
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)

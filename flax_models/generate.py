@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar and no kernel-tuning messages")
+    p.add_argument("--page-size", type=_positive_int, default=None,
+                   help="DeepSeek models: keep the latent cache in pages of this many tokens")
     return p
 
 
@@ -114,7 +116,7 @@ def _prepare(args):
     tokens, _ = pad_prompts(rows)
     try:  # one decode step traced abstractly: an impl that cannot run fails here, before any weight
         routes = decode_routes(abstract_model(cfg, dtype, impl), batch,
-                               cache_slots(tokens.shape[1] + args.max_new_tokens), impl)
+                               cache_slots(tokens.shape[1] + args.max_new_tokens), impl, args.page_size)
     except (ValueError, RuntimeError) as e:
         hint = (" (a fused op here takes 16-bit activations: pass --dtype bf16 or fp16)"
                 if jnp.dtype(dtype) == jnp.dtype(jnp.float32) and "float32" in str(e) else "")
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     model, _ = load_model(path or args.model, dtype, impl=impl, seed=args.seed)
     eos = () if args.ignore_eos or tokenizer is None else cfg.eos_token_ids
     res = generate(model, rows, args.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=eos,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, page_size=args.page_size)
     for i, toks in enumerate(res.tokens):
         shown = tokenizer.decode(toks) if tokenizer is not None else " ".join(map(str, toks))
         label = "text" if tokenizer is not None else "token ids"

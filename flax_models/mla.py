@@ -67,9 +67,9 @@ class MLA(nnx.Module):
                      q_b=self.q_b.kernel[...])
         return w
 
-    def prefill(self, h, cos, sin, latent_cache):
-        """h [B, T, hidden] normalised input; cos/sin [T, d_rope / 2] (already scaled). Writes latent
-        slots 0..T-1. Returns (attention output [B, T, hidden], latent_cache)."""
+    def prefill(self, h, cos, sin):
+        """h [B, T, hidden] normalised input; cos/sin [T, d_rope / 2] (already scaled). Returns
+        (attention output [B, T, hidden], the tokens' latents [B, T, r + d_rope] for the cache)."""
         c = self.cfg
         b, t, _ = h.shape
         nh, r, dn, dr, dv = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -82,9 +82,8 @@ class MLA(nnx.Module):
         lat_c = rms_norm(kv[..., :r], self.kv_a_norm.weight[...], LATENT_NORM_EPS)
         k_rope = apply_rope(kv[..., r:], cos, sin, "interleaved")  # [B, T, dr]
         q_rope = apply_rope(q[..., dn:], cos[:, None, :], sin[:, None, :], "interleaved")
-        latent_cache = attn.write_prefix(latent_cache, jnp.concatenate([lat_c, k_rope], -1)[:, :, None, :])
         kvb = dense(lat_c, self.kv_b.kernel[...]).reshape(b, t, nh, dn + dv)
         k = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_rope[:, :, None, :], (b, t, nh, dr))], -1)
         q = jnp.concatenate([q[..., :dn], q_rope], -1)
         o = attn.causal_attention(q, k, kvb[..., dn:], softmax_scale(c))
-        return self.o(o.reshape(b, t, nh * dv)), latent_cache
+        return self.o(o.reshape(b, t, nh * dv)), jnp.concatenate([lat_c, k_rope], -1)

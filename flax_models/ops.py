@@ -359,12 +359,27 @@ def note_unfused(block: str, why: str) -> None:
 
 
 # ----------------------------------------------------------------------------- MLA (DeepSeek-V2)
+def _write_latent(latent_cache, new, lengths, block_table):
+    """(the cache with new [B, E] at slot lengths[b] of each row, the rows [B, S, E] it holds)."""
+    if block_table is None:
+        latent_cache = attn.write_at(latent_cache, new[:, None, :], lengths)
+        return latent_cache, latent_cache[:, 0]
+    page = latent_cache.shape[1]
+    rows = jnp.arange(new.shape[0])
+    latent_cache = latent_cache.at[block_table[rows, lengths // page], lengths % page].set(
+        new.astype(latent_cache.dtype), mode="drop")
+    return latent_cache, latent_cache[block_table].reshape(new.shape[0], -1, latent_cache.shape[-1])
+
+
 def mla_decode_xla(x, w, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_rank, qk_nope_head_dim,
-                   qk_rope_head_dim, v_head_dim, scale, eps, latent_eps=1e-6, rope_factor=1.0, residual=False):
+                   qk_rope_head_dim, v_head_dim, scale, eps, latent_eps=1e-6, rope_factor=1.0, residual=False,
+                   block_table=None):
     """DeepSeek MLA decode step with weight absorption over a latent cache.
 
     x [B, hidden]; latent_cache [B, 1, S_max, kv_lora_rank + qk_rope_head_dim] holds, per token, the
-    normalised compressed KV c (kv_lora_rank) followed by the rotated shared rope key. ``w`` holds
+    normalised compressed KV c (kv_lora_rank) followed by the rotated shared rope key; with
+    block_table [B, max_blocks] it is a page pool [num_pages, page_size, E] instead (slot t of row
+    b: page block_table[b, t // page_size], offset t % page_size). ``w`` holds
     norm (input RMSNorm weight), q (or q_a, q_a_norm, q_b), kv_a, kv_a_norm, kv_b, o and optional
     q_a_bias / kv_a_bias / o_bias. With W_kv_b = [W_uk | W_uv] per head:
     score_h(s) = (q_nope_h W_uk_h^T) . c_s + q_rope_h . k_rope_s and out_h = (sum_s p_h(s) c_s) W_uv_h,
@@ -385,13 +400,12 @@ def mla_decode_xla(x, w, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_
     cos, sin = cos_sin(lengths, inv_freq, rope_factor)
     q_rope = apply_rope(q_rope, cos[:, None, :], sin[:, None, :], "interleaved")
     k_rope = apply_rope(k_rope, cos, sin, "interleaved")
-    latent_cache = attn.write_at(latent_cache, jnp.concatenate([c, k_rope], -1)[:, None, :], lengths)
+    latent_cache, lat = _write_latent(latent_cache, jnp.concatenate([c, k_rope], -1), lengths, block_table)
 
     w_kvb = w["kv_b"].reshape(r, hq, dn + dv)
     w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]
     q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_uk.astype(q.dtype), preferred_element_type=jnp.float32)
     q_full = jnp.concatenate([q_lat.astype(q.dtype), q_rope], -1)  # [B, H, r + dr]
-    lat = latent_cache[:, 0]  # [B, S, r + dr]
     s = jnp.einsum("bhe,bse->bhs", q_full, lat.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(lat.shape[1])[None, :] <= lengths[:, None]
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
@@ -404,16 +418,20 @@ def mla_decode_xla(x, w, latent_cache, lengths, inv_freq, *, num_heads, kv_lora_
     return y, latent_cache
 
 
-def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
+def mla_decode(x, w, latent_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, block_table=None, **kw):
     """MLA decode block on ``jax_cluster.mla_decode`` (same arguments; its contract is
-    :func:`mla_decode_xla`). The model's latent cache [B, 1, S, E] is the op's [B, S, E]."""
+    :func:`mla_decode_xla`). The model's latent cache [B, 1, S, E] is the op's [B, S, E]; a page
+    pool is the op's as it is."""
     chosen = _choose(impl, "mla_decode", "mla_decode", x.dtype)
     if chosen is None:
-        return mla_decode_xla(x, w, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+        return mla_decode_xla(x, w, latent_cache, lengths, inv_freq, rope_factor=rope_factor,
+                              block_table=block_table, **kw)
     op, op_impl = chosen
-    y, latent = _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache[:, 0], lengths,
-                     jnp.asarray(inv_freq, jnp.float32), rope_factor=rope_factor, **kw)
-    return y, latent[:, None]
+    paged = block_table is not None
+    y, latent = _run("mla_decode", "mla_decode", op, op_impl, x, w, latent_cache if paged else latent_cache[:, 0],
+                     lengths, jnp.asarray(inv_freq, jnp.float32), rope_factor=rope_factor, block_table=block_table,
+                     **kw)
+    return y, latent if paged else latent[:, None]
 
 
 # ----------------------------------------------------------------------------- MoE (DeepSeek-V2)

@@ -88,6 +88,8 @@ def _usage_error(capsys, monkeypatch, argv):
      "prompt 1 (4000 tokens) + --max-new-tokens 100 exceeds the model's context of 4096 tokens"),
     (["--model", "tiny-pythia", "--impl", "attention=fused,mlp=fused", "--dtype", "fp16", "--max-new-tokens",
       "5000"], "exceeds the model's context"),
+    (["--page-size", "16"], "a paged cache is MLA's (DeepSeek): Llama keeps contiguous rows"),
+    (["--model", "tiny-deepseek", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
 ])
 def test_cli_bad_inputs_are_one_line_errors_before_anything_runs(capsys, monkeypatch, argv, message):
     assert message in _usage_error(capsys, monkeypatch, argv)
@@ -165,6 +167,15 @@ def test_cli_fused_deepseek_on_cpu_runs_every_block_on_the_cpu_handlers(tmp_path
     out = capsys.readouterr().out
     for block in ("mla_decode", "swiglu", "moe"):
         assert f"{block}: jax_cluster (C++ CPU handler, no GPU)" in out, out
+
+
+def test_cli_paged_latent_cache(capsys):
+    argv = ["--model", "tiny-deepseek", "--prompt", "one", "--prompt", "a second prompt", "--max-new-tokens", "6",
+            "--ignore-eos", "--no-progress"]
+    assert main(argv) == 0
+    want = capsys.readouterr().out.splitlines()[:2]
+    assert main(argv + ["--page-size", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == want
 
 
 def test_cli_fused_tiny_deepseek(capsys, monkeypatch):
