@@ -78,8 +78,9 @@ class LatentCache:
 class PagedLatentCache:
     """MLA's latent cache in pages, as serving systems hold it: per layer a pool
     [num_pages, page_size, E] shared by the batch, and a block table [B, max_blocks]: slot t of
-    row b is offset t % page_size of page block_table[b, t // page_size]. Rows may share pages
-    (a common prompt prefix) as long as no two rows write the same slot. Decode steps write
+    row b is offset t % page_size of page block_table[b, t // page_size]. Rows may share the
+    pages a common prompt prefix fills whole (both rows write the same values there); any
+    other slot two rows share would be written by both. Decode steps write
     slot lengths[b] of each row and read slots 0..lengths[b]; jax_cluster.mla_decode takes the
     pool and the table as they are (docs/mla_decode.md)."""
 
