@@ -1,6 +1,9 @@
-"""Test setup: 8 fake CPU devices for sharding tests, the `gpu` marker, `--shard K/N`."""
+"""Test setup: 8 fake CPU devices for sharding tests, the `gpu` marker, `--shard K/N`, and
+`probe_tool` (a script of benchmarks/probes/ loaded as a module)."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 # Must precede the first jax import of the process.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -64,3 +67,17 @@ def rng():
     seed = np.random.SeedSequence().entropy % (2**31)
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def probe_tool():
+    """probe_tool("ab_probe"): benchmarks/probes/ab_probe.py loaded as a module (the probes
+    are scripts, not a package)."""
+    def load(name):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"_probe_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -1,18 +1,6 @@
 """benchmarks/probes/sass_load_chains.py on made-up SASS: a load used before the next load is
 issued chains them; loads issued together do not; a loop that uses its loads before its
 backward branch waits every iteration."""
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("_sass_load_chains", ROOT / "benchmarks" / "probes" / "sass_load_chains.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def _function(name, lines):
     body = "\n".join(f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(lines))
@@ -43,8 +31,8 @@ LOOP = [  # staging: load, store to shared memory, next iteration
 ]
 
 
-def test_serial_loads_chain_and_batched_ones_do_not():
-    tool = _tool()
+def test_serial_loads_chain_and_batched_ones_do_not(probe_tool):
+    tool = probe_tool("sass_load_chains")
     sass = _function("serial", SERIAL) + _function("batched", BATCHED)
     (n1, serial), (n2, batched) = tool.functions(sass)
     assert (n1, n2) == ("serial", "batched")
@@ -52,15 +40,15 @@ def test_serial_loads_chain_and_batched_ones_do_not():
     assert tool.longest_chain(batched)[0] == 0
 
 
-def test_async_copies_to_shared_memory_are_not_loads_into_registers():
-    tool = _tool()
+def test_async_copies_to_shared_memory_are_not_loads_into_registers(probe_tool):
+    tool = probe_tool("sass_load_chains")
     [(_, insts)] = tool.functions(_function("async", ASYNC))
     assert tool.longest_chain(insts)[0] == 0
     assert tool.waiting_loops(insts) == []
 
 
-def test_a_loop_that_uses_its_load_before_branching_back_waits_every_iteration():
-    tool = _tool()
+def test_a_loop_that_uses_its_load_before_branching_back_waits_every_iteration(probe_tool):
+    tool = probe_tool("sass_load_chains")
     [(_, insts)] = tool.functions(_function("staging", LOOP))
     assert tool.waiting_loops(insts) == [(0x10, 0x50, 1, 1)]
     [(_, batched)] = tool.functions(_function("batched", BATCHED))

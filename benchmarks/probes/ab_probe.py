@@ -40,6 +40,10 @@ def run_once(binary: str, config: str, env: dict, pattern: re.Pattern, timeout: 
     return float(m.group(1)) if out.returncode == 0 else f"rc={out.returncode} ({m.group(1)})"
 
 
+def _fmt(times) -> str:
+    return " ".join(f"{t:.2f}" if isinstance(t, float) else t for t in times)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a")
@@ -62,10 +66,9 @@ def main(argv=None) -> int:
     print(f"{'configuration':{width}s} | A | B | B / A (medians)")
     for config in args.configs:
         a, b = times[(config, "a")], times[(config, "b")]
-        fmt = lambda ts: " ".join(f"{t:.2f}" if isinstance(t, float) else t for t in ts)  # noqa: E731
         ok = all(isinstance(t, float) for t in a + b)
         ratio = f"{statistics.median(b) / statistics.median(a):.3f}" if ok else "-"
-        print(f"{config:{width}s} | {fmt(a)} | {fmt(b)} | {ratio}")
+        print(f"{config:{width}s} | {_fmt(a)} | {_fmt(b)} | {ratio}")
     return 0
 
 
