@@ -43,6 +43,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               num_sms, on_gpu, warn_once)
+from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops.attention_block_unfused import (attention_block_pallas, attention_block_split_k,
                                                      attention_block_xla, pallas_supported)
 
@@ -219,17 +220,18 @@ def _bind_fused(config: AttentionBlockConfig, x, w_qkv, w_o, k_cache, v_cache, l
                 residual, rotary_dim, rope_layout, scale):
     c = _constants()
     empty = jnp.zeros((0,), x.dtype)
-    y, k, v, _ = _PRIM.bind(
-        x, empty if norm_weight is None else norm_weight, empty if norm_bias is None else norm_bias,
-        w_qkv, empty if qkv_bias is None else qkv_bias, w_o, empty if o_bias is None else o_bias,
-        inv_freq, lengths, k_cache, v_cache,
-        num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
+    operands = (x, empty if norm_weight is None else norm_weight, empty if norm_bias is None else norm_bias,
+                w_qkv, empty if qkv_bias is None else qkv_bias, w_o, empty if o_bias is None else o_bias,
+                inv_freq, lengths, k_cache, v_cache)
+    bind = functools.partial(
+        _PRIM.bind, num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
         rope_layout=c["rope_layout"][rope_layout], norm=c["norm"][NORMS[norm]], eps=np.float32(eps),
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
         has_o_bias=o_bias is not None, cluster_size=int(config.cluster_size),
         max_heads_per_cluster=int(config.heads_per_cluster or c["max_heads_per_cluster"]),
         dataflow=c["dataflow"][config.dataflow], pipeline=c["pipeline"][config.pipeline])
-    return y, k, v
+    rows = (True,) + (False,) * 7 + (True, True, True)
+    return row_partitioned(lambda *a: bind(*a)[:3], rows, (True, True, True))(*operands)
 
 
 # ----------------------------------------------------------------------------- public op

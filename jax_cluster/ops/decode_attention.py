@@ -36,6 +36,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference
 from jax_cluster._ffi import (check_call, ffi_primitive, fold_batch_axis, num_sms,
                               on_gpu, warn_once)
+from jax_cluster._sharding import row_partitioned
 
 ROPE_LAYOUTS = {"half": 0, "interleaved": 1}
 MIN_SPLIT_TOKENS = 256
@@ -178,8 +179,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
         return reference.decode_attention(q, k_cache, v_cache, lengths)
     if splits is None:
         return _attend_xla(q, k_cache, v_cache, lengths)
-    out, _ = _PRIM.bind(q, k_cache, v_cache, lengths, splits=splits)
-    return out
+    attend = lambda *a: _PRIM.bind(*a, splits=splits)[:1]  # noqa: E731
+    return row_partitioned(attend, (True,) * 4, (True,))(q, k_cache, v_cache, lengths)[0]
 
 
 def _append_abstract(qkv, k_cache, v_cache, lengths, inv_freq, *, splits, num_q_heads, rotary_dim,
@@ -265,7 +266,7 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
         return reference.decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, **kw)
     if splits is None:
         return _append_xla(qkv, k_cache, v_cache, lengths, inv_freq, **kw)
-    out, k, v, _ = _APPEND.bind(qkv, k_cache, v_cache, lengths, inv_freq, splits=splits,
-                                num_q_heads=int(num_q_heads), rotary_dim=int(rotary_dim),
-                                rope_layout=ROPE_LAYOUTS[rope_layout], scale=np.float32(scale))
-    return out, k, v
+    append = functools.partial(_APPEND.bind, splits=splits, num_q_heads=int(num_q_heads), rotary_dim=int(rotary_dim),
+                               rope_layout=ROPE_LAYOUTS[rope_layout], scale=np.float32(scale))
+    return row_partitioned(lambda *a: append(*a)[:3], (True,) * 4 + (False,), (True,) * 3)(
+        qkv, k_cache, v_cache, lengths, inv_freq)

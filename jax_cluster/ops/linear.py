@@ -21,6 +21,7 @@ runs the kernel where it covers the shape (K and N multiples of 64, float16 / bf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -31,6 +32,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference
 from jax_cluster._ffi import (check_call, ffi_primitive, fold_batch_axis, num_sms,
                               warn_once)
+from jax_cluster._sharding import row_partitioned
 
 __all__ = ["LinearConfig", "linear", "supported", "workspace_bytes"]
 
@@ -167,7 +169,7 @@ def linear(a, w, residual=None, *, out_dtype=None, impl: str = "auto",
     config = config or LinearConfig()
     has_res = residual is not None
     res2 = residual.reshape(m, n) if has_res else jnp.zeros((0,), a.dtype)
-    y, _ = _PRIM.bind(a.reshape(m, k), w, res2, pdl=config.pdl,
-                      max_blocks=config.max_blocks or num_sms(), has_residual=has_res,
-                      out_f32=out_dtype == jnp.dtype(jnp.float32))
+    bind = functools.partial(_PRIM.bind, pdl=config.pdl, max_blocks=config.max_blocks or num_sms(),
+                             has_residual=has_res, out_f32=out_dtype == jnp.dtype(jnp.float32))
+    y, = row_partitioned(lambda *ops: bind(*ops)[:1], (True, False, has_res), (True,))(a.reshape(m, k), w, res2)
     return y.reshape(lead + (n,))

@@ -42,6 +42,7 @@ from jax.interpreters import batching
 from jax_cluster import _extension, reference
 from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               num_sms, on_gpu, warn_once)
+from jax_cluster._sharding import row_partitioned
 
 __all__ = ["MlaDecodeConfig", "default_splits", "mla_decode"]
 
@@ -441,28 +442,51 @@ def mla_decode(x, weights, latent_cache, lengths, inv_freq, *, num_heads: int, k
               block_table=block_table)
     if impl == "reference":
         return reference.mla_decode(x, weights, latent_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
-    w_kvb = weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
-    if splits is not None and _use_projection_kernels(op, config, x, weights, d):
-        q_full, new, counters = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps,
-                                                rope_factor)
-        o_lat, latent_cache = _attend_kernel(q_full, new, latent_cache, lengths, block_table, d, splits, scale)
-        return _output_kernel(o_lat, weights, d, x if residual else None, counters), latent_cache
-    if splits is None:
-        valid = _row_validity(lengths, block_table, capacity, pages)
-        q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
-                                       latent_eps)
-        o_lat, latent_cache = _attend_xla(q_nope, q_rope, new, w_kvb, latent_cache, lengths, block_table, d,
-                                          scale, valid)
-    else:
-        # The kernel gives an invalid row NaN and writes nothing, so that row's RoPE position
-        # is moot: no scan of the block table in XLA ahead of it.
-        q_nope, q_rope, new = _project(x, weights, d, lengths, inv_freq, rope_factor, eps, latent_eps)
-        q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope], preferred_element_type=jnp.float32)
-        q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], -1)
-        o_lat, latent_cache = _attend_kernel(q_full, new.astype(jnp.float32), latent_cache, lengths, block_table,
-                                             d, splits, scale)
+    if splits is not None:
+        path = functools.partial(_kernel_path, d=d, config=config, capacity=capacity, eps=eps,
+                                 latent_eps=latent_eps, rope_factor=rope_factor, scale=scale, residual=residual)
+        if block_table is None:  # rows own their cache rows: each device runs its own (a page pool is shared)
+            return row_partitioned(path, (True, False, True, True, False), (True, True))(
+                x, weights, latent_cache, lengths, inv_freq)
+        return path(x, weights, latent_cache, lengths, inv_freq, block_table)
+    valid = _row_validity(lengths, block_table, capacity, pages)
+    q_nope, q_rope, new = _project(x, weights, d, jnp.where(valid, lengths, 0), inv_freq, rope_factor, eps,
+                                   latent_eps)
+    w_kvb = _kv_b_heads(weights, d)
+    o_lat, latent_cache = _attend_xla(q_nope, q_rope, new, w_kvb, latent_cache, lengths, block_table, d, scale,
+                                      valid)
+    return _out_xla(o_lat, x, weights, w_kvb, d, residual), latent_cache
+
+
+def _kv_b_heads(weights, d: _Dims):
+    return weights["kv_b"].reshape(d.rank, d.heads, d.nope + d.v)
+
+
+def _out_xla(o_lat, x, weights, w_kvb, d: _Dims, residual):
+    """y from o_lat on XLA's dots: through W_uv per head, W_o (+ bias) (+ residual)."""
     o = jnp.einsum("bhr,rhd->bhd", o_lat, w_kvb[..., d.nope:].astype(o_lat.dtype), preferred_element_type=jnp.float32)
     y = _dense(o.astype(x.dtype).reshape(x.shape[0], d.heads * d.v), weights["o"], weights.get("o_bias"))
     if residual:
         y = (y.astype(jnp.float32) + x.astype(jnp.float32)).astype(x.dtype)
-    return y, latent_cache
+    return y
+
+
+def _kernel_path(x, weights, cache, lengths, inv_freq, block_table=None, *, d: _Dims, config, capacity, eps,
+                 latent_eps, rope_factor, scale, residual):
+    """(y, cache) through the attention kernel, the projections on their kernels or XLA's dots.
+    The splits and the projections' form follow x's rows: on a mesh, each device's own."""
+    splits = config.splits if config is not None and config.splits is not None else \
+        default_splits(x.shape[0], d.heads, capacity, num_sms())
+    if _use_projection_kernels("mla_decode", config, x, weights, d):
+        q_full, new, counters = _project_kernel(x, weights, d, lengths, inv_freq, capacity, eps, latent_eps,
+                                                rope_factor)
+        o_lat, cache = _attend_kernel(q_full, new, cache, lengths, block_table, d, splits, scale)
+        return _output_kernel(o_lat, weights, d, x if residual else None, counters), cache
+    # The kernel gives an invalid row NaN and writes nothing, so that row's RoPE position
+    # is moot: no scan of the block table in XLA ahead of it.
+    q_nope, q_rope, new = _project(x, weights, d, lengths, inv_freq, rope_factor, eps, latent_eps)
+    w_kvb = _kv_b_heads(weights, d)
+    q_lat = jnp.einsum("bhd,rhd->bhr", q_nope, w_kvb[..., :d.nope], preferred_element_type=jnp.float32)
+    q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], -1)
+    o_lat, cache = _attend_kernel(q_full, new.astype(jnp.float32), cache, lengths, block_table, d, splits, scale)
+    return _out_xla(o_lat, x, weights, w_kvb, d, residual), cache

@@ -48,6 +48,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive, fold_batch_axis,
                               on_gpu, warn_once)
+from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops.swiglu import supported as swiglu_supported, swiglu
 
 __all__ = ["MoeDecodeConfig", "TOPK_METHODS", "autotune", "candidates", "launch_plan", "measure", "moe_decode",
@@ -226,7 +227,9 @@ def _route(x, router, route: dict, impl: str, norm=None, norm_eps: float = 1e-6)
         else:
             bias = jnp.zeros((0,), jnp.float32)
         w_norm = jnp.zeros((0,), x.dtype) if norm is None else norm.astype(x.dtype)
-        weights, ids, normed, _ = _ROUTE.bind(x, router, bias, w_norm, **params)
+        bind = functools.partial(_ROUTE.bind, **params)
+        weights, ids, normed = row_partitioned(lambda *ops: bind(*ops)[:3], (True, False, False, False),
+                                               (True, True, norm is not None))(x, router, bias, w_norm)
         return weights, ids, x if norm is None else normed
     if norm is not None:
         x = _rms_norm(x, norm, norm_eps)
@@ -289,10 +292,11 @@ def _custom_call(x, weights, ids, w_gate, w_up, w_down, shared, residual, plan: 
     has_res = residual is not None
     none = jnp.zeros((0,), x.dtype)
     s = [none] * 3 if shared is None else [shared[key] for key in ("w_gate", "w_up", "w_down")]
-    out, _ = _PRIM.bind(x, weights, ids, w_gate, w_up, w_down, *s,
-                        residual if has_res else none,
-                        cols_up=int(plan["cols_up"]), cols_down=int(plan["cols_down"]), pdl=pdl,
-                        has_residual=has_res)
+    bind = functools.partial(_PRIM.bind, cols_up=int(plan["cols_up"]), cols_down=int(plan["cols_down"]), pdl=pdl,
+                             has_residual=has_res)
+    rows = (True, True, True) + (False,) * 6 + (has_res,)
+    out, = row_partitioned(lambda *ops: bind(*ops)[:1], rows, (True,))(
+        x, weights, ids, w_gate, w_up, w_down, *s, residual if has_res else none)
     return out
 
 

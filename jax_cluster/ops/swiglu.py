@@ -40,6 +40,7 @@ from jax.core import ShapedArray
 from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import (check_array, check_call, ffi_primitive, num_sms,
                               on_gpu, warn_once)
+from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops._swiglu_timing import timing_inputs, timing_loop
 
 __all__ = ["SwigluConfig", "autotune", "candidates", "heuristic", "launch_plan", "measure",
@@ -314,7 +315,11 @@ def swiglu(x, w_gate, w_up, w_down=None, residual=None, *, impl: str = "auto",
         choice = _pick(m, d, f, dtype, has_down)
     else:
         choice = heuristic(m, has_down)
-    return _run(x2, w_gate, w_up, w_down, res2, choice).reshape(lead + (out_cols,))
+    if choice == "xla":
+        return _xla_mlp(x2, w_gate, w_up, w_down, res2).reshape(lead + (out_cols,))
+    run = lambda *a: (_run(*a, choice),)  # noqa: E731
+    y, = row_partitioned(run, (True, False, False, False, True), (True,))(x2, w_gate, w_up, w_down, res2)
+    return y.reshape(lead + (out_cols,))
 
 
 # ----------------------------------------------------------------------------- tuning

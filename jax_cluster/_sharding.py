@@ -1,0 +1,106 @@
+"""Row partitioning of the decode ops over a device mesh.
+
+A decode op's rows (the batch: x's rows, their caches and lengths) are independent of each
+other and every row reads the same weights. So when its row operands are sharded over mesh
+axes under ``jit``, each device can run the op on its own rows with the weights replicated,
+and nothing needs gathering. Without a rule XLA sees an opaque custom call and gathers every
+operand to every device (the KV caches included) and replicates the results.
+
+:func:`row_partitioned` wraps an op's core (the function that binds its primitive) in
+``jax.experimental.custom_partitioning`` with a Shardy rule: dimension 0 of every row
+operand and row result is one factor, every other dimension must be replicated. The
+partitioner then calls the core on each device's rows. On one device the core is inlined
+as it was. Under ``vmap`` the core runs unpartitioned (custom_partitioning has no batching
+rule; the primitive's own folds the mapped axis into the rows).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+_ROW = "rows"
+
+
+def _rule(row_in: Sequence[bool], row_out: Sequence[bool], in_ranks, out_ranks) -> tuple[str, tuple[str, ...]]:
+    """'rows a0, b0 b1, ... -> rows c0, ...' and the factors that must stay replicated."""
+    names: list[str] = []
+
+    def mapping(is_row: bool, rank: int) -> str:
+        dims = []
+        for d in range(rank):
+            if d == 0 and is_row:
+                dims.append(_ROW)
+            else:
+                names.append(f"f{len(names)}")
+                dims.append(names[-1])
+        return " ".join(dims)
+
+    ins = ", ".join(mapping(r, n) for r, n in zip(row_in, in_ranks))
+    outs = ", ".join(mapping(r, n) for r, n in zip(row_out, out_ranks))
+    return f"{ins} -> {outs}", tuple(names)
+
+
+def _row_axes(shapes, row_flags):
+    """The mesh axes dimension 0 of the row operands is sharded over (the first sharded one's)."""
+    for shape, is_row in zip(shapes, row_flags):
+        if is_row and shape.ndim and isinstance(shape.sharding, NamedSharding):
+            axes = shape.sharding.spec[0] if len(shape.sharding.spec) else None
+            if axes is not None:
+                return axes
+    return None
+
+
+def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bool]) -> Callable:
+    """core(*args) -> tuple of arrays; args are arrays or pytrees of them (dicts, None).
+
+    row_in[i]: whether every array of argument i has the rows as its dimension 0;
+    row_out[j]: the same of result j. Returns a function of the same arguments that runs
+    core on each device's rows where the row operands are sharded over mesh axes.
+    """
+    row_in, row_out = tuple(row_in), tuple(row_out)
+
+    def partitioned(*args):
+        leaves, tree = jax.tree.flatten(args)
+        flags = tuple(flag for arg, flag in zip(args, row_in) for _ in jax.tree.leaves(arg))
+
+        def call(*ops):
+            return tuple(core(*jax.tree.unflatten(tree, ops)))
+
+        @custom_partitioning
+        def op(*ops):
+            return call(*ops)
+
+        def partition(mesh, arg_shapes, result_shape):
+            axes = _row_axes(arg_shapes, flags)
+
+            def sharding(shape, is_row):
+                spec = PartitionSpec(axes, *([None] * (shape.ndim - 1))) if is_row and shape.ndim else PartitionSpec()
+                return NamedSharding(mesh, spec)
+
+            return (mesh, call, tuple(map(sharding, result_shape, row_out)),
+                    tuple(map(sharding, arg_shapes, flags)))
+
+        def sharding_rule(mesh, value_types, result_types):
+            rule, names = _rule(flags, row_out, [len(v.shape) for v in value_types],
+                                [len(r.shape) for r in result_types])
+            return rule, {"need_replication_factors": names}
+
+        op.def_partition(partition=partition, sharding_rule=sharding_rule)
+
+        @custom_vmap
+        def mapped(*ops):
+            return op(*ops)
+
+        @mapped.def_vmap
+        def _vmap(axis_size, in_batched, *ops):
+            outs = jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*ops)
+            return outs, (True,) * len(outs)
+
+        return mapped(*leaves)
+
+    return partitioned
