@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import ops
 from .sampling import SamplingParams, sample
@@ -107,8 +108,9 @@ class Engine:
         return eng
 
     def compiled(self, name: str, *args):
-        """AOT-compiled prefill/step for these argument shapes (cached)."""
-        sig = (name, *(jax.tree.map(lambda a: (a.shape, str(a.dtype)), x) for x in args))
+        """AOT-compiled prefill/step for these argument shapes and shardings (cached)."""
+        sig = (name, *(jax.tree.map(lambda a: (a.shape, str(a.dtype), str(getattr(a, "sharding", None))), x)
+                       for x in args))
         hit = self._compiled.get(str(sig))
         if hit is None:
             hit = self._compiled[str(sig)] = getattr(self, name).lower(*args).compile()
@@ -149,6 +151,19 @@ class GenerationResult:
         return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+def _data_parallel(mesh: Mesh, axis: str, batch: int, page_size: int | None):
+    """(rows, whole): the shardings of a data-parallel generation, after checking it can run."""
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r} (axes: {tuple(mesh.shape)})")
+    if batch % mesh.shape[axis]:
+        raise ValueError(f"a batch of {batch} rows does not split evenly over the {mesh.shape[axis]} devices of "
+                         f"mesh axis {axis!r}")
+    if page_size is not None:
+        raise ValueError("a paged latent cache is one page pool shared by the rows: it is not split over a mesh "
+                         "(use the contiguous cache)")
+    return NamedSharding(mesh, PartitionSpec(axis)), NamedSharding(mesh, PartitionSpec())
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16):
     """Right-pads prompts to a common length (rounded up to `multiple`): (tokens [B, T], lengths [B])."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -163,27 +178,35 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16):
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), seed: int = 0, eos_token_ids: Sequence[int] = (),
              impl=None, progress: bool = False, pad_multiple: int = 16,
-             page_size: int | None = None) -> GenerationResult:
+             page_size: int | None = None, mesh: Mesh | None = None, data_axis: str = "data") -> GenerationResult:
     """Generates max_new_tokens tokens (fewer if every row ended) for a batch of prompts; with
-    page_size, over a paged latent cache (DeepSeek models)."""
+    page_size, over a paged latent cache (DeepSeek models). With a mesh, data parallel: the
+    rows (prompts, cache) sharded over its axis data_axis, the weights replicated; the fused
+    ops run each device's own rows (docs/sharding.md)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     tokens, lengths = pad_prompts(prompts, pad_multiple)
     b, t = tokens.shape
     cache = init_cache(model, b, cache_slots(t + max_new_tokens), page_size)
     engine = Engine.for_model(model, sampling, impl)
+    state = engine.state
     key = jax.random.key(seed)
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+    if mesh is not None:
+        rows, whole = _data_parallel(mesh, data_axis, b, page_size)
+        tokens_d, lengths_d, cache = (jax.device_put(a, rows) for a in (tokens_d, lengths_d, cache))
+        state, key = jax.device_put(state, whole), jax.device_put(key, whole)
 
     t0 = time.perf_counter()
-    prefill = engine.compiled("prefill", engine.state, tokens_d, lengths_d, cache, key)
-    tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32)
-    cache_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
-    step = engine.compiled("step", engine.state, tok_shape, cache_shape, key)
+    prefill = engine.compiled("prefill", state, tokens_d, lengths_d, cache, key)
+    placed = lambda a: a.sharding if mesh is not None else None  # noqa: E731
+    shape_of = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed(a))  # noqa: E731
+    tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placed(tokens_d))
+    step = engine.compiled("step", state, tok_shape, jax.tree.map(shape_of, cache), key)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    tok, cache, key = prefill(engine.state, tokens_d, lengths_d, cache, key)
+    tok, cache, key = prefill(state, tokens_d, lengths_d, cache, key)
     tok.block_until_ready()
     prefill_s = time.perf_counter() - t0
 
@@ -198,7 +221,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         bar.update(1)
     t0 = time.perf_counter()
     for i in range(1, max_new_tokens):
-        tok, cache, key = step(engine.state, tok, cache, key)
+        tok, cache, key = step(state, tok, cache, key)
         out.append(tok)
         if bar is not None:
             bar.update(1)

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar and no kernel-tuning messages")
     p.add_argument("--page-size", type=_positive_int, default=None,
                    help="DeepSeek models: keep the latent cache in pages of this many tokens")
+    p.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
+                   help="split the batch's rows over N devices (weights replicated on each)")
     return p
 
 
@@ -114,6 +116,15 @@ def _prepare(args):
     rows = [encode(prompts[i % len(prompts)], tokenizer, cfg.vocab_size) for i in range(batch)]
     _check_context(rows, args.max_new_tokens, cfg.max_position_embeddings)
     tokens, _ = pad_prompts(rows)
+    if args.data_parallel > 1:
+        if args.data_parallel > len(jax.devices()):
+            raise UsageError(f"--data-parallel {args.data_parallel}: only {len(jax.devices())} devices here")
+        if batch % args.data_parallel:
+            raise UsageError(f"--data-parallel {args.data_parallel}: the batch of {batch} rows does not split "
+                             "evenly (set --batch to a multiple)")
+        if args.page_size is not None:
+            raise UsageError("--data-parallel with --page-size: a page pool is shared by the rows, it is not "
+                             "split over devices")
     try:  # one decode step traced abstractly: an impl that cannot run fails here, before any weight
         routes = decode_routes(abstract_model(cfg, dtype, impl), batch,
                                cache_slots(tokens.shape[1] + args.max_new_tokens), impl, args.page_size)
@@ -152,15 +163,18 @@ def main(argv=None) -> int:
         tuning_log.setLevel(logging.INFO)
     model, _ = load_model(path or args.model, dtype, impl=impl, seed=args.seed)
     eos = () if args.ignore_eos or tokenizer is None else cfg.eos_token_ids
+    mesh = (jax.make_mesh((args.data_parallel,), ("data",), devices=jax.devices()[:args.data_parallel],
+                          axis_types=(jax.sharding.AxisType.Auto,)) if args.data_parallel > 1 else None)
     res = generate(model, rows, args.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=eos,
-                   progress=not args.no_progress, page_size=args.page_size)
+                   progress=not args.no_progress, page_size=args.page_size, mesh=mesh)
     for i, toks in enumerate(res.tokens):
         shown = tokenizer.decode(toks) if tokenizer is not None else " ".join(map(str, toks))
         label = "text" if tokenizer is not None else "token ids"
         print(f"[{i}] prompt {res.prompt_lengths[i]} tokens; {label}: {shown}")
     dev = jax.devices()[0]
     print(f"model {args.model} ({cfg.architecture}, {jnp.dtype(model.dtype).name}) "
-          f"on {dev.platform}:{dev.device_kind}, batch {len(rows)}")
+          f"on {dev.platform}:{dev.device_kind}, batch {len(rows)}"
+          + (f" over {args.data_parallel} devices" if args.data_parallel > 1 else ""))
     print("\n".join(describe_routes(routes, args.impl)))
     print(f"compile time:          {res.compile_s * 1e3:10.1f} ms")
     print(f"prefill time:          {res.prefill_s * 1e3:10.2f} ms")

@@ -90,6 +90,10 @@ def _usage_error(capsys, monkeypatch, argv):
       "5000"], "exceeds the model's context"),
     (["--page-size", "16"], "a paged cache is MLA's (DeepSeek): Llama keeps contiguous rows"),
     (["--model", "tiny-deepseek", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
+    (["--batch", "3", "--data-parallel", "2"], "the batch of 3 rows does not split evenly"),
+    (["--data-parallel", "4096"], "--data-parallel 4096: only"),
+    (["--model", "tiny-deepseek", "--batch", "2", "--data-parallel", "2", "--page-size", "16"],
+     "a page pool is shared by the rows"),
 ])
 def test_cli_bad_inputs_are_one_line_errors_before_anything_runs(capsys, monkeypatch, argv, message):
     assert message in _usage_error(capsys, monkeypatch, argv)
@@ -269,3 +273,15 @@ def test_decode_benchmark_in_parts(tmp_path):
     assert sorted({row["case"].rsplit(" ", 2)[0] for row in res["rows"]}) == ["tiny-llama b1 ctx16",
                                                                              "tiny-llama b2 ctx16"]
     assert "Joined from runs in parts" in (tmp_path / "decode_e2e_smoke.md").read_text()
+
+
+def test_cli_data_parallel_splits_the_rows(capsys):
+    """--data-parallel 2 on CPU devices: the batch's rows over two devices, the same tokens as
+    the rows on one (the rows are the same prompt)."""
+    argv = ["--model", "tiny-llama", "--impl", "fused", "--batch", "4", "--max-new-tokens", "4", "--no-progress"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main(argv + ["--data-parallel", "2"]) == 0
+    two = capsys.readouterr().out
+    assert "batch 4 over 2 devices" in two
+    assert [ln for ln in two.splitlines() if ln.startswith("[")] == [ln for ln in one.splitlines() if ln.startswith("[")]

@@ -220,3 +220,29 @@ def test_fused_decode_step_on_a_batch_sharded_cache(rng, preset):
     got = step(state, tokens, cache)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek"])
+def test_generate_data_parallel(rng, preset):
+    """generate(mesh=): the rows over two devices give each half's tokens as generated alone."""
+    from flax_models.engine import generate  # noqa: PLC0415
+
+    model = random_model(PRESETS[preset], jnp.bfloat16, std=0.1)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (3, 9, 5, 12)]
+    mesh = _mesh(2, AxisType.Auto)
+    got = generate(model, prompts, 6, impl="fused", mesh=mesh).tokens
+    want = generate(model, prompts[:2], 6, impl="fused").tokens + generate(model, prompts[2:], 6, impl="fused").tokens
+    assert got == want
+
+
+def test_generate_data_parallel_errors(rng):
+    from flax_models.engine import generate  # noqa: PLC0415
+
+    model = random_model(PRESETS["tiny-deepseek"], jnp.bfloat16, std=0.1)
+    mesh = _mesh(2, AxisType.Auto)
+    with pytest.raises(ValueError, match="does not split evenly"):
+        generate(model, [[1, 2], [3], [4]], 2, mesh=mesh)
+    with pytest.raises(ValueError, match="mesh has no axis 'rows'"):
+        generate(model, [[1, 2], [3]], 2, mesh=mesh, data_axis="rows")
+    with pytest.raises(ValueError, match="a paged latent cache"):
+        generate(model, [[1, 2], [3]], 2, mesh=mesh, page_size=16)
