@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import ops
 from .sampling import SamplingParams, sample
@@ -161,6 +161,9 @@ def _data_parallel(mesh: Mesh, axis: str, batch: int, page_size: int | None):
     if page_size is not None:
         raise ValueError("a paged latent cache is one page pool shared by the rows: it is not split over a mesh "
                          "(use the contiguous cache)")
+    # The models' jnp code is not typed for Explicit axes (its gathers would need their output
+    # shardings spelled out): the same devices as Auto axes, where XLA propagates the rows.
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     return NamedSharding(mesh, PartitionSpec(axis)), NamedSharding(mesh, PartitionSpec())
 
 

@@ -222,14 +222,16 @@ def test_fused_decode_step_on_a_batch_sharded_cache(rng, preset):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek"])
-def test_generate_data_parallel(rng, preset):
-    """generate(mesh=): the rows over two devices give each half's tokens as generated alone."""
+@pytest.mark.parametrize("preset,axis_type", [("tiny-llama", AxisType.Auto), ("tiny-deepseek", AxisType.Auto),
+                                               ("tiny-llama", AxisType.Explicit)])
+def test_generate_data_parallel(rng, preset, axis_type):
+    """generate(mesh=): the rows over two devices give each half's tokens as generated alone
+    (a mesh of Explicit axes too: generate places the rows on its devices as Auto axes)."""
     from flax_models.engine import generate  # noqa: PLC0415
 
     model = random_model(PRESETS[preset], jnp.bfloat16, std=0.1)
     prompts = [rng.integers(0, 512, n).tolist() for n in (3, 9, 5, 12)]
-    mesh = _mesh(2, AxisType.Auto)
+    mesh = _mesh(2, axis_type)
     got = generate(model, prompts, 6, impl="fused", mesh=mesh).tokens
     want = generate(model, prompts[:2], 6, impl="fused").tokens + generate(model, prompts[2:], 6, impl="fused").tokens
     assert got == want
