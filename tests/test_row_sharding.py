@@ -111,8 +111,10 @@ def _attention_inputs(rng, batch=4, hq=4, hkv=2, dh=16, s_max=20, d=64):
     return kc, vc, lengths, inv_freq
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def test_attention_block_rows_partitioned(rng, axis_type):
+@pytest.mark.parametrize("axis_type,config", [(AxisType.Explicit, None), (AxisType.Auto, None),
+                                              (AxisType.Auto, jc.AttentionBlockConfig(kernel="split_k"))],
+                         ids=["explicit", "auto", "split_k"])
+def test_attention_block_rows_partitioned(rng, axis_type, config):
     kc, vc, lengths, inv_freq = _attention_inputs(rng)
     d, hq, hkv, dh = 64, 4, 2, 16
     w = dict(w_qkv=_f(rng, d, (hq + 2 * hkv) * dh, scale=0.1), w_o=_f(rng, hq * dh, d, scale=0.1),
@@ -120,7 +122,8 @@ def test_attention_block_rows_partitioned(rng, axis_type):
 
     def fn(x, w, kc, vc, lengths):
         return jc.attention_block(x, w["w_qkv"], w["w_o"], kc, vc, lengths, inv_freq, num_q_heads=hq,
-                                  num_kv_heads=hkv, norm_weight=w["norm_weight"], residual=True, impl="cuda")
+                                  num_kv_heads=hkv, norm_weight=w["norm_weight"], residual=True, impl="cuda",
+                                  config=config)
 
     check_partitioned(fn, (_f(rng, 4, d), w, kc, vc, lengths), (True, False, True, True, True), axis_type=axis_type)
 

@@ -220,18 +220,17 @@ def _bind_fused(config: AttentionBlockConfig, x, w_qkv, w_o, k_cache, v_cache, l
                 residual, rotary_dim, rope_layout, scale):
     c = _constants()
     empty = jnp.zeros((0,), x.dtype)
-    operands = (x, empty if norm_weight is None else norm_weight, empty if norm_bias is None else norm_bias,
-                w_qkv, empty if qkv_bias is None else qkv_bias, w_o, empty if o_bias is None else o_bias,
-                inv_freq, lengths, k_cache, v_cache)
-    bind = functools.partial(
-        _PRIM.bind, num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
+    y, k, v, _ = _PRIM.bind(
+        x, empty if norm_weight is None else norm_weight, empty if norm_bias is None else norm_bias,
+        w_qkv, empty if qkv_bias is None else qkv_bias, w_o, empty if o_bias is None else o_bias,
+        inv_freq, lengths, k_cache, v_cache,
+        num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), rotary_dim=int(rotary_dim),
         rope_layout=c["rope_layout"][rope_layout], norm=c["norm"][NORMS[norm]], eps=np.float32(eps),
         scale=np.float32(scale), residual=bool(residual), has_qkv_bias=qkv_bias is not None,
         has_o_bias=o_bias is not None, cluster_size=int(config.cluster_size),
         max_heads_per_cluster=int(config.heads_per_cluster or c["max_heads_per_cluster"]),
         dataflow=c["dataflow"][config.dataflow], pipeline=c["pipeline"][config.pipeline])
-    rows = (True,) + (False,) * 7 + (True, True, True)
-    return row_partitioned(lambda *a: bind(*a)[:3], rows, (True, True, True))(*operands)
+    return y, k, v
 
 
 # ----------------------------------------------------------------------------- public op
@@ -336,7 +335,24 @@ def attention_block(
                   else heuristic())
         if config == "xla":
             return attention_block_xla(*args, **kwargs)
-    return _run(config, args, kwargs, shape)
+    return _run_rows(config, args, kwargs, shape)
+
+
+_ARRAY_KWARGS = ("norm_weight", "norm_bias", "qkv_bias", "o_bias")
+
+
+def _run_rows(config: AttentionBlockConfig, args, kwargs, shape):
+    """_run, on each device's rows where the rows are sharded over a mesh (jax_cluster._sharding):
+    every kernel form (fused, split_k, Pallas) sees its own device's batch."""
+    static = {k: v for k, v in kwargs.items() if k not in _ARRAY_KWARGS}
+    extra = {k: kwargs[k] for k in _ARRAY_KWARGS if kwargs[k] is not None}
+
+    def run(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, extra):
+        return _run(config, (x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq),
+                    {**static, **dict.fromkeys(_ARRAY_KWARGS), **extra}, {**shape, "batch": x.shape[0]})
+
+    rows = (True, False, False, True, True, True, False, False)
+    return row_partitioned(run, rows, (True, True, True))(*args, extra)
 
 
 def _cuda_error(config: AttentionBlockConfig, **shape) -> str:
