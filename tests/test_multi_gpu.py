@@ -78,3 +78,40 @@ def test_sharded_flash_attention_schedule(rng, gpus):
     ref = sp.reference_attention(q, k, v)
     err = float(jnp.linalg.norm(jax.device_get(out).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     assert err < 1e-2, err
+
+
+def test_decode_ops_partition_their_rows_over_both_gpus(rng, gpus):
+    """Batch-sharded decode ops on two GPUs (jax_cluster._sharding): the one-launch layer and
+    the MoE kernels each run their own GPU's rows, with no collective, and give the bits of
+    each half run on one GPU."""
+    from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    mesh = Mesh(np.asarray(gpus), ("data",), axis_types=(AxisType.Auto,))
+    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    b, d, hq, hkv, dh, s, f = 4, 1024, 8, 2, 128, 256, 2048
+    w = dict(norm=1.0 + _normal(rng, (d,), scale=0.1), qkv=_normal(rng, (d, (hq + 2 * hkv) * dh), scale=d ** -0.5),
+             o=_normal(rng, (hq * dh, d), scale=(hq * dh) ** -0.5), post_norm=1.0 + _normal(rng, (d,), scale=0.1),
+             w_gate=_normal(rng, (d, f), scale=d ** -0.5), w_up=_normal(rng, (d, f), scale=d ** -0.5),
+             w_down=_normal(rng, (f, d), scale=f ** -0.5))
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32)
+    layer = lambda x, w, kc, vc, n: jc.decoder_layer(x, w, kc, vc, n, inv_freq, family="llama",  # noqa: E731
+                                                     num_q_heads=hq, num_kv_heads=hkv, eps=1e-5, impl="cuda")
+    args = (_normal(rng, (b, d)), w, _normal(rng, (b, hkv, s, dh)), _normal(rng, (b, hkv, s, dh)),
+            jnp.asarray([3, 100, 255, 17], jnp.int32))
+    is_row = (True, False, True, True, True)
+
+    e, i = 16, 256
+    moe = lambda x, r, g, u, dn: jc.moe_decode(x, r, g, u, dn, top_k=2, residual=x, impl="cuda")  # noqa: E731
+    moe_args = (_normal(rng, (b, d)), _normal(rng, (d, e), jnp.float32), _normal(rng, (e, d, i), scale=d ** -0.5),
+                _normal(rng, (e, d, i), scale=d ** -0.5), _normal(rng, (e, i, d), scale=i ** -0.5))
+
+    for fn, a, flags in ((layer, args, is_row), (moe, moe_args, (True,) + (False,) * 4)):
+        halves = [jax.jit(fn)(*[jax.tree.map(lambda v: jax.device_put(v[h * 2:h * 2 + 2], gpus[0]), x) if r
+                                else jax.device_put(x, gpus[0]) for x, r in zip(a, flags)]) for h in range(2)]
+        want = jax.tree.map(lambda *p: np.concatenate([np.asarray(q) for q in p]), *halves)
+        placed = [jax.device_put(x, rows if r else whole) for x, r in zip(a, flags)]
+        compiled = jax.jit(fn).lower(*placed).compile()
+        assert "all-gather" not in compiled.as_text()
+        for g, w_ in zip(jax.tree.leaves(compiled(*placed)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), w_)
