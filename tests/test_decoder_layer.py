@@ -198,6 +198,14 @@ def test_errors_before_anything_runs(rng):
         decoder_layer(**args, **dict(kw, rotary_dim=7))
     with pytest.raises(ValueError, match="impl must be"):
         decoder_layer(**args, **kw, impl="fast")
+    for impl in ("auto", "cuda", "xla"):  # every path names the argument under decoder_layer's name
+        with pytest.raises(ValueError, match="decoder_layer: weights\\['o'\\] has dtype bfloat16; every weight"):
+            decoder_layer(**dict(args, weights=dict(args["weights"], o=args["weights"]["o"].astype(jnp.bfloat16))),
+                          **kw, impl=impl)
+        with pytest.raises(ValueError, match="decoder_layer: v_cache has dtype float16"):
+            decoder_layer(**dict(args, v_cache=args["v_cache"].astype(jnp.float16)), **kw, impl=impl)
+    with pytest.raises(ValueError, match="decoder_layer: x must be float16, bfloat16 or float32, got int32"):
+        decoder_layer(**dict(args, x=args["x"].astype(jnp.int32)), **kw)
     for eps in (-1e-5, float("nan"), "1e-5"):  # a negative eps makes the norm NaN on small rows
         with pytest.raises(ValueError, match="decoder_layer: eps must be a finite number >= 0"):
             decoder_layer(**args, **dict(kw, eps=eps))

@@ -102,9 +102,7 @@ def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_hea
                  rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate, return_workspace=False):
     empty = jnp.zeros((0,), x.dtype)
     weights = [w.get(k) for k in _OPERANDS] + [None if k is None else w.get(k) for k in _MLP_OPERANDS[family]]
-    operands = [empty if a is None else a.astype(x.dtype) for a in weights]  # the kernel's one dtype
-    if k_cache.dtype != x.dtype:
-        raise ValueError(f"decoder_layer: impl='cuda' needs caches of x's dtype {x.dtype}, got {k_cache.dtype}")
+    operands = [empty if a is None else a for a in weights]  # every one of x's dtype (_check)
     dh = k_cache.shape[-1]
     bind = functools.partial(
         _PRIM.bind, num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads),
@@ -121,8 +119,6 @@ def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_hea
 
 def _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual, gelu_approximate):
     """Why the one-launch kernel cannot run this call ('' if it can)."""
-    if k_cache.dtype != x.dtype:
-        return f"caches of dtype {k_cache.dtype}, not x's {x.dtype}"
     return _kernel_error(_shape(x, w, k_cache, family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                 parallel_residual=parallel_residual, gelu_approximate=gelu_approximate))
 
@@ -143,6 +139,9 @@ def _dense(x, w, b=None):
     return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
 
 
+_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32))
+
+
 def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim):
     if family not in FAMILIES:
         raise ValueError(f"{op}: family must be one of {FAMILIES}, got {family!r}")
@@ -156,6 +155,12 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
     missing = sorted(k for k in required if w.get(k) is None)
     if unknown or missing:
         raise ValueError(f"{op}: weights for family {family!r}: unknown {sorted(unknown)}, missing {missing}")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"{op}: x must be float16, bfloat16 or float32, got {jnp.dtype(x.dtype).name}")
+    for name, a in [("k_cache", k_cache), ("v_cache", v_cache)] + [(f"weights[{k!r}]", v) for k, v in w.items()]:
+        if a is not None and jnp.dtype(a.dtype) != jnp.dtype(x.dtype):
+            raise ValueError(f"{op}: {name} has dtype {jnp.dtype(a.dtype).name}; every weight and cache must "
+                             f"have x's dtype {jnp.dtype(x.dtype).name}")
     b, d = x.shape
     if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[1] != num_kv_heads:
         raise ValueError(f"{op}: caches must be [B={b}, Hkv={num_kv_heads}, S_max, Dh], got {tuple(k_cache.shape)}")
