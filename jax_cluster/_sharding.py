@@ -12,10 +12,14 @@ operand and row result is one factor, every other dimension must be replicated. 
 partitioner then calls the core on each device's rows. On one device the core is inlined
 as it was. Under ``vmap`` the core runs unpartitioned (custom_partitioning has no batching
 rule; the primitive's own folds the mapped axis into the rows).
+
+``JAX_CLUSTER_ROW_PARTITIONING=0`` turns the wrapper off (read at trace time): the partitioner's
+callback is Python, so ``jax.export`` cannot serialize a multi-device program that holds it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import jax
@@ -24,6 +28,11 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 _ROW = "rows"
+ENV_ENABLE = "JAX_CLUSTER_ROW_PARTITIONING"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _rule(row_in: Sequence[bool], row_out: Sequence[bool], in_ranks, out_ranks) -> tuple[str, tuple[str, ...]]:
@@ -65,6 +74,8 @@ def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bo
     row_in, row_out = tuple(row_in), tuple(row_out)
 
     def partitioned(*args):
+        if not enabled():
+            return tuple(core(*args))
         leaves, tree = jax.tree.flatten(args)
         flags = tuple(flag for arg, flag in zip(args, row_in) for _ in jax.tree.leaves(arg))
 

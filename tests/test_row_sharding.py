@@ -251,3 +251,25 @@ def test_generate_data_parallel_errors(rng):
         generate(model, [[1, 2], [3]], 2, mesh=mesh, data_axis="rows")
     with pytest.raises(ValueError, match="a paged latent cache"):
         generate(model, [[1, 2], [3]], 2, mesh=mesh, page_size=16)
+
+
+def test_row_partitioning_off_for_export(rng, monkeypatch):
+    """JAX_CLUSTER_ROW_PARTITIONING=0: no partitioner callback, so jax.export takes a
+    multi-device program (the operands then gathered); with it on, export refuses it."""
+    from jax import export  # noqa: PLC0415
+
+    kc, vc, lengths, _ = _attention_inputs(rng)
+    q = _f(rng, 4, 2, 2, 16)
+    mesh = _mesh(2, AxisType.Auto)
+    rows = NamedSharding(mesh, P("data"))
+    args = [jax.device_put(a, rows) for a in (q, kc, vc, lengths)]
+    def step():  # a fresh function per trace: the variable is read when the op is traced
+        return jax.jit(lambda *a: jc.decode_attention(*a, impl="cuda"), in_shardings=(rows,) * 4, out_shardings=rows)
+
+    checks = [export.DisabledSafetyCheck.custom_call("jax_cluster_decode_attention")]
+    with pytest.raises(NotImplementedError):
+        export.export(step(), disabled_checks=checks)(*args)
+    want = step()(*args)
+    monkeypatch.setenv("JAX_CLUSTER_ROW_PARTITIONING", "0")
+    exported = export.export(step(), disabled_checks=checks)(*args)
+    np.testing.assert_array_equal(np.asarray(exported.call(*args)), np.asarray(want))
