@@ -67,15 +67,7 @@ def _f(rng, *shape, dtype=jnp.float32, scale=0.5):
 def _layer_case(rng, family, batch, s_max=24):
     cfg = PRESETS["tiny-llama" if family == "llama" else "tiny-pythia"]
     model = random_model(cfg, jnp.float32, std=0.1)
-    layer = model.layers[0]
-    w = dict(norm=layer.input_norm.weight[...], qkv=layer.qkv.kernel[...], qkv_bias=layer.qkv.bias_value(),
-             o=layer.o.kernel[...], o_bias=layer.o.bias_value(), post_norm=layer.post_norm.weight[...])
-    if family == "gpt_neox":
-        w.update(norm_bias=layer.input_norm.bias[...], post_norm_bias=layer.post_norm.bias[...])
-        w.update(layer.mlp.weights())
-    else:
-        w.update({k: v for k, v in layer.mlp.weights().items() if k.startswith("w_")})
-    w = {k: v for k, v in w.items() if v is not None}
+    w = model._layer_weights(model.layers[0])  # what the model passes to decoder_layer
     hkv = getattr(cfg, "num_kv_heads", cfg.num_heads)
     kc, vc = (_f(rng, batch, hkv, s_max, cfg.head_dim) for _ in range(2))
     lengths = jnp.asarray(rng.integers(0, s_max, batch), jnp.int32)
