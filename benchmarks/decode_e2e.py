@@ -14,12 +14,15 @@ measured in the same run (best of an elementwise pass and a read-only reduction)
 For DeepSeek-V2 the weights a step reads are the dense ones plus the ACTIVE routed experts
 (top-k per MoE layer at batch 1; at batch B the expected distinct experts E (1 - (1 - k/E)^B)
 under uniform routing), and the KV bytes are the latent cache's.
-Cases that do not fit in device memory are listed as skipped.
+Cases that do not fit in device memory are listed as skipped. With --data-parallel N the
+batch's rows (tokens, cache) are sharded over N devices and the weights replicated
+(docs/sharding.md); a device's floor is then (weight bytes + its rows' KV bytes) / bandwidth.
 
     python benchmarks/decode_e2e.py [--quick] [--dtype fp16|bf16] [--models llama2-7b,llama3-8b]
         [--combos B:CTX,...] [--part NAME]     # one slice of the grid, merged into the table
         [--trace]                              # and each fused case's kernels per token and per layer
         [--page-size N]                        # DeepSeek: the latent cache in pages of N tokens
+        [--data-parallel N]                    # the rows over N devices (weights on each)
     python benchmarks/decode_e2e.py --smoke --out-dir /tmp/x     # tiny models, runs on CPU
 """
 
@@ -34,6 +37,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 try:
     import flax_models  # noqa: F401
@@ -117,10 +122,11 @@ def random_cache(model, batch, max_len, ctx, seed=0, page_size=None):
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
 
-def time_decode(model, impl, batch, ctx, steps, trials, trace=None, page_size=None):
+def time_decode(model, impl, batch, ctx, steps, trials, trace=None, page_size=None, mesh=None):
     """Seconds per decode step (one token for every row) at context ctx; with trace (a
     label), also prints the kernel timeline of two calls (common.print_timeline: time per
-    kernel per step, the gaps between kernels)."""
+    kernel per step, the gaps between kernels); with a mesh, the rows sharded over its axis
+    "data" and the weights replicated."""
     engine = Engine(model, impl=impl)
     loop = engine.loop(steps)
 
@@ -134,9 +140,14 @@ def time_decode(model, impl, batch, ctx, steps, trials, trace=None, page_size=No
     cache = random_cache(model, batch, cache_slots(ctx + steps), ctx, page_size=page_size)
     state = [jnp.arange(batch, dtype=jnp.int32) % model.config.vocab_size, cache, jax.random.key(1)]
     del cache
+    weights = engine.state
+    if mesh is not None:
+        rows, whole = (NamedSharding(mesh, spec) for spec in (P("data"), P()))
+        state = [jax.device_put(state[0], rows), jax.device_put(state[1], rows), jax.device_put(state[2], whole)]
+        weights = jax.device_put(weights, whole)
 
     def call():  # each call continues from the last one's tokens, cache and key
-        state[:] = run(engine.state, *state)
+        state[:] = run(weights, *state)
         return state[0]
 
     # per call in a loop of back-to-back calls: one call's host dispatch latency left out
@@ -169,6 +180,8 @@ def main(argv=None) -> int:
                    "and what each kernel of a layer adds to it")
     p.add_argument("--page-size", type=int, default=None, help="DeepSeek models: the latent cache in pages "
                    "of this many tokens, shuffled over the pool (other models are left out)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="the batch's rows over N devices, the weights replicated on each (case suffix dpN)")
     p.add_argument("--part", default=None, help="this run is one slice of the grid: its rows are merged "
                    "into the table (a case measured again replaces its row)")
     args = p.parse_args(argv)
@@ -191,6 +204,13 @@ def main(argv=None) -> int:
     if args.combos:
         combos = [tuple(map(int, c.split(":"))) for c in args.combos.split(",")]
 
+    dp = args.data_parallel
+    if not 1 <= dp <= len(jax.devices()):
+        p.error(f"--data-parallel {dp}: between 1 and the {len(jax.devices())} devices here")
+    if dp > 1 and args.page_size:
+        p.error("--data-parallel with --page-size: a page pool is shared by the rows, it is not split")
+    mesh = (jax.make_mesh((dp,), ("data",), devices=jax.devices()[:dp], axis_types=(AxisType.Auto,))
+            if dp > 1 else None)
     bw = common.measure_bandwidth(0.0625 if args.smoke else 2.0)
     mem = device_memory_bytes()
     fused = fused_impl()
@@ -210,13 +230,19 @@ def main(argv=None) -> int:
             print(f"{tag} {dt}: {wbytes / 1e9:.2f} GB of weights, made in {time.perf_counter() - t0:.1f} s")
             for batch, ctx in combos:
                 kv = kv_bytes_per_step(cfg, batch, ctx, jnp.dtype(dtype).itemsize)
-                base = f"{tag} b{batch} ctx{ctx} {dt}" + (f" paged{args.page_size}" if args.page_size else "")
+                base = (f"{tag} b{batch} ctx{ctx} {dt}" + (f" paged{args.page_size}" if args.page_size else "")
+                        + (f" dp{dp}" if dp > 1 else ""))
+                if batch % dp:
+                    rows.append({"case": f"{base} xla", "skipped": f"{batch} rows do not split over {dp} devices"})
+                    print(rows[-1])
+                    continue
+                kv //= dp  # a device reads its own rows' cache
                 need = wbytes + kv * (ctx + steps) / ctx
                 if mem is not None and need > 0.92 * mem:
                     rows.append({"case": f"{base} xla", "skipped": f"needs {need / 1e9:.0f} GB > device memory"})
                     print(rows[-1])
                     continue
-                read = weight_bytes_per_step(cfg, wbytes, batch, jnp.dtype(dtype).itemsize)
+                read = weight_bytes_per_step(cfg, wbytes, batch // dp, jnp.dtype(dtype).itemsize)  # per device
                 floor_s = (read + kv) / bw
                 fused = fused_impl(cfg)
                 layer = one_launch_impl(cfg)
@@ -227,7 +253,7 @@ def main(argv=None) -> int:
                     try:
                         s = time_decode(model, impl, batch, ctx, steps, trials,
                                         trace=f"{base} {vname}" if args.trace and vname != "xla" else None,
-                                        page_size=args.page_size)
+                                        page_size=args.page_size, mesh=mesh)
                     except ValueError as exc:  # the one-launch kernel's coverage (e.g. rows), named
                         if vname != "one_launch":
                             raise

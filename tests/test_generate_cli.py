@@ -285,3 +285,15 @@ def test_cli_data_parallel_splits_the_rows(capsys):
     two = capsys.readouterr().out
     assert "batch 4 over 2 devices" in two
     assert [ln for ln in two.splitlines() if ln.startswith("[")] == [ln for ln in one.splitlines() if ln.startswith("[")]
+
+
+def test_decode_benchmark_data_parallel(tmp_path):
+    """decode_e2e.py --data-parallel 2 (CPU devices): rows over two devices, case suffix dp2; a
+    batch that does not split is listed as skipped."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_e2e.py"), "--smoke", "--out-dir",
+                        str(tmp_path), "--models", "tiny-llama", "--combos", "2:16,1:16", "--data-parallel", "2"],
+                       capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {row["case"]: row for row in json.loads((tmp_path / "decode_e2e_smoke.json").read_text())["rows"]}
+    assert rows["tiny-llama b2 ctx16 fp16 dp2 fused"]["ours_us"] > 0
+    assert rows["tiny-llama b1 ctx16 fp16 dp2 xla"]["skipped"] == "1 rows do not split over 2 devices"
