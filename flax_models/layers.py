@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 _INIT_STD = 0.02
 
@@ -75,7 +76,11 @@ class Embed(nnx.Module):
         self.embedding = _param(rngs, (vocab, dim), dtype)
 
     def __call__(self, ids):
-        return jnp.take(self.embedding[...], ids, axis=0)
+        # On Explicit mesh axes a gather's output sharding must be given: the ids' rows.
+        sharding = jax.typeof(ids).sharding
+        rows = isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
+        out = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, None)) if rows else None
+        return self.embedding[...].at[ids].get(out_sharding=out)
 
     def attend(self, h):
         """Tied output projection: h @ embedding.T, float32 logits."""

@@ -6,15 +6,19 @@ axes under ``jit``, each device can run the op on its own rows with the weights 
 and nothing needs gathering. Without a rule XLA sees an opaque custom call and gathers every
 operand to every device (the KV caches included) and replicates the results.
 
-:func:`row_partitioned` wraps an op's core (the function that binds its primitive) in
-``jax.experimental.custom_partitioning`` with a Shardy rule: dimension 0 of every row
-operand and row result is one factor, every other dimension must be replicated. The
-partitioner then calls the core on each device's rows. On one device the core is inlined
-as it was. Under ``vmap`` the core runs unpartitioned (custom_partitioning has no batching
-rule; the primitive's own folds the mapped axis into the rows).
+:func:`row_partitioned` wraps an op's core (the function that binds its primitive):
+- rows typed as sharded over Explicit mesh axes (known at trace time): ``jax.shard_map``
+  over those axes, the core on each device's rows, the results typed row-sharded;
+- otherwise ``jax.experimental.custom_partitioning`` with a Shardy rule: dimension 0 of
+  every row operand and row result is one factor, every other dimension must be
+  replicated. The partitioner then calls the core on each device's rows where it finds
+  them sharded (Auto axes). On one device the core is inlined as it was. Under ``vmap`` the
+  core runs unpartitioned (custom_partitioning has no batching rule; the primitive's own
+  folds the mapped axis into the rows).
 
 ``JAX_CLUSTER_ROW_PARTITIONING=0`` turns the wrapper off (read at trace time): the partitioner's
-callback is Python, so ``jax.export`` cannot serialize a multi-device program that holds it.
+callback is Python, so ``jax.export`` cannot serialize a multi-device program on Auto axes
+that holds it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Callable, Sequence
 import jax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 _ROW = "rows"
 ENV_ENABLE = "JAX_CLUSTER_ROW_PARTITIONING"
@@ -64,6 +68,19 @@ def _row_axes(shapes, row_flags):
     return None
 
 
+def _explicit_row_axes(leaves, flags):
+    """The Explicit mesh axes the row operands' dimension 0 is typed as sharded over, with
+    their mesh; (None, None) where the types say nothing (Auto axes, one device)."""
+    for leaf, is_row in zip(leaves, flags):
+        sharding = jax.typeof(leaf).sharding if is_row and leaf.ndim else None
+        if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
+            axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
+            kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+            if all(kinds[a] == AxisType.Explicit for a in axes):
+                return sharding.spec[0], sharding.mesh
+    return None, None
+
+
 def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bool]) -> Callable:
     """core(*args) -> tuple of arrays; args are arrays or pytrees of them (dicts, None).
 
@@ -81,6 +98,13 @@ def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bo
 
         def call(*ops):
             return tuple(core(*jax.tree.unflatten(tree, ops)))
+
+        axes, mesh = _explicit_row_axes(leaves, flags)
+        if axes is not None:
+            spec = lambda is_row: PartitionSpec(axes) if is_row else PartitionSpec()  # noqa: E731
+            return jax.shard_map(call, mesh=mesh, in_specs=tuple(spec(f and leaf.ndim > 0) for f, leaf in
+                                                                 zip(flags, leaves)),
+                                 out_specs=tuple(map(spec, row_out)), check_vma=False)(*leaves)
 
         @custom_partitioning
         def op(*ops):

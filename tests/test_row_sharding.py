@@ -187,11 +187,13 @@ def test_swiglu_and_linear_rows_partitioned(rng):
 
 
 # ----------------------------------------------------------------------------- a model's step
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-pythia", "tiny-deepseek"])
-def test_fused_decode_step_on_a_batch_sharded_cache(rng, preset):
+def test_fused_decode_step_on_a_batch_sharded_cache(rng, preset, axis_type):
     """flax_models' decode step (impl fused: the ops' handlers) with the tokens and the cache
-    sharded over the batch (Auto axes, as jit's in_shardings give): no collective touches the
-    cache, and the logits and the cache equal those of each device's rows run alone."""
+    sharded over the batch (Auto axes, as jit's in_shardings give, or Explicit ones: the ops
+    then run under shard_map): no collective touches the cache, and the logits and the cache
+    equal those of each device's rows run alone."""
     from flax import nnx  # noqa: PLC0415
 
     model = random_model(PRESETS[preset], jnp.bfloat16, std=0.1)
@@ -208,11 +210,14 @@ def test_fused_decode_step_on_a_batch_sharded_cache(rng, preset):
     tokens = jnp.asarray(rng.integers(0, PRESETS[preset].vocab_size, batch), jnp.int32)
     # each device's half alone (XLA's own dots may sum differently at another row count)
     want = per_device(lambda t, c: step(state, t, c), (tokens, cache), (True, True), 2)
-    rows = NamedSharding(_mesh(2, AxisType.Auto), P("data"))
+    mesh = _mesh(2, axis_type)
+    rows = NamedSharding(mesh, P("data"))
     tokens, cache = jax.device_put(tokens, rows), jax.tree.map(lambda a: jax.device_put(a, rows), cache)
+    state = jax.device_put(state, NamedSharding(mesh, P()))
     text = step.lower(state, tokens, cache).compile().as_text()
     assert "all-gather" not in text
     got = step(state, tokens, cache)
+    assert all(a.sharding.spec[0] == "data" for a in jax.tree.leaves(got))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -245,20 +250,27 @@ def test_generate_data_parallel_errors(rng):
         generate(model, [[1, 2], [3]], 2, mesh=mesh, page_size=16)
 
 
-def test_row_partitioning_off_for_export(rng, monkeypatch):
-    """JAX_CLUSTER_ROW_PARTITIONING=0: no partitioner callback, so jax.export takes a
-    multi-device program (the operands then gathered); with it on, export refuses it."""
+def test_export_of_a_partitioned_program(rng, monkeypatch):
+    """On Explicit axes (shard_map) jax.export takes the partitioned program. On Auto axes the
+    partitioner's callback cannot be serialized: export refuses it, and with
+    JAX_CLUSTER_ROW_PARTITIONING=0 (the operands then gathered) takes it."""
     from jax import export  # noqa: PLC0415
 
     kc, vc, lengths, _ = _attention_inputs(rng)
     q = _f(rng, 4, 2, 2, 16)
+    checks = [export.DisabledSafetyCheck.custom_call("jax_cluster_decode_attention")]
+    explicit = NamedSharding(_mesh(2, AxisType.Explicit), P("data"))
+    on_explicit = [jax.device_put(a, explicit) for a in (q, kc, vc, lengths)]
+    fn = jax.jit(lambda *a: jc.decode_attention(*a, impl="cuda"))
+    exported = export.export(fn, disabled_checks=checks)(*on_explicit)
+    np.testing.assert_array_equal(np.asarray(exported.call(*on_explicit)), np.asarray(fn(q, kc, vc, lengths)))
+
     mesh = _mesh(2, AxisType.Auto)
     rows = NamedSharding(mesh, P("data"))
     args = [jax.device_put(a, rows) for a in (q, kc, vc, lengths)]
     def step():  # a fresh function per trace: the variable is read when the op is traced
         return jax.jit(lambda *a: jc.decode_attention(*a, impl="cuda"), in_shardings=(rows,) * 4, out_shardings=rows)
 
-    checks = [export.DisabledSafetyCheck.custom_call("jax_cluster_decode_attention")]
     with pytest.raises(NotImplementedError):
         export.export(step(), disabled_checks=checks)(*args)
     want = step()(*args)
