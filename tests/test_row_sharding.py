@@ -1,8 +1,9 @@
 """The decode ops on a device mesh: rows (the batch) sharded over a mesh axis under jit run on
 each device's own rows. The compiled program gathers nothing (no collective at all: the
 weights are replicated, the caches stay where their rows are), the results keep the rows'
-sharding and equal the one-device call bit for bit. CPU devices (conftest asks for 8), the
-ops' C++ handlers (impl="cuda"); Explicit and Auto mesh axes."""
+sharding and equal the one-device call bit for bit (or each device's rows run alone, where
+an op picks its path by its row count). CPU devices (conftest asks for 8), the ops' C++
+handlers (impl="cuda"); Explicit and Auto mesh axes."""
 
 import functools
 
