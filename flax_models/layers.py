@@ -80,7 +80,7 @@ class Embed(nnx.Module):
         sharding = jax.typeof(ids).sharding
         rows = isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
         out = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, None)) if rows else None
-        return self.embedding[...].at[ids].get(out_sharding=out)
+        return self.embedding[...].at[ids].get(mode="fill", out_sharding=out)  # as jnp.take: NaN rows past the vocab
 
     def attend(self, h):
         """Tied output projection: h @ embedding.T, float32 logits."""
