@@ -58,27 +58,29 @@ def _rule(row_in: Sequence[bool], row_out: Sequence[bool], in_ranks, out_ranks) 
     return f"{ins} -> {outs}", tuple(names)
 
 
-def _row_axes(shapes, row_flags):
-    """The mesh axes dimension 0 of the row operands is sharded over (the first sharded one's)."""
-    for shape, is_row in zip(shapes, row_flags):
-        if is_row and shape.ndim and isinstance(shape.sharding, NamedSharding):
-            axes = shape.sharding.spec[0] if len(shape.sharding.spec) else None
-            if axes is not None:
-                return axes
+def _rows_sharding(shardings, ndims, flags):
+    """The sharding of the first row operand whose dimension 0 is sharded (None: none is)."""
+    for sharding, ndim, is_row in zip(shardings, ndims, flags):
+        if is_row and ndim and isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0]:
+            return sharding
     return None
+
+
+def _row_spec(axes, is_row: bool, ndim: int) -> PartitionSpec:
+    return PartitionSpec(axes) if is_row and ndim else PartitionSpec()
 
 
 def _explicit_row_axes(leaves, flags):
     """The Explicit mesh axes the row operands' dimension 0 is typed as sharded over, with
     their mesh; (None, None) where the types say nothing (Auto axes, one device)."""
-    for leaf, is_row in zip(leaves, flags):
-        sharding = jax.typeof(leaf).sharding if is_row and leaf.ndim else None
-        if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
-            axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
-            kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-            if all(kinds[a] == AxisType.Explicit for a in axes):
-                return sharding.spec[0], sharding.mesh
-    return None, None
+    sharding = _rows_sharding([jax.typeof(leaf).sharding for leaf in leaves], [leaf.ndim for leaf in leaves], flags)
+    if sharding is None:
+        return None, None
+    axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
+    kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    if not all(kinds[a] == AxisType.Explicit for a in axes):
+        return None, None
+    return sharding.spec[0], sharding.mesh
 
 
 def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bool]) -> Callable:
@@ -101,21 +103,20 @@ def row_partitioned(core: Callable, row_in: Sequence[bool], row_out: Sequence[bo
 
         axes, mesh = _explicit_row_axes(leaves, flags)
         if axes is not None:
-            spec = lambda is_row: PartitionSpec(axes) if is_row else PartitionSpec()  # noqa: E731
-            return jax.shard_map(call, mesh=mesh, in_specs=tuple(spec(f and leaf.ndim > 0) for f, leaf in
-                                                                 zip(flags, leaves)),
-                                 out_specs=tuple(map(spec, row_out)), check_vma=False)(*leaves)
+            return jax.shard_map(call, mesh=mesh,
+                                 in_specs=tuple(_row_spec(axes, f, leaf.ndim) for f, leaf in zip(flags, leaves)),
+                                 out_specs=tuple(_row_spec(axes, f, 1) for f in row_out), check_vma=False)(*leaves)
 
         @custom_partitioning
         def op(*ops):
             return call(*ops)
 
         def partition(mesh, arg_shapes, result_shape):
-            axes = _row_axes(arg_shapes, flags)
+            rows = _rows_sharding([s.sharding for s in arg_shapes], [s.ndim for s in arg_shapes], flags)
+            axes = None if rows is None else rows.spec[0]
 
             def sharding(shape, is_row):
-                spec = PartitionSpec(axes, *([None] * (shape.ndim - 1))) if is_row and shape.ndim else PartitionSpec()
-                return NamedSharding(mesh, spec)
+                return NamedSharding(mesh, _row_spec(axes, is_row, shape.ndim))
 
             return (mesh, call, tuple(map(sharding, result_shape, row_out)),
                     tuple(map(sharding, arg_shapes, flags)))
