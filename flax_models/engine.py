@@ -184,8 +184,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              page_size: int | None = None, mesh: Mesh | None = None, data_axis: str = "data") -> GenerationResult:
     """Generates max_new_tokens tokens (fewer if every row ended) for a batch of prompts; with
     page_size, over a paged latent cache (DeepSeek models). With a mesh, data parallel: the
-    rows (prompts, cache) sharded over its axis data_axis, the weights replicated; the fused
-    ops run each device's own rows (docs/sharding.md)."""
+    rows (prompts, cache) sharded over its axis data_axis, the weights replicated (copied to
+    the mesh's devices per call unless the model's state already is); the fused ops run each
+    device's own rows (docs/sharding.md)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     tokens, lengths = pad_prompts(prompts, pad_multiple)
