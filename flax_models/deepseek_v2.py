@@ -29,7 +29,10 @@ class DeepseekV2Layer(nnx.Module):
 
     def feed_forward(self, x, eps, impl):
         if self.moe is not None:  # the MoE op normalises x itself (in its router's kernels when fused)
-            return self.moe(x, residual=x, norm=self.post_norm.weight[...], norm_eps=eps, impl=impl)
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            y = ops.moe(x2, residual=x2, norm=self.post_norm.weight[...], norm_eps=eps, impl=impl, **self.moe.weights())
+            return y.reshape(shape)
         h = rms_norm(x, self.post_norm.weight[...], eps)
         return ops.swiglu_mlp(h, residual=x, impl=impl, **self.mlp.weights())
 

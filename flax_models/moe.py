@@ -4,8 +4,8 @@ SwiGLU experts and always-on shared experts; DeepSeek-V3's sigmoid router (noaux
 Two ways to run the routed experts in jnp, same result (:func:`experts_xla` picks): for few
 (token, expert) pairs (decode) gather the chosen experts' weights, reading only those; for many
 (prefill) sort the pairs by expert and use ``jax.lax.ragged_dot`` (grouped matmul). The whole
-layer is the block :func:`flax_models.ops.moe`, which runs it on ``jax_cluster.moe_decode`` under
-impl "fused" (and "auto" on a GPU at decode sizes).
+layer is the block :func:`flax_models.ops.moe` (over :meth:`MoE.weights`), which runs it on
+``jax_cluster.moe_decode`` under impl "fused" (and "auto" on a GPU at decode sizes).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import ops
 from .config import DeepseekV2Config
 from .layers import SwiGLU, _param, silu
 
@@ -114,18 +113,13 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
         self.score_bias = _param(rngs, (e,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
 
-    def __call__(self, x, residual=None, *, norm=None, norm_eps=1e-6, impl="xla"):
-        """x [..., H] (normalised; with ``norm``, the RMSNorm weight [H], the pre-norm hidden state)
-        -> routed + shared (+ residual): the block :func:`ops.moe`."""
+    def weights(self) -> dict:
+        """The arguments of the block :func:`flax_models.ops.moe` this layer holds: router,
+        experts, shared experts and its routing configuration."""
         c = self.cfg
-        shape = x.shape
-        h = shape[-1]
-        y = ops.moe(x.reshape(-1, h), self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
+        return dict(router=self.router[...], w_gate=self.w_gate[...], w_up=self.w_up[...], w_down=self.w_down[...],
                     shared=None if self.shared is None else self.shared.weights(),
-                    residual=None if residual is None else residual.reshape(-1, h), norm=norm, norm_eps=norm_eps,
-                    impl=impl,
                     top_k=c.num_experts_per_tok, topk_method=c.topk_method, n_group=c.n_group,
                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                     routed_scaling_factor=c.routed_scaling_factor,
                     **({} if self.score_bias is None else {"score_bias": self.score_bias[...]}))
-        return y.reshape(shape)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from . import attention as attn
 from .layers import dense, gelu, layer_norm, rms_norm, silu
+from .moe import experts_xla, route
 from .rope import apply_rope, cos_sin
 
 IMPLS = ("auto", "xla", "fused")
@@ -452,8 +453,6 @@ def moe_xla(x, router, w_gate, w_up, w_down, *, shared=None, residual=None, shar
     its residual. x [N, H] (with ``norm``, the RMSNorm weight [H], x is the pre-norm hidden
     state and the layer sees :func:`rms_norm` of it); router [H, E]; w_gate / w_up [E, H, I];
     w_down [E, I, H]."""
-    from .moe import experts_xla, route  # noqa: PLC0415  (moe.py imports this module)
-
     if norm is not None:
         x = rms_norm(x, norm, norm_eps)
 
