@@ -255,8 +255,8 @@ def steady_seconds(call: Callable[[], object], *, warmup: int = 2, trials: int =
     issued back to back (JAX dispatches asynchronously: the host enqueues the next call
     while the device runs this one). The difference of the two medians over calls - 1
     leaves out the fixed dispatch and synchronisation latency that a single timed call
-    includes (on an H100 host 60-250 us before the first kernel starts: 5-15% of a 2 ms
-    call, and most of the spread between identical runs); medians taken apart, so one
+    includes (tens to hundreds of µs before the first kernel starts, and most of the spread
+    between identical runs; docs/performance.md); medians taken apart, so one
     slow single call cannot make a trial look fast. Where the difference is not positive
     (calls so short that latency is all there is) it is the back-to-back time per call."""
     import jax

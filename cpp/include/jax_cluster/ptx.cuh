@@ -70,8 +70,9 @@ JAX_CLUSTER_LDG_STREAM(ldg_stream, ldg_stream8, "")
 
 // ldg_stream and ldg_stream8 with a 256-byte L2 prefetch-size hint: for warps that read
 // each row in pieces smaller than a line (a whole row is then fetched from DRAM at the
-// first piece's miss). The tensor-core split decode kernel, whose lanes read 64 bytes of
-// each of 8 rows per instruction, streamed 5% faster with it on H100 (docs/attention_block.md).
+// first piece's miss). The tensor-core split decode kernel's lanes read 64 bytes of each of
+// 8 rows per instruction; without the hint each row reaches DRAM in 64-byte misses
+// (docs/decode_attention.md).
 JAX_CLUSTER_LDG_STREAM(ldg_stream_256, ldg_stream8_256, ".L2::256B")
 
 #undef JAX_CLUSTER_LDG_STREAM

@@ -52,8 +52,8 @@ struct LayerWeights {
 #define JAX_CLUSTER_LAYER_STEPS_IN_FLIGHT (kLayerBlocksPerSm == 1 ? 3 : 2)
 #endif
 // 16-row steps in flight per warp, 4 loads of 16 bytes per lane each. One block per SM: 3
-// (48 KB per SM) streamed 1-6% faster than 4 and 7-17% faster than 8; two blocks: 2 steps
-// (64 KB per SM) fit in 128 registers (docs/decoder_layer.md). A probe build may set another.
+// (48 KB per SM) streamed faster than 4 or 8; two blocks: 2 steps (64 KB per SM) fit in 128
+// registers (docs/decoder_layer.md). A probe build may set another.
 inline constexpr int kLayerStepsInFlight = JAX_CLUSTER_LAYER_STEPS_IN_FLIGHT;
 inline constexpr int kLayerRowGroups = 2;  // warps = 4 column quarters x 2 row groups
 #ifndef JAX_CLUSTER_LAYER_STAGE_SEGMENT_ROWS

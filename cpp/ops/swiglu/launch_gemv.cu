@@ -16,7 +16,7 @@
 // Why tile-aligned K chunks, not equal flat chunks that would balance the SMs exactly: the
 // blocks of one K chunk start together and read the same weight rows of neighbouring
 // tiles at about the same time (DRAM pages shared); equal chunks starting at arbitrary rows
-// measured 20-30% slower on H100 (docs/swiglu.md).
+// measured slower (docs/swiglu.md).
 // The down kernel is launched programmatically (PDL, SwigluParams::pdl): its blocks start
 // as up blocks retire and issue their first w_down loads before waiting for A2.
 #include <cuda_bf16.h>
