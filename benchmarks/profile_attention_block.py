@@ -18,7 +18,7 @@ configuration runs 4 times (3 warm-ups: pass --launch-skip 3 and count 4 launche
 configuration; the regex leaves out the combine kernel). Without
 XLA_PYTHON_CLIENT_PREALLOCATE=false ncu backs up XLA's whole memory pool before every replay
 pass (the kernel writes the caches in place): minutes per kernel instead of seconds.
-docs/attention_block.md has what these profiles showed.
+docs/attention_block.md has the configurations and what bounds them.
 """
 
 from __future__ import annotations
