@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // A split tile this block ended mid-range (only ever its first tile, of which it is the
   // `last` owner): its partial is stored at once, its counter bumped with the final tile's,
-  // so the stream does not stall on a fence and an atomic round trip, which are long under load.
+  // so the stream does not stall on a fence and an atomic round trip (long under load).
   int64_t pending = -1;
   RingCursor cur;
   for (int i = 0; i < n; ++i) {
