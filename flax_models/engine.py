@@ -2,8 +2,9 @@
 argument), the cache donated to every step so it is updated in place.
 
 ``generate`` pads prompts on the right (see base.py for why), prefills once, then runs one jitted
-decode step per token from Python (tokens stay on device; no host sync per step) and times each
-phase after ahead-of-time compilation. ``decode_loop`` runs many steps inside ONE jit
+decode step per token from Python (tokens and the rows' end-token flags stay on device, updated
+inside the step; the host looks at the flags every 16 steps) and times each phase after
+ahead-of-time compilation. ``decode_loop`` runs many steps inside ONE jit
 (lax.fori_loop), for benchmarks.
 """
 
@@ -79,6 +80,13 @@ def _step(graphdef, sampling, impl, state, tokens, cache, key):
     return sample(logits, sub, sampling), cache, key
 
 
+def _generate_step(graphdef, sampling, impl, state, tokens, cache, key, done, eos):
+    """A decode step that also folds "this row has produced an end token" into done, inside
+    the step's jit: no separate dispatch per token."""
+    tokens, cache, key = _step(graphdef, sampling, impl, state, tokens, cache, key)
+    return tokens, cache, key, done | jnp.isin(tokens, eos)
+
+
 def _loop(graphdef, sampling, impl, steps, state, tokens, cache, key):
     def body(_, carry):
         tok, c, k = carry
@@ -122,7 +130,7 @@ class Engine:
         self.sampling = sampling
         impl = ops.normalize_impl(impl)
         self.prefill = jax.jit(functools.partial(_prefill, self.graphdef, sampling), donate_argnums=(3,))
-        self.step = jax.jit(functools.partial(_step, self.graphdef, sampling, impl), donate_argnums=(2,))
+        self.step = jax.jit(functools.partial(_generate_step, self.graphdef, sampling, impl), donate_argnums=(2,))
         self._impl = impl
         self._compiled = {}
 
@@ -206,7 +214,11 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     placed = lambda a: a.sharding if mesh is not None else None  # noqa: E731
     shape_of = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed(a))  # noqa: E731
     tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placed(tokens_d))
-    step = engine.compiled("step", state, tok_shape, jax.tree.map(shape_of, cache), key)
+    eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
+    if mesh is not None:
+        eos = jax.device_put(eos, whole)
+    done_shape = jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=placed(tokens_d))
+    step = engine.compiled("step", state, tok_shape, jax.tree.map(shape_of, cache), key, done_shape, eos)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -215,7 +227,6 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     prefill_s = time.perf_counter() - t0
 
     out = [tok]
-    eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
     done = jnp.isin(tok, eos)
     bar = None
     if progress:
@@ -225,14 +236,12 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         bar.update(1)
     t0 = time.perf_counter()
     for i in range(1, max_new_tokens):
-        tok, cache, key = step(state, tok, cache, key)
+        tok, cache, key, done = step(state, tok, cache, key, done, eos)
         out.append(tok)
         if bar is not None:
             bar.update(1)
-        if eos_token_ids:
-            done = done | jnp.isin(tok, eos)
-            if i % 16 == 0 and bool(done.all()):
-                break
+        if eos_token_ids and i % 16 == 0 and bool(done.all()):
+            break
     jax.block_until_ready(tok)
     decode_s = time.perf_counter() - t0
     if bar is not None:
