@@ -1,5 +1,5 @@
 """Test setup: 8 fake CPU devices for sharding tests, the `gpu` marker, `--shard K/N`, and
-`probe_tool` (a script of benchmarks/probes/ loaded as a module)."""
+`probe_tool` / `bench_tool` (a script of benchmarks/probes/ or benchmarks/ loaded as a module)."""
 
 import importlib.util
 import os
@@ -69,15 +69,22 @@ def rng():
     return np.random.default_rng(seed)
 
 
+def _load_script(folder: str, name: str):
+    """benchmarks/<folder>/<name>.py loaded as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{folder.replace('/', '_')}_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def probe_tool():
-    """probe_tool("ab_probe"): benchmarks/probes/ab_probe.py loaded as a module (the probes
-    are scripts, not a package)."""
-    def load(name):
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"_probe_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    """probe_tool("ab_probe"): benchmarks/probes/ab_probe.py loaded as a module."""
+    return lambda name: _load_script("probes", name)
 
-    return load
+
+@pytest.fixture
+def bench_tool():
+    """bench_tool("plot"): benchmarks/plot.py loaded as a module."""
+    return lambda name: _load_script("", name)

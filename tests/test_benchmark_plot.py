@@ -1,5 +1,4 @@
 """benchmarks/plot.py: grouping a results table into series, and drawing every committed table."""
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,15 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
 
 
-def _plot_module():
-    spec = importlib.util.spec_from_file_location("_bench_plot", ROOT / "benchmarks" / "plot.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_series_from_the_case_names_last_word():
-    plot = _plot_module()
+def test_series_from_the_case_names_last_word(bench_tool):
+    plot = bench_tool("plot")
     rows = [{"case": "m b1 fp16 xla", "r": 0.5}, {"case": "m b1 fp16 one_launch", "r": 0.7},
             {"case": "m b2 fp16 xla", "r": 0.6}, {"case": "m b2 fp16 fused", "r": "n/a"}]
     groups, series = plot.series_table(rows, ["r"], series_from_case=True)
@@ -30,8 +22,8 @@ def test_series_from_the_case_names_last_word():
     assert plot._split_case("single") == ("single", "")
 
 
-def test_columns_as_series_and_default_metrics():
-    plot = _plot_module()
+def test_columns_as_series_and_default_metrics(bench_tool):
+    plot = bench_tool("plot")
     rows = [{"case": "a", "x_floor_fraction": 0.5, "y_floor_fraction": 0.8, "speedup_vs_z": 2.0}]
     assert plot.default_metrics(list(rows[0])) == ["x_floor_fraction", "y_floor_fraction"]
     assert plot.default_metrics(["case", "speedup_vs_z", "us"]) == ["speedup_vs_z"]
@@ -40,9 +32,9 @@ def test_columns_as_series_and_default_metrics():
 
 
 @pytest.mark.parametrize("table", RESULTS, ids=[p.stem for p in RESULTS])
-def test_every_committed_table_draws_or_asks_for_a_metric(table, tmp_path):
+def test_every_committed_table_draws_or_asks_for_a_metric(table, tmp_path, bench_tool):
     pytest.importorskip("matplotlib")
-    plot = _plot_module()
+    plot = bench_tool("plot")
     out = tmp_path / f"{table.stem}.png"
     try:
         assert plot.plot(table, out=out) == out
@@ -52,9 +44,9 @@ def test_every_committed_table_draws_or_asks_for_a_metric(table, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_metric_and_bad_file_are_one_line_errors(tmp_path, capsys):
+def test_bad_metric_and_bad_file_are_one_line_errors(tmp_path, capsys, bench_tool):
     pytest.importorskip("matplotlib")
-    plot = _plot_module()
+    plot = bench_tool("plot")
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"device": "cpu", "rows": [{"case": "a b", "speedup_vs_x": 1.5}]}))
     assert plot.main([str(table), "--metric", "nope", "--out", str(tmp_path / "t.png")]) == 2
