@@ -30,13 +30,15 @@ from common import dtype_tag, measure_bandwidth, print_timeline, random_normal, 
 MODELS = {  # hidden, q heads, kv heads, head dim
     "llama2-7b": (4096, 32, 32, 128),
     "llama3-8b": (4096, 32, 8, 128),
-    # more public decoders' shapes (--models all): head dims 64/80/96/128, GQA groups 1-7
+    # more public decoders' shapes (--models all): head dims 64/80/96/128/256, GQA groups 1-8
     "llama3.2-1b": (2048, 32, 8, 64),
     "llama3.2-3b": (3072, 24, 8, 128),
     "qwen2.5-1.5b": (1536, 12, 2, 128),
     "qwen2.5-7b": (3584, 28, 4, 128),
     "phi3-mini": (3072, 32, 32, 96),
     "pythia-2.8b": (2560, 32, 32, 80),
+    "pythia-1b": (2048, 8, 8, 256),
+    "gemma-2b": (2048, 8, 1, 256),
     "llama2-13b": (5120, 40, 40, 128),
     "mistral-nemo-12b": (5120, 32, 8, 128),
 }

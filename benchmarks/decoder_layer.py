@@ -28,6 +28,7 @@ from common import dtype_tag, measure_bandwidth, time_donated, write_results
 
 # family, hidden, q heads, kv heads, head dim, MLP width, rotary dim
 MODELS = {
+    "pythia-1b": ("gpt_neox", 2048, 8, 8, 256, 8192, 64),
     "pythia-2.8b": ("gpt_neox", 2560, 32, 32, 80, 10240, 20),
     "pythia-6.9b": ("gpt_neox", 4096, 32, 32, 128, 16384, 32),
     "llama-2-7b": ("llama", 4096, 32, 32, 128, 11008, 128),

@@ -48,6 +48,8 @@ PRESETS = {
                                                 high_freq_factor=4.0, original_max_position_embeddings=8192),
                                 rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
                                 eos_token_ids=(128001,)),
+    "pythia-1b": GPTNeoXConfig(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                               num_heads=8, rotary_dim=64, rope=RopeConfig(theta=10000.0), eos_token_ids=(0,)),
     "pythia-2.8b": GPTNeoXConfig(vocab_size=50304, hidden_size=2560, intermediate_size=10240, num_layers=32,
                                  num_heads=32, rotary_dim=20, rope=RopeConfig(theta=10000.0), eos_token_ids=(0,)),
     "pythia-6.9b": GPTNeoXConfig(vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_layers=32,

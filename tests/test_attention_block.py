@@ -816,6 +816,36 @@ def test_gpu_split_k_kernel(rng, dtype, shape):
     check(args, kw, _gpu(), impl="cuda", config=Config(kernel="split_k", splits=3))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(3, 512, 4, 4, 256, 1000, "layer", True, 64),   # Pythia-1B's heads
+                                   (2, 512, 8, 1, 256, 517, "rms", False, None),   # MQA 8 (Gemma-2B)
+                                   (2, 96, 2, 2, 64, 130, "rms", True, None)],     # hidden % 64 != 0
+                         ids=["dh256-mha", "dh256-mqa", "hidden-96"])
+def test_gpu_shapes_past_the_fused_kernel_run_split_k(rng, dtype, shape, tmp_path, monkeypatch):
+    """Shapes the fused kernel does not take and decode_attention's kernels do: impl="cuda"
+    without a config runs split_k, "auto" weighs it against XLA's ops without a fallback
+    warning; both compute the step."""
+    import json
+    import warnings
+    monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    _ffi._warned.clear()
+    b, hidden, hq, hkv, dh, s, norm, bias, rotary = shape
+    lengths = rng.integers(0, s, size=b)
+    lengths[0] = s - 1
+    args, kw = make_inputs(rng, batch=b, hidden=hidden, hq=hq, hkv=hkv, dh=dh, max_seq=s, dtype=dtype,
+                           lengths=lengths, norm=norm, bias=bias, rotary_dim=rotary)
+    kw["residual"] = True
+    hlo = jax.jit(lambda a: jc.attention_block(**a, **kw, impl="cuda")).lower(args).as_text()
+    assert "jax_cluster_decode_attention_append" in hlo and "jax_cluster_attention_block" not in hlo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(args, kw, _gpu(), impl="cuda")
+        check(args, kw, _gpu(), impl="auto")
+    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
+    assert set(entry["times_us"]) <= {str(Config(kernel="split_k")), str(Config(kernel="pallas")), "xla"}
+
+
 # ---------------------------------------------------------------- GPU: the issue's size limits
 LIMIT_CONFIGS = [dict(impl="cuda", config=Config(cluster_size=4)),
                  dict(impl="cuda", config=Config(cluster_size=8, pipeline="tma")),
@@ -879,8 +909,8 @@ def test_gpu_explicit_config_skips_the_tuner(rng, tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(96, 4, 2, 64, "float16"), (512, 4, 2, 128, "float32")],
-                         ids=["hidden-96", "float32"])
+@pytest.mark.parametrize("shape", [(96, 2, 2, 48, "float16"), (512, 4, 2, 128, "float32")],
+                         ids=["head_dim-48", "float32"])
 def test_gpu_fallback_warns_once(rng, shape):
     """A shape or dtype the kernel does not take runs XLA's ops, with one warning per
     shape: the second call is silent."""

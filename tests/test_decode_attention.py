@@ -185,6 +185,9 @@ GPU_CASES = [  # batch, hkv, group, dh, max_seq
     (3, 1, 8, 80, 333),     # MQA, head_dim 80
     (2, 2, 3, 96, 515),     # group 3, head_dim 96
     (3, 2, 2, 128, 9),      # a short cache
+    (2, 8, 1, 256, 2050),   # head_dim 256, MHA (Pythia-1B)
+    (3, 1, 8, 256, 777),    # head_dim 256, MQA 8 (Gemma-2B): the lean tensor-core form, merge threads looping
+    (1, 4, 2, 256, 4096),   # head_dim 256, GQA 2 (Gemma-2-2B)
 ]
 
 
@@ -211,15 +214,17 @@ def test_gpu_xla_and_auto(rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [1, 4])  # CUDA-core and tensor-core split kernels
 @pytest.mark.parametrize("splits", [None, 1])  # 1: the output written without a merge kernel
-def test_gpu_out_of_range_rows_are_nan(rng, group, splits):
-    q, k, v, _ = make(rng, 3, 2, group, 128, 300, "float16")
+@pytest.mark.parametrize("dh", [128, 256])
+def test_gpu_out_of_range_rows_are_nan(rng, group, splits, dh):
+    q, k, v, _ = make(rng, 3, 2, group, dh, 300, "float16")
     check(q, k, v, jnp.asarray([-1, 299, 300], jnp.int32), device=_gpu(), splits=splits, impl="cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 16])
-def test_gpu_deterministic(rng, splits):
-    q, k, v, lengths = jax.device_put(make(rng, 3, 8, 4, 128, 2048, "bfloat16"), _gpu())
+@pytest.mark.parametrize("group, dh", [(4, 128), (8, 256), (1, 256)])
+def test_gpu_deterministic(rng, splits, group, dh):
+    q, k, v, lengths = jax.device_put(make(rng, 3, 8 // group, group, dh, 2048, "bfloat16"), _gpu())
     f = jax.jit(lambda *a: decode_attention(*a, impl="cuda", config=DecodeAttentionConfig(splits=splits)))
     first = np.asarray(f(q, k, v, lengths))
     for _ in range(20):
@@ -375,9 +380,10 @@ def test_gpu_append_vs_reference(rng, dtype, case, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [1, 4])
-def test_gpu_append_out_of_range_and_deterministic(rng, group):
+@pytest.mark.parametrize("dh", [128, 256])
+def test_gpu_append_out_of_range_and_deterministic(rng, group, dh):
     for splits in (None, 1):  # caches untouched in out-of-range rows, merged or not
-        args = make_append(rng, 3, 2, group, 128, 300, "bfloat16", [-1, 299, 300], rotary_dim=64)
+        args = make_append(rng, 3, 2, group, dh, 300, "bfloat16", [-1, 299, 300], rotary_dim=64)
         check_append(args, device=_gpu(), group=group, layout="interleaved", rotary_dim=64,
                      splits=splits, impl="cuda")
     args = jax.device_put(make_append(rng, 3, 8, 4, 128, 2048, "bfloat16", [2047, 5, 1000]), _gpu())

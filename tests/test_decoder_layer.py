@@ -364,6 +364,7 @@ def test_kernel_refuses_inputs_its_chunks_cannot_stage():
     (2048, 8192, 32, 8, 64, 0, False),      # llama-3.2-1b
     (2560, 10240, 32, 32, 80, 1, True),     # pythia-2.8b
     (4096, 16384, 32, 32, 128, 1, False),   # pythia-6.9b, sequential
+    (2048, 8192, 8, 8, 256, 1, True),       # pythia-1b: head_dim 256
     (320, 520, 16, 2, 80, 0, False),        # widths off every tile
     (200, 456, 4, 4, 96, 1, True),
 ])

@@ -1,6 +1,6 @@
 """decoder_layer's one-launch CUDA kernel against the fp32 reference: Llama (RMSNorm, SwiGLU,
 GQA 1/4/8) and GPT-NeoX (LayerNorm, biases, partial rotary, parallel and sequential residual,
-exact and tanh GeLU), head_dim 64/80/96/128, batch 1/3/8, float16 and bfloat16, widths that
+exact and tanh GeLU), head_dim 64/80/96/128/256, batch 1/3/8, float16 and bfloat16, widths that
 are not multiples of the 64-column tiles, lengths at both ends of the cache and invalid rows;
 bitwise reproducibility over 20 runs; auto's choice between the kernel and the per-op path."""
 
@@ -68,6 +68,8 @@ CONFIGS = [  # family, d, f, hq, hkv, dh, rotary, bias, extra
     ("gpt_neox", 384, 1536, 4, 4, 96, 24, True, dict(parallel_residual=True)),
     ("gpt_neox", 320, 1280, 4, 4, 80, 20, True, dict(parallel_residual=False, gelu_approximate=True)),
     ("gpt_neox", 256, 1024, 2, 2, 128, 32, False, dict(parallel_residual=True, gelu_approximate=True)),
+    ("gpt_neox", 512, 2048, 2, 2, 256, 64, True, dict(parallel_residual=True)),     # Pythia-1B's heads
+    ("llama", 512, 1024, 8, 1, 256, None, False, {}),                               # MQA 8 (Gemma-2B's heads)
 ]
 
 

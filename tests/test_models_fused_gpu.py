@@ -1,5 +1,5 @@
 """flax_models on the GPU with the fused kernels, on small models whose shapes the kernels
-take but no preset has (Qwen2.5-style GQA 7, head_dim 80 with partial rotary, DeepSeek-V2
+take but no preset has (Qwen2.5-style GQA 7, head_dim 80 with partial rotary, head_dim 256, DeepSeek-V2
 with q LoRA and group-limited routing): prefill, then decode steps with impl="fused"
 against the same steps on XLA's ops, from the same caches, in bfloat16. Every block must
 say it ran on jax_cluster (no silent fallback)."""
@@ -29,6 +29,11 @@ MODELS = {
                                  rotary_dim=20, rope=ROPE),
     "pythia-hd64-sequential": GPTNeoXConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=2,
                                             num_heads=4, rotary_dim=16, rope=ROPE, use_parallel_residual=False),
+    # Pythia-1B's heads (head_dim 256, a quarter rotary) and Gemma-2B's (MQA 8 at head_dim 256)
+    "pythia-hd256": GPTNeoXConfig(vocab_size=256, hidden_size=512, intermediate_size=2048, num_layers=2, num_heads=2,
+                                  rotary_dim=64, rope=ROPE),
+    "llama-mqa8-hd256": LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
+                                    num_heads=8, num_kv_heads=1, head_dim=256, rope=ROPE),
     "deepseek-v2-qlora-grouped": DeepseekV2Config(
         vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_layers=2, num_heads=4,
         kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,

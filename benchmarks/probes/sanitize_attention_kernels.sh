@@ -80,13 +80,17 @@ ak_configs=(
   "2048 16 16 128 200 2 4 1 split_head"
 )
 # decode_attention: B Hkv G Dh S_max splits: the tensor-core kernel (G >= 2) with and without
-# token splits (merge kernel), head_dim 64/80/96/128, and the CUDA-core kernel (MHA, G = 1).
+# token splits (merge kernel), head_dim 64/80/96/128, and the CUDA-core kernel (MHA, G = 1);
+# at head_dim 256 both (the tensor-core one in its lean form, the merge looping over entries).
 da_configs=(
   "3 2 3 80 300 5"
   "2 2 4 128 300 1"
   "2 2 8 64 200 3"
   "1 4 4 96 100 1"
   "2 4 1 64 129 4"
+  "2 2 1 256 300 4"
+  "2 1 8 256 200 3"
+  "1 2 2 256 100 1"
 )
 # mla_decode: B H r dr S_max splits page (0: contiguous): V2-Lite's 16 heads, V2's 128 (8
 # head tiles writing the same new token), a small rank (the padded kernel), one split and
@@ -128,13 +132,15 @@ mr_configs=(
   "5 5120 160 6 grouped 0 bf16"
 )
 # decoder_layer: family B D F Hq Hkv Dh S_max: one token split and several (merge phase), GQA
-# 4/8 and MHA, head_dim 64/80/96/128, both residuals, widths off the tiles, batch 1-8.
+# 4/8 and MHA, head_dim 64/80/96/128/256, both residuals, widths off the tiles, batch 1-8.
 dl_configs=(
   "llama 1 512 1376 8 2 64 48"
   "llama 3 320 520 16 2 80 600"
   "neox 2 384 1536 4 4 96 300"
   "neox_seq 3 240 456 4 4 80 600"
   "llama 8 256 688 4 4 128 100"
+  "neox 2 512 2048 2 2 256 300"
+  "llama 1 512 1024 8 1 256 600"
 )
 failed=0
 check() {  # check LABEL CMD...: each tool over one configuration

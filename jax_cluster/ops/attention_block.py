@@ -46,6 +46,7 @@ from jax_cluster._ffi import (check_array, check_call, check_eps, ffi_primitive,
 from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops.attention_block_unfused import (attention_block_pallas, attention_block_split_k,
                                                      attention_block_xla, pallas_supported)
+from jax_cluster.ops.decode_attention import kernel_error as decode_attention_kernel_error
 
 __all__ = ["AttentionBlockConfig", "attention_block", "autotune", "candidates", "heuristic",
            "launch_plan", "tuning_key"]
@@ -296,7 +297,9 @@ def attention_block(
     impl: "auto", "cuda", "xla" or "reference" (module docstring). config: an
     AttentionBlockConfig run exactly (impl "auto" or "cuda"); None: the tuner's pick for
     impl="auto", the heuristic fused configuration for impl="cuda".
-    On a GPU the fused kernel takes head_dim 64/80/96/128, D % 64 == 0, float16/bfloat16.
+    On a GPU the fused kernel takes head_dim 64/80/96/128, D % 64 == 0, float16/bfloat16; where
+    it does not, split_k (decode_attention's kernels: also head_dim 256, any D) is what
+    impl="cuda" runs and what "auto" weighs against XLA.
     """
     check_call("attention_block", impl, config, AttentionBlockConfig)
     head_dim = k_cache.shape[-1] if k_cache.ndim == 4 else 0
@@ -325,17 +328,37 @@ def attention_block(
     hkv, max_seq = k_cache.shape[1], k_cache.shape[2]
     shape = dict(batch=batch, hidden=hidden, head_dim=head_dim, num_q_heads=num_q_heads,
                  num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, dtype=x.dtype)
-    why_not = _cuda_error(AttentionBlockConfig(), **shape) if on_gpu() else ""
-    if impl == "auto" and why_not:
+    default, why_not = _default_config(shape)
+    if impl == "auto" and default is None:
         warn_once(("attention_block", head_dim, hidden, jnp.dtype(x.dtype).name),
                   f"attention_block: {why_not}; using XLA's ops (impl='xla')")
         return attention_block_xla(*args, **kwargs)
     if config is None:
         config = (_pick(batch, hidden, num_q_heads, hkv, max_seq, head_dim, x.dtype) if impl == "auto"
-                  else heuristic())
+                  else default or heuristic())
         if config == "xla":
             return attention_block_xla(*args, **kwargs)
     return _run_rows(config, args, kwargs, shape)
+
+
+def _default_config(shape) -> tuple[AttentionBlockConfig | None, str]:
+    """(what runs the call untuned, why the fused kernel cannot): heuristic() where the fused
+    kernel takes the shape (always on CPU, whose handler takes any), else split_k where
+    decode_attention's kernels take it (head_dim 256, D % 64 != 0), else None."""
+    if not on_gpu():
+        return heuristic(), ""
+    why_not = _cuda_error(AttentionBlockConfig(), **shape)
+    if not why_not:
+        return heuristic(), ""
+    if not _split_k_error(**shape):
+        return AttentionBlockConfig(kernel="split_k"), why_not
+    return None, why_not
+
+
+def _split_k_error(*, head_dim, num_q_heads, num_kv_heads, rotary_dim, dtype, **_) -> str:
+    """Why split_k's attention (decode_attention_append's kernels) cannot run the shape, or ''."""
+    return decode_attention_kernel_error(group=num_q_heads // num_kv_heads, head_dim=head_dim, dtype=dtype,
+                        rotary_dim=rotary_dim, append=True)
 
 
 _ARRAY_KWARGS = ("norm_weight", "norm_bias", "qkv_bias", "o_bias")
@@ -470,16 +493,19 @@ def measure(choice, *, batch, hidden, num_q_heads, num_kv_heads, max_seq, head_d
 
 
 def _pick(batch, hidden, num_q_heads, num_kv_heads, max_seq, head_dim, dtype):
-    fallback = heuristic()
-    if not on_gpu():
-        return fallback  # nothing to tune: the CPU handler computes the same math
-    shape = dict(batch=batch, hidden=hidden, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                 max_seq=max_seq, head_dim=head_dim, dtype=jnp.dtype(dtype))
     plan_shape = dict(batch=batch, hidden=hidden, head_dim=head_dim, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, rotary_dim=head_dim, dtype=dtype)
+    fallback, _ = _default_config(plan_shape)
+    if not on_gpu():
+        return fallback  # nothing to tune: the CPU handler computes the same math
+    fallback = fallback or "xla"
+    shape = dict(batch=batch, hidden=hidden, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 max_seq=max_seq, head_dim=head_dim, dtype=jnp.dtype(dtype))
+    split_k_ok = not _split_k_error(**plan_shape)
     cands = [c for c in candidates(batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                    head_dim=head_dim, max_seq=max_seq, sms=num_sms())
-             if c == "xla" or c.kernel != "fused" or not _cuda_error(c, **plan_shape)]
+             if c == "xla" or (c.kernel == "split_k" and split_k_ok) or c.kernel == "pallas"
+             or (c.kernel == "fused" and not _cuda_error(c, **plan_shape))]
     return tuning.pick("attention_block", tuning_key(**shape), cands,
                        functools.partial(measure, **shape), heuristic=fallback)
 

@@ -108,6 +108,13 @@ def _plan(batch, num_kv_heads, group, head_dim, max_seq, dtype, splits, append=F
                                                     jnp.dtype(dtype).name, splits, append, rotary_dim))
 
 
+def kernel_error(*, group: int, head_dim: int, dtype, rotary_dim: int = 0, append: bool = False) -> str:
+    """Why the CUDA kernels cannot run a step with this group, head_dim and dtype ('' when
+    they can; the sizes the kernels cover do not depend on batch or cache length)."""
+    plan = _plan(1, 1, group, head_dim, 1, dtype, 1, append, rotary_dim)
+    return plan["error"] or plan["cuda_error"]
+
+
 def _use_kernel(op: str, impl: str, k_cache, group: int, config, *, append=False, rotary_dim=0):
     """The token splits to launch with, or None for XLA's einsums (impl="xla"/"reference",
     or "auto" where the kernels do not take the shape: a one-time warning; "cuda" raises).
@@ -155,7 +162,7 @@ def _check_lengths(op: str, lengths, batch: int, max_seq: int) -> None:
 def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
                      config: DecodeAttentionConfig | None = None):
     """out [B, Hkv, G, Dh] in q's dtype; see the module docstring. On a GPU the kernels take
-    head_dim 64, 80, 96 or 128, G <= 8, float16 or bfloat16; the CPU handler (fp32 math)
+    head_dim 64, 80, 96, 128 or 256, G <= 8, float16 or bfloat16; the CPU handler (fp32 math)
     takes any shape and float32."""
     op = "decode_attention"
     if q.ndim != 4 or k_cache.ndim != 4:

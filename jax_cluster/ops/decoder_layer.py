@@ -13,7 +13,7 @@ tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
 jax_cluster_decoder_layer, on a GPU the one-launch layer kernel (cpp/ops/decoder_layer:
 ClusterFusion++'s whole-layer dataflow in one persistent grid, docs/decoder_layer.md), on CPU
 its C++ handler (the reference's math and rounding points); it covers 16-bit dtypes, at most
-8 rows, head_dim 64/80/96/128, at most 8 query heads per KV head and widths that are
+8 rows, head_dim 64/80/96/128/256, at most 8 query heads per KV head and widths that are
 multiples of 8. "auto" runs whichever of the two GPU paths the tuner measured faster for
 the shape and GPU (jax_cluster.tuning: once, cached): the one-launch kernel or the per-op
 kernels (attention_block, then swiglu; GeLU MLPs on XLA's dots), the per-op path wherever

@@ -54,7 +54,8 @@ template <typename T, int DH, int MH, int U = kRegistersTokenSteps<DH, MH>>
 __device__ void attend_cached(const AttentionBlockParams& p, const Ctx& c, int hpc,
                               const float* qkv, int t0, int t1, float* warp_states) {
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
-  constexpr int LPT = NV <= 8 ? 8 : 16;        // lanes per token (power of two)
+  constexpr int LPT = NV <= 8 ? 8 : NV <= 16 ? 16 : 32;  // lanes per token (power of two)
+  static_assert(NV <= 32, "a token's row is at most one warp's 16-byte loads");
   constexpr int TPW = 32 / LPT;                // tokens per warp step
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int dv = lane % LPT, slot = lane / LPT;

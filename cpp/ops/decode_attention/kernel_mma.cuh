@@ -301,12 +301,26 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
   finish_split<T, DH, L::kThreads, L::kWarps>(dp, sb, q, warp_states);
 }
 
+// decode_attention's own tensor-core kernel runs the lean form where two whole chunks do not
+// fit in registers beside O: at head_dim 256 (O alone takes 64 registers per thread).
+template <int DH>
+constexpr bool kMmaSplitKernelLean = DH > 128;
+
+// Its dynamic shared memory in floats: split_smem_floats, and the lean form's Q' fragments.
+template <int DH>
+constexpr int mma_split_smem_floats() {
+  static_assert(MmaSplitTile<DH>::kWarps == kBlockWarps, "warp states sized for kBlockWarps");
+  return split_smem_floats<DH>() + (kMmaSplitKernelLean<DH> ? mma_split_lean_smem_floats<DH>() : 0);
+}
+
 template <typename T, int DH>
 __global__ void __launch_bounds__(MmaSplitTile<DH>::kThreads, 1)
     decode_attention_mma_split_kernel(const DecodeAttentionParams dp) {
-  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
-  __shared__ __align__(16) float warp_states[MmaSplitTile<DH>::kWarps * kMaxH * (DH + 2)];
-  decode_attention_mma_split_block<T, DH>(dp, split_item_of_block(), q, warp_states);
+  extern __shared__ __align__(16) float split_smem[];
+  float* warp_states = split_smem + split_q_floats<DH>();
+  decode_attention_mma_split_block<T, DH, kMmaSplitKernelLean<DH>>(
+      dp, split_item_of_block(), split_smem, warp_states,
+      reinterpret_cast<uint4*>(split_smem + split_smem_floats<DH>()));
 }
 
 }  // namespace jax_cluster

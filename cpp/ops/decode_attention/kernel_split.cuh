@@ -206,13 +206,24 @@ __device__ void decode_attention_split_block(const DecodeAttentionParams& dp, Sp
   finish_split<T, DH, kBlockThreads, kBlockWarps>(dp, sb, q, warp_states);
 }
 
+// The split kernels' shared memory, dynamic (at head_dim 256 it passes the 48 KB of a static
+// array), in floats: q and the new k, v, then the warps' states (kMaxH heads per warp), then
+// whatever the kernel adds (the lean tensor-core form's Q' fragments).
+template <int DH>
+constexpr int split_q_floats() {
+  return (kDecodeAttentionMaxGroup + 2) * DH;
+}
+template <int DH>
+constexpr int split_smem_floats() {
+  return split_q_floats<DH>() + kBlockWarps * kMaxH * (DH + 2);
+}
+
 // The CUDA-core split kernel (MHA). GQA runs decode_attention_mma_split_kernel.
 template <typename T, int DH>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     decode_attention_split_kernel(const DecodeAttentionParams dp) {
-  __shared__ __align__(16) float q[(kDecodeAttentionMaxGroup + 2) * DH];
-  __shared__ __align__(16) float warp_states[kBlockWarps * kMaxH * (DH + 2)];
-  decode_attention_split_block<T, DH>(dp, split_item_of_block(), q, warp_states);
+  extern __shared__ __align__(16) float split_smem[];
+  decode_attention_split_block<T, DH>(dp, split_item_of_block(), split_smem, split_smem + split_q_floats<DH>());
 }
 
 // The new token's k, v of (row, KV head) bg into the caches at slot lengths[b] (append mode,
@@ -242,18 +253,25 @@ __device__ float merge_splits(const DecodeAttentionParams& dp, int64_t bg, int h
   return length >= 0 && length < dp.max_seq ? o_l : NAN;
 }
 
+// Threads of the merge kernel's block: one per (head, d) up to the block's limit (eight
+// heads of 256 dims take two entries each).
+template <int DH>
+constexpr int merge_threads(int group) {
+  return group * DH < 1024 ? group * DH : 1024;
+}
+
 // out[b, g, head, d] = merge_splits; in append mode the new k, v go into the caches first.
-// One block per (row, KV head), one thread per (head, d).
+// One block per (row, KV head), merge_threads(G) threads over the (head, d) entries.
 template <typename T, int DH>
-__global__ void __launch_bounds__(kDecodeAttentionMaxGroup * DH)
+__global__ void __launch_bounds__(merge_threads<DH>(kDecodeAttentionMaxGroup))
     decode_attention_merge_kernel(const DecodeAttentionParams dp) {
   ptx::griddep_wait();
   ptx::griddep_launch_dependents();
   const int64_t bg = blockIdx.x;
-  const int head = threadIdx.x / DH, d = threadIdx.x % DH;
-  if (head >= dp.group) return;
   write_new_kv<T, DH>(dp, bg, threadIdx.x, blockDim.x);
-  static_cast<T*>(dp.out)[(bg * dp.group + head) * DH + d] = from_float<T>(merge_splits<DH>(dp, bg, head, d));
+  for (int e = threadIdx.x; e < dp.group * DH; e += blockDim.x) {
+    static_cast<T*>(dp.out)[bg * dp.group * DH + e] = from_float<T>(merge_splits<DH>(dp, bg, e / DH, e % DH));
+  }
 }
 
 }  // namespace jax_cluster

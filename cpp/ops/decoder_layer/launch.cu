@@ -63,7 +63,7 @@ cudaError_t launch_decoder_layer(const DecoderLayerParams& p, float* workspace, 
     using T = typename decltype(t)::type;
     const int64_t nb = layer_staged_rows(p.batch);
     return dispatch_int<1, 4, 8>(nb, [&](auto rows) {
-      return dispatch_int<64, 80, 96, 128>(p.head_dim, [&](auto dh) {
+      return dispatch_int<64, 80, 96, 128, 256>(p.head_dim, [&](auto dh) {
         return launch<T, decltype(rows)::value, decltype(dh)::value>(p, workspace, stream);
       });
     });

@@ -16,6 +16,7 @@
 
 #include "jax_cluster/types.h"
 #include "ops/attention_block/params.h"  // NormKind, RopeLayout
+#include "ops/decode_attention/params.h"  // the head dims of its split kernels
 
 namespace jax_cluster {
 
@@ -73,8 +74,8 @@ inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
   if (p.batch > kDecoderLayerMaxBatch) {
     return "batch " + std::to_string(p.batch) + " > " + std::to_string(kDecoderLayerMaxBatch) + " rows";
   }
-  if (p.head_dim != 64 && p.head_dim != 80 && p.head_dim != 96 && p.head_dim != 128) {
-    return "head_dim " + std::to_string(p.head_dim) + " (supported: 64, 80, 96, 128)";
+  if (!is_decode_attention_cuda_head_dim(p.head_dim)) {
+    return "head_dim " + std::to_string(p.head_dim) + " (supported: 64, 80, 96, 128, 256)";
   }
   if (p.num_q_heads / p.num_kv_heads > kDecoderLayerMaxGroup) {
     return "more than " + std::to_string(kDecoderLayerMaxGroup) + " query heads per KV head";
