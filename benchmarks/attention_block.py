@@ -196,6 +196,13 @@ def trace(spec, dtype=jnp.float16):
     print_timeline(spec, steps_call(step_for(choice, shape), fresh(), consts), STEPS)
 
 
+def fused_runs(config, batch, hidden, hq, hkv, dh, dtype) -> bool:
+    """Whether the fused kernel takes the shape (head_dim 256 and D % 64 != 0 run split_k only)."""
+    plan = ab_op.launch_plan(config, batch=batch, hidden=hidden, head_dim=dh, num_q_heads=hq,
+                             num_kv_heads=hkv, rotary_dim=dh, dtype=dtype)
+    return not (plan["error"] or plan["cuda_error"])
+
+
 def family(config) -> str:
     """The table row a configuration competes in."""
     if config.kernel != "fused":
@@ -263,10 +270,13 @@ def main(argv=None):
                     if args.configs is None:
                         configs = [c for c in ab_op.candidates(batch=batch, num_q_heads=hq, num_kv_heads=hkv,
                                                                head_dim=dh, max_seq=ctx, sms=sms)
-                                   if c != "xla" and c.kernel != "pallas"]  # the peers, timed above
+                                   if c != "xla" and c.kernel != "pallas"  # the peers, timed above
+                                   and (c.kernel != "fused" or fused_runs(c, batch, d, hq, hkv, dh, dtype))]
                         if not args.skip_split_head:
                             configs += [jc.AttentionBlockConfig(cluster_size=n, dataflow="split_head")
-                                        for n in (2, 4, 8) if dh % (8 * n) == 0]
+                                        for n in (2, 4, 8) if dh % (8 * n) == 0
+                                        and fused_runs(jc.AttentionBlockConfig(cluster_size=n), batch, d, hq,
+                                                       hkv, dh, dtype)]
                     else:
                         configs = [parse_config(c) for c in args.configs.split(",")]
                     sweep = {}

@@ -53,7 +53,8 @@ from flax_models.loading import parse_dtype  # noqa: E402
 from flax_models.presets import PRESETS, random_model  # noqa: E402
 
 MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b", "llama3.2-1b": "llama-3.2-1b",
-          "pythia-1b": "pythia-1b", "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b", "deepseek-v2-lite": "deepseek-v2-lite"}
+          "pythia-1b": "pythia-1b",
+          "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b", "deepseek-v2-lite": "deepseek-v2-lite"}
 SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia", "tiny-deepseek": "tiny-deepseek"}
 
 

@@ -79,8 +79,8 @@ def attention_block(head_dims=None, pipelines=None, dataflows=None):
 
 def decode_attention(dtypes):
     """decode_attention and decode_attention_append on both kernels (tensor cores for G >= 2,
-    CUDA cores for MHA; at head_dim 256 the lean tensor-core form), every head dim, one split (no merge kernel) and several, ragged
-    lengths, vs the jnp reference."""
+    CUDA cores for MHA; at head_dim 256 the lean tensor-core form), every head dim, one split
+    (no merge kernel) and several, ragged lengths, vs the jnp reference."""
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         f = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, dtype)  # noqa: E731
@@ -303,8 +303,9 @@ def mla_decode(dtypes):
 
 def decoder_layer(dtypes):
     """The one-launch layer kernel: Llama (GQA 4, SwiGLU in paired tiles) and GPT-NeoX (MHA,
-    parallel and sequential residual, biases, partial rotary; head_dim 256), batch 1 and 3, one and several
-    token splits (48 and 600 cache slots), widths off the 64-column tiles; vs the fp32 reference."""
+    parallel and sequential residual, biases, partial rotary; head_dim 256), batch 1 and 3, one
+    and several token splits (48 and 600 cache slots), widths off the 64-column tiles; vs the
+    fp32 reference."""
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         f = lambda *s, sc=None: jnp.asarray(rng.standard_normal(s) * (s[0] ** -0.5 if sc is None else sc), dtype)  # noqa: E731
