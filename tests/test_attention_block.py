@@ -514,6 +514,8 @@ GPU_SHAPES = [  # hidden, hq, hkv, dh
     (640, 8, 1, 80),     # MQA 8, head_dim 80
     (768, 16, 2, 96),    # GQA 8, head_dim 96
     (512, 12, 1, 64),    # group 12 -> 2 clusters of 6 heads
+    (512, 4, 4, 256),    # MHA, head_dim 256 (Pythia-1B's heads)
+    (512, 8, 1, 256),    # MQA 8, head_dim 256 (Gemma-2B's)
 ]
 
 
@@ -530,7 +532,15 @@ def test_gpu_vs_reference(rng, dtype, shape, n, pipeline):
                                bias=batch == 3, norm="layer" if batch == 3 else "rms",
                                rotary_dim=dh // 2 if batch == 16 else None)
         kw["residual"] = batch != 1
-        check(args, kw, _gpu(), impl="cuda", config=Config(cluster_size=n, pipeline=pipeline))
+        config = Config(cluster_size=n, pipeline=pipeline)
+        plan = ab.launch_plan(config, batch=batch, hidden=hidden, head_dim=dh, num_q_heads=hq,
+                              num_kv_heads=hkv, rotary_dim=kw["rotary_dim"], dtype=dtype)
+        if plan["cuda_error"]:  # 8 heads of 256 at 16 blocks: no room for the TMA ring
+            assert (n, pipeline, dh) == (16, "tma", 256), plan["cuda_error"]
+            with pytest.raises(ValueError, match="no shared memory for a ring"):
+                run(args, kw, _gpu(), impl="cuda", config=config)
+            continue
+        check(args, kw, _gpu(), impl="cuda", config=config)
 
 
 @pytest.mark.gpu
@@ -774,7 +784,7 @@ def test_gpu_model_sized_batches(rng, dtype, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])
-@pytest.mark.parametrize("dh", [64, 80, 96, 128])
+@pytest.mark.parametrize("dh", [64, 80, 96, 128, 256])
 def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh, pipeline):
     """A traced length >= S_max reaches the kernel: that row's output is NaN, its caches
     untouched, the other row exact."""
@@ -818,14 +828,14 @@ def test_gpu_split_k_kernel(rng, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", [(3, 512, 4, 4, 256, 1000, "layer", True, 64),   # Pythia-1B's heads
-                                   (2, 512, 8, 1, 256, 517, "rms", False, None),   # MQA 8 (Gemma-2B)
-                                   (2, 96, 2, 2, 64, 130, "rms", True, None)],     # hidden % 64 != 0
-                         ids=["dh256-mha", "dh256-mqa", "hidden-96"])
+@pytest.mark.parametrize("shape", [(3, 200, 4, 4, 256, 1000, "layer", True, 64),   # Pythia-1B's heads
+                                   (2, 320, 8, 1, 256, 517, "rms", False, None),   # MQA 8 (Gemma-2B's)
+                                   (2, 96, 2, 2, 64, 130, "rms", True, None)],
+                         ids=["hidden-200-dh256", "hidden-320-mqa-dh256", "hidden-96"])
 def test_gpu_shapes_past_the_fused_kernel_run_split_k(rng, dtype, shape, tmp_path, monkeypatch):
-    """Shapes the fused kernel does not take and decode_attention's kernels do: impl="cuda"
-    without a config runs split_k, "auto" weighs it against XLA's ops without a fallback
-    warning; both compute the step."""
+    """Shapes the fused kernel does not take (hidden % 64 != 0) and decode_attention's kernels
+    do: impl="cuda" without a config runs split_k, "auto" weighs it against XLA's ops without
+    a fallback warning; both compute the step."""
     import json
     import warnings
     monkeypatch.setenv("JAX_CLUSTER_TUNING_CACHE", str(tmp_path / "tuning.json"))

@@ -61,7 +61,7 @@ if [ -z "$dl" ] && wanted decoder_layer; then
 fi
 
 # attention_block: D Hq Hkv Dh ctx batch cluster heads_per_cluster [variant]: every kernel
-# (SplitToken with the register and the TMA pipeline, SplitHead), head_dim 64/80/96/128,
+# (SplitToken with the register and the TMA pipeline, SplitHead), head_dim 64/80/96/128/256,
 # MHA/GQA/MQA, cluster sizes 1/2/3/4/5/8/16, batch 1-8 with ragged lengths (row 0 at the
 # first token).
 ak_configs=(
@@ -78,6 +78,9 @@ ak_configs=(
   "1280 16 16 80 77 2 2 1 tma"
   "1024 16 4 64 300 3 4 2 split_head"
   "2048 16 16 128 200 2 4 1 split_head"
+  "2048 8 8 256 300 2 4 1"
+  "1024 8 1 256 200 3 2 8 tma"
+  "1024 8 8 256 100 1 4 1 split_head"
 )
 # decode_attention: B Hkv G Dh S_max splits: the tensor-core kernel (G >= 2) with and without
 # token splits (merge kernel), head_dim 64/80/96/128, and the CUDA-core kernel (MHA, G = 1);

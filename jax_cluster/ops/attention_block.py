@@ -297,9 +297,9 @@ def attention_block(
     impl: "auto", "cuda", "xla" or "reference" (module docstring). config: an
     AttentionBlockConfig run exactly (impl "auto" or "cuda"); None: the tuner's pick for
     impl="auto", the heuristic fused configuration for impl="cuda".
-    On a GPU the fused kernel takes head_dim 64/80/96/128, D % 64 == 0, float16/bfloat16; where
-    it does not, split_k (decode_attention's kernels: also head_dim 256, any D) is what
-    impl="cuda" runs and what "auto" weighs against XLA.
+    On a GPU the fused kernel takes head_dim 64/80/96/128/256, D % 64 == 0, float16/bfloat16;
+    where it does not, split_k (decode_attention's kernels: any D) is what impl="cuda" runs and
+    what "auto" weighs against XLA.
     """
     check_call("attention_block", impl, config, AttentionBlockConfig)
     head_dim = k_cache.shape[-1] if k_cache.ndim == 4 else 0
@@ -344,7 +344,7 @@ def attention_block(
 def _default_config(shape) -> tuple[AttentionBlockConfig | None, str]:
     """(what runs the call untuned, why the fused kernel cannot): heuristic() where the fused
     kernel takes the shape (always on CPU, whose handler takes any), else split_k where
-    decode_attention's kernels take it (head_dim 256, D % 64 != 0), else None."""
+    decode_attention's kernels take it (D % 64 != 0), else None."""
     if not on_gpu():
         return heuristic(), ""
     why_not = _cuda_error(AttentionBlockConfig(), **shape)

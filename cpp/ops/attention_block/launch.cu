@@ -76,7 +76,7 @@ cudaError_t launch_attention_block(const AttentionBlockParams& p, cudaStream_t s
   const AttentionBlockPlan plan = attention_block_plan(p);
   return dispatch_half(p.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    return dispatch_int<64, 80, 96, 128>(p.head_dim, [&](auto dh) {
+    return dispatch_int<64, 80, 96, 128, 256>(p.head_dim, [&](auto dh) {
       // MH: register arrays sized for the heads a cluster serves (1, 2, 4 or 8).
       return dispatch_int<1, 2, 4, 8>(plan.heads_bucket, [&](auto mh) {
         JAX_CLUSTER_CUDA_RETURN_IF_ERROR(

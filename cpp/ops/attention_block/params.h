@@ -20,8 +20,8 @@ enum class AttnPipeline : int32_t { kRegisters = 0, kTma = 1 };
 
 inline constexpr int kAttnMaxHeadsPerCluster = 8;  // query heads one cluster serves
 
-// Head dims with CUDA kernels (attention_block's and decode_attention's).
-inline constexpr int kAttnCudaHeadDims[] = {64, 80, 96, 128};
+// Head dims with CUDA kernels (attention_block's, decode_attention's and decoder_layer's).
+inline constexpr int kAttnCudaHeadDims[] = {64, 80, 96, 128, 256};
 inline bool is_attention_cuda_head_dim(int64_t dh) {
   for (int d : kAttnCudaHeadDims) {
     if (dh == d) return true;

@@ -240,7 +240,7 @@ inline std::string attention_block_cuda_check(const AttentionBlockParams& p) {
   if (!is_attention_cuda_head_dim(p.head_dim) || p.hidden % 64 || p.dtype == DType::kF32) {
     return "no CUDA kernel for head_dim=" + std::to_string(p.head_dim) + ", hidden=" +
            std::to_string(p.hidden) + ", dtype " + (p.dtype == DType::kF32 ? "float32" : "16-bit") +
-           " (supported: head_dim 64, 80, 96 or 128, hidden % 64 == 0, float16 or bfloat16)";
+           " (supported: head_dim 64, 80, 96, 128 or 256, hidden % 64 == 0, float16 or bfloat16)";
   }
   const AttentionBlockPlan plan = attention_block_plan(p);
   if (p.pipeline == AttnPipeline::kTma && p.dataflow == AttnDataflow::kSplitToken && plan.stages < 2) {

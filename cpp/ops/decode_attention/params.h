@@ -14,17 +14,6 @@ namespace jax_cluster {
 inline constexpr int kDecodeAttentionMaxGroup = 8;      // query heads per KV head
 inline constexpr int kDecodeAttentionMaxSplits = 1024;  // token splits per (row, KV head)
 
-// Head dims with CUDA kernels: attention_block's, and 256 (Gemma, Pythia-1B), which the split
-// kernels take in their lean forms (kernel_mma.cuh) and attention_block reaches through its
-// split_k form.
-inline constexpr int kDecodeAttentionCudaHeadDims[] = {64, 80, 96, 128, 256};
-inline bool is_decode_attention_cuda_head_dim(int64_t dh) {
-  for (int d : kDecodeAttentionCudaHeadDims) {
-    if (dh == d) return true;
-  }
-  return false;
-}
-
 struct DecodeAttentionParams {
   DType dtype;                  // q, caches and out: fp16 or bf16 (fp32: CPU only)
   int64_t batch, num_kv_heads;  // B, Hkv
@@ -90,7 +79,7 @@ inline std::string decode_attention_check(const DecodeAttentionParams& p) {
 
 // Why the CUDA kernels cannot run p, or "".
 inline std::string decode_attention_cuda_check(const DecodeAttentionParams& p) {
-  if (!is_decode_attention_cuda_head_dim(p.head_dim) || p.dtype == DType::kF32) {
+  if (!is_attention_cuda_head_dim(p.head_dim) || p.dtype == DType::kF32) {
     return "no CUDA kernel for head_dim=" + std::to_string(p.head_dim) + ", dtype " +
            (p.dtype == DType::kF32 ? "float32" : "16-bit") +
            " (supported: head_dim 64, 80, 96, 128 or 256; float16 or bfloat16)";

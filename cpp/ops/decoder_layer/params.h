@@ -15,8 +15,7 @@
 #include <string>
 
 #include "jax_cluster/types.h"
-#include "ops/attention_block/params.h"  // NormKind, RopeLayout
-#include "ops/decode_attention/params.h"  // the head dims of its split kernels
+#include "ops/attention_block/params.h"  // NormKind, RopeLayout, the head dims
 
 namespace jax_cluster {
 
@@ -74,7 +73,7 @@ inline std::string decoder_layer_cuda_check(const DecoderLayerParams& p) {
   if (p.batch > kDecoderLayerMaxBatch) {
     return "batch " + std::to_string(p.batch) + " > " + std::to_string(kDecoderLayerMaxBatch) + " rows";
   }
-  if (!is_decode_attention_cuda_head_dim(p.head_dim)) {
+  if (!is_attention_cuda_head_dim(p.head_dim)) {
     return "head_dim " + std::to_string(p.head_dim) + " (supported: 64, 80, 96, 128, 256)";
   }
   if (p.num_q_heads / p.num_kv_heads > kDecoderLayerMaxGroup) {
