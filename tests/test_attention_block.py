@@ -519,10 +519,14 @@ GPU_SHAPES = [  # hidden, hq, hkv, dh
 ]
 
 
+def _shape_id(shape):
+    return "d{}-h{}x{}-dh{}".format(*shape)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["registers", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8, 16])  # 3, 6: collectives without a butterfly
 def test_gpu_vs_reference(rng, dtype, shape, n, pipeline):
     hidden, hq, hkv, dh = shape
@@ -561,7 +565,7 @@ def test_gpu_fewer_heads_per_cluster(rng, dtype, heads, n, pipeline):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
 def test_gpu_split_head_dataflow(rng, dtype, shape, n):
     """SplitHead on every cluster size its head dim allows; contexts over several score

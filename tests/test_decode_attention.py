@@ -191,9 +191,13 @@ GPU_CASES = [  # batch, hkv, group, dh, max_seq
 ]
 
 
+def _case_id(case):
+    return "b{}-kv{}-g{}-dh{}-s{}".format(*case)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 @pytest.mark.parametrize("splits", [None, 1, 7, 64])
 def test_gpu_vs_reference(rng, dtype, case, splits):
     b, hkv, g, dh, s = case
@@ -368,7 +372,7 @@ def test_append_bad_arguments(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 @pytest.mark.parametrize("splits", [None, 1, 7])
 def test_gpu_append_vs_reference(rng, dtype, case, splits):
     b, hkv, g, dh, s = case
