@@ -539,9 +539,9 @@ def test_gpu_vs_reference(rng, dtype, shape, n, pipeline):
         config = Config(cluster_size=n, pipeline=pipeline)
         plan = ab.launch_plan(config, batch=batch, hidden=hidden, head_dim=dh, num_q_heads=hq,
                               num_kv_heads=hkv, rotary_dim=kw["rotary_dim"], dtype=dtype)
-        if plan["cuda_error"]:  # 8 heads of 256 at 16 blocks: no room for the TMA ring
-            assert (n, pipeline, dh) == (16, "tma", 256), plan["cuda_error"]
-            with pytest.raises(ValueError, match="no shared memory for a ring"):
+        if plan["cuda_error"]:  # the TMA ring at head_dim 256: a W_qkv box is larger than a stage
+            assert (pipeline, dh) == ("tma", 256), plan["cuda_error"]
+            with pytest.raises(ValueError, match="pipeline tma: head_dim 256"):
                 run(args, kw, _gpu(), impl="cuda", config=config)
             continue
         check(args, kw, _gpu(), impl="cuda", config=config)
@@ -792,6 +792,8 @@ def test_gpu_model_sized_batches(rng, dtype, config):
 def test_gpu_kernel_length_out_of_range_gives_nan_row(rng, dh, pipeline):
     """A traced length >= S_max reaches the kernel: that row's output is NaN, its caches
     untouched, the other row exact."""
+    if (dh, pipeline) == (256, "tma"):
+        pytest.skip("the TMA pipeline does not take head_dim 256")
     args, kw = make_inputs(rng, batch=2, hidden=512, hq=4, hkv=2, dh=dh, max_seq=64,
                            dtype="float16", lengths=[5, 64])
     y, k, v = run(args, kw, _gpu(), impl="cuda", config=Config(cluster_size=2, pipeline=pipeline))

@@ -79,7 +79,7 @@ ak_configs=(
   "1024 16 4 64 300 3 4 2 split_head"
   "2048 16 16 128 200 2 4 1 split_head"
   "2048 8 8 256 300 2 4 1"
-  "1024 8 1 256 200 3 2 8 tma"
+  "1024 8 1 256 200 3 2 8"
   "1024 8 8 256 100 1 4 1 split_head"
 )
 # decode_attention: B Hkv G Dh S_max splits: the tensor-core kernel (G >= 2) with and without

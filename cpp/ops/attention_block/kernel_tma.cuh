@@ -99,6 +99,7 @@ __device__ void produce(const AttentionBlockParams& p, const StreamArgs& a, cons
   RingCursor cur;
   auto stage = [&] { return stages + static_cast<int64_t>(cur.stage) * kStageBytes; };
   constexpr uint32_t kQkvBox = kQkvBoxRows * DH * sizeof(T);
+  static_assert(kQkvBox <= kStageBytes, "a W_qkv box is one stage's load");
   for (int ch = 0; ch < w.qkv_chunks; ++ch) {
     const int row = (w.qkv_chunk0 + ch) * kQkvBoxRows;
     for (int hb = 0; hb < hpc + 2; ++hb) {

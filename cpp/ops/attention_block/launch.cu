@@ -35,18 +35,22 @@ dim3 main_grid(const AttentionBlockParams& p, const AttentionBlockPlan& plan) {
 template <typename T, int DH, int MH>
 cudaError_t launch_tma(const AttentionBlockParams& p, const AttentionBlockPlan& plan,
                        cudaStream_t stream) {
-  if (plan.stages < 2) return cudaErrorInvalidConfiguration;  // hidden too large for this kernel
-  StreamArgs a{};
-  a.out_box_rows = out_box_rows(static_cast<int>(plan.heads_per_cluster) * DH);
-  a.stages = plan.stages;
-  const int64_t qkv_cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.qkv, p.dtype, p.w_qkv, p.hidden, qkv_cols,
-                                                     kQkvBoxRows, DH));
-  JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.out, p.dtype, p.w_o, p.num_q_heads * DH,
-                                                     p.hidden, a.out_box_rows, kOutTileCols));
-  return launch_cluster_programmatic(attention_block_tma_kernel<T, DH, MH>, main_grid(p, plan),
-                                     dim3(plan.threads), static_cast<size_t>(plan.shared_bytes),
-                                     p.cluster_size, stream, p, a);
+  if constexpr (!tma_qkv_box_fits_stage(DH)) {
+    return cudaErrorInvalidConfiguration;  // attention_block_cuda_check says why
+  } else {
+    if (plan.stages < 2) return cudaErrorInvalidConfiguration;  // hidden too large for this kernel
+    StreamArgs a{};
+    a.out_box_rows = out_box_rows(static_cast<int>(plan.heads_per_cluster) * DH);
+    a.stages = plan.stages;
+    const int64_t qkv_cols = (p.num_q_heads + 2 * p.num_kv_heads) * DH;
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.qkv, p.dtype, p.w_qkv, p.hidden, qkv_cols,
+                                                       kQkvBoxRows, DH));
+    JAX_CLUSTER_CUDA_RETURN_IF_ERROR(encode_matrix_map(&a.out, p.dtype, p.w_o, p.num_q_heads * DH,
+                                                       p.hidden, a.out_box_rows, kOutTileCols));
+    return launch_cluster_programmatic(attention_block_tma_kernel<T, DH, MH>, main_grid(p, plan),
+                                       dim3(plan.threads), static_cast<size_t>(plan.shared_bytes),
+                                       p.cluster_size, stream, p, a);
+  }
 }
 
 template <typename T, int DH, int MH>

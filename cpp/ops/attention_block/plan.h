@@ -28,6 +28,11 @@ inline constexpr int kStreamThreads = kConsumerThreads + 32;  // + the producer 
 inline constexpr int kStageBytes = 16 * 1024;
 inline constexpr int kMaxStages = 8;
 inline constexpr int kQkvBoxRows = 64;  // W_qkv rows per box; D is a multiple of 64
+// Whether the TMA pipeline's W_qkv box of head_dim 16-bit columns fits one ring stage (it
+// does up to 128; the box is one stage's whole load).
+constexpr bool tma_qkv_box_fits_stage(int64_t head_dim) {
+  return kQkvBoxRows * head_dim * 2 <= kStageBytes;
+}
 // W_o rows per box at most: a [rows, 64] 16-bit box within a stage.
 inline constexpr int kMaxOutBoxRows = kStageBytes / (kOutTileCols * 2);
 
@@ -241,6 +246,12 @@ inline std::string attention_block_cuda_check(const AttentionBlockParams& p) {
     return "no CUDA kernel for head_dim=" + std::to_string(p.head_dim) + ", hidden=" +
            std::to_string(p.hidden) + ", dtype " + (p.dtype == DType::kF32 ? "float32" : "16-bit") +
            " (supported: head_dim 64, 80, 96, 128 or 256, hidden % 64 == 0, float16 or bfloat16)";
+  }
+  if (p.pipeline == AttnPipeline::kTma && p.dataflow == AttnDataflow::kSplitToken &&
+      !tma_qkv_box_fits_stage(p.head_dim)) {
+    return "pipeline tma: head_dim " + std::to_string(p.head_dim) + "'s W_qkv box (" +
+           std::to_string(kQkvBoxRows) + " rows) is larger than a ring stage (" +
+           std::to_string(kStageBytes / 1024) + " KB)";
   }
   const AttentionBlockPlan plan = attention_block_plan(p);
   if (p.pipeline == AttnPipeline::kTma && p.dataflow == AttnDataflow::kSplitToken && plan.stages < 2) {
