@@ -835,9 +835,9 @@ def test_gpu_split_k_kernel(rng, dtype, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", [(3, 200, 4, 4, 256, 1000, "layer", True, 64),   # Pythia-1B's heads
-                                   (2, 320, 8, 1, 256, 517, "rms", False, None),   # MQA 8 (Gemma-2B's)
+                                   (2, 352, 8, 1, 256, 517, "rms", False, None),   # MQA 8 (Gemma-2B's)
                                    (2, 96, 2, 2, 64, 130, "rms", True, None)],
-                         ids=["hidden-200-dh256", "hidden-320-mqa-dh256", "hidden-96"])
+                         ids=["hidden-200-dh256", "hidden-352-mqa-dh256", "hidden-96"])
 def test_gpu_shapes_past_the_fused_kernel_run_split_k(rng, dtype, shape, tmp_path, monkeypatch):
     """Shapes the fused kernel does not take (hidden % 64 != 0) and decode_attention's kernels
     do: impl="cuda" without a config runs split_k, "auto" weighs it against XLA's ops without
