@@ -197,7 +197,8 @@ def trace(spec, dtype=jnp.float16):
 
 
 def fused_runs(config, batch, hidden, hq, hkv, dh, dtype) -> bool:
-    """Whether the fused kernel takes the shape (head_dim 256 and D % 64 != 0 run split_k only)."""
+    """Whether the fused kernel takes the shape in this configuration (D % 64 != 0 runs split_k
+    only; the TMA pipeline stops at head_dim 128)."""
     plan = ab_op.launch_plan(config, batch=batch, hidden=hidden, head_dim=dh, num_q_heads=hq,
                              num_kv_heads=hkv, rotary_dim=dh, dtype=dtype)
     return not (plan["error"] or plan["cuda_error"])

@@ -357,8 +357,8 @@ def _default_config(shape) -> tuple[AttentionBlockConfig | None, str]:
 
 def _split_k_error(*, head_dim, num_q_heads, num_kv_heads, rotary_dim, dtype, **_) -> str:
     """Why split_k's attention (decode_attention_append's kernels) cannot run the shape, or ''."""
-    return decode_attention_kernel_error(group=num_q_heads // num_kv_heads, head_dim=head_dim, dtype=dtype,
-                        rotary_dim=rotary_dim, append=True)
+    return decode_attention_kernel_error(group=num_q_heads // num_kv_heads, head_dim=head_dim,
+                                         dtype=dtype, rotary_dim=rotary_dim, append=True)
 
 
 _ARRAY_KWARGS = ("norm_weight", "norm_bias", "qkv_bias", "o_bias")

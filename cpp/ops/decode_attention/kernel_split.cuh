@@ -223,7 +223,8 @@ template <typename T, int DH>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     decode_attention_split_kernel(const DecodeAttentionParams dp) {
   extern __shared__ __align__(16) float split_smem[];
-  decode_attention_split_block<T, DH>(dp, split_item_of_block(), split_smem, split_smem + split_q_floats<DH>());
+  decode_attention_split_block<T, DH>(dp, split_item_of_block(), split_smem,
+                                      split_smem + split_q_floats<DH>());
 }
 
 // The new token's k, v of (row, KV head) bg into the caches at slot lengths[b] (append mode,
@@ -270,7 +271,8 @@ __global__ void __launch_bounds__(merge_threads<DH>(kDecodeAttentionMaxGroup))
   const int64_t bg = blockIdx.x;
   write_new_kv<T, DH>(dp, bg, threadIdx.x, blockDim.x);
   for (int e = threadIdx.x; e < dp.group * DH; e += blockDim.x) {
-    static_cast<T*>(dp.out)[bg * dp.group * DH + e] = from_float<T>(merge_splits<DH>(dp, bg, e / DH, e % DH));
+    const float o = merge_splits<DH>(dp, bg, e / DH, e % DH);
+    static_cast<T*>(dp.out)[bg * dp.group * DH + e] = from_float<T>(o);
   }
 }
 
