@@ -306,11 +306,13 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
 template <int DH>
 constexpr bool kMmaSplitKernelLean = DH > 128;
 
-// Its dynamic shared memory in floats: split_smem_floats, and the lean form's Q' fragments.
-template <int DH>
-constexpr int mma_split_smem_floats() {
+// A tensor-core split block's shared memory in floats: split_smem_floats, then, in the lean
+// form, its Q' fragments.
+template <int DH, bool kLean>
+JAX_CLUSTER_HOST_DEVICE constexpr int mma_split_smem_floats() {
   static_assert(MmaSplitTile<DH>::kWarps == kBlockWarps, "warp states sized for kBlockWarps");
-  return split_smem_floats<DH>() + (kMmaSplitKernelLean<DH> ? mma_split_lean_smem_floats<DH>() : 0);
+  static_assert(split_smem_floats<DH>() % 4 == 0, "the Q' fragments after it are 16-byte aligned");
+  return split_smem_floats<DH>() + (kLean ? mma_split_lean_smem_floats<DH>() : 0);
 }
 
 template <typename T, int DH>

@@ -206,15 +206,16 @@ __device__ void decode_attention_split_block(const DecodeAttentionParams& dp, Sp
   finish_split<T, DH, kBlockThreads, kBlockWarps>(dp, sb, q, warp_states);
 }
 
-// The split kernels' shared memory, dynamic (at head_dim 256 it passes the 48 KB of a static
-// array), in floats: q and the new k, v, then the warps' states (kMaxH heads per warp), then
-// whatever the kernel adds (the lean tensor-core form's Q' fragments).
+// A split block's shared memory (dynamic in every kernel that runs one: at head_dim 256 it
+// passes the 48 KB of a static array), in floats: q and the new k, v, then the warps' states
+// (kMaxH heads per warp), then whatever the kernel adds (the lean tensor-core form's Q'
+// fragments: mma_split_smem_floats).
 template <int DH>
-constexpr int split_q_floats() {
+JAX_CLUSTER_HOST_DEVICE constexpr int split_q_floats() {
   return (kDecodeAttentionMaxGroup + 2) * DH;
 }
 template <int DH>
-constexpr int split_smem_floats() {
+JAX_CLUSTER_HOST_DEVICE constexpr int split_smem_floats() {
   return split_q_floats<DH>() + kBlockWarps * kMaxH * (DH + 2);
 }
 

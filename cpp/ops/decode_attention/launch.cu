@@ -30,7 +30,7 @@ cudaError_t launch_split(const DecodeAttentionParams& p, cudaStream_t stream) {
   if (decode_attention_uses_tensor_cores(p)) {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(
         decode_attention_mma_split_kernel<T, DH>, grid, dim3(MmaSplitTile<DH>::kThreads),
-        mma_split_smem_floats<DH>() * sizeof(float), true, stream, p));
+        mma_split_smem_floats<DH, kMmaSplitKernelLean<DH>>() * sizeof(float), true, stream, p));
   } else {
     JAX_CLUSTER_CUDA_RETURN_IF_ERROR(launch_programmatic(decode_attention_split_kernel<T, DH>, grid,
                                                          dim3(kBlockThreads),

@@ -51,17 +51,12 @@ struct DecoderLayerArgs {
 inline constexpr bool kLayerLeanAttention = kLayerBlocksPerSm > 1;
 inline constexpr int kLayerTokenSteps = kLayerLeanAttention ? 4 : kSplitTokenSteps;
 
-// Dynamic shared memory of the kernel (floats): a GEMV unit's or an attention item's
-// (q, the warps' states, the lean form's Q' fragments).
-template <int DH>
-__host__ __device__ constexpr int decoder_layer_attention_floats() {
-  return (kDecodeAttentionMaxGroup + 2) * DH + kBlockWarps * kMaxH * (DH + 2);
-}
-static_assert(decoder_layer_attention_floats<80>() % 4 == 0, "the Q' fragments after it are 16-byte aligned");
+// Dynamic shared memory of the kernel (floats): a GEMV unit's or an attention item's (a
+// split block's: q, the warps' states, the lean form's Q' fragments).
 template <int NB, int DH>
 __host__ __device__ constexpr int decoder_layer_smem_floats() {
   const int gemv = layer_gemv_smem_floats<NB>();
-  const int attn = decoder_layer_attention_floats<DH>() + (kLayerLeanAttention ? mma_split_lean_smem_floats<DH>() : 0);
+  const int attn = mma_split_smem_floats<DH, kLayerLeanAttention>();
   return gemv > attn ? gemv : attn;
 }
 
@@ -316,7 +311,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     const DecodeAttentionParams& dp = args.dp;
     const int64_t items = p.batch * hkv * pl.splits;
     float* q = smem;
-    float* warp_states = smem + (kDecodeAttentionMaxGroup + 2) * DH;
+    float* warp_states = smem + split_q_floats<DH>();
     for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
       const int64_t bg = i / pl.splits;
       const SplitItem item{static_cast<int>(i % pl.splits), static_cast<int>(bg % hkv), static_cast<int>(bg / hkv)};
@@ -327,7 +322,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
       __syncthreads();
       if (decode_attention_uses_tensor_cores(dp)) {
         decode_attention_mma_split_block<T, DH, kLayerLeanAttention>(
-            dp, item, q, warp_states, reinterpret_cast<uint4*>(smem + decoder_layer_attention_floats<DH>()));
+            dp, item, q, warp_states, reinterpret_cast<uint4*>(smem + split_smem_floats<DH>()));
       } else {
         decode_attention_split_block<T, DH, kLayerTokenSteps>(dp, item, q, warp_states);
       }
