@@ -40,6 +40,18 @@ class Llama(CausalLM):
     def _rope_dim(self):
         return self.config.head_dim
 
+    def rope_factor(self) -> float:
+        """1: YaRN's cos/sin factor is folded into the softmax scale instead (_attn_kw)."""
+        return 1.0
+
+    def _attn_kw(self):
+        # RoPE is linear and rotates every feature of q and k here, so YaRN's factor on cos and
+        # sin multiplies each score by factor^2 and nothing else: carried by the scale, the
+        # decode blocks need no factor of their own (and the cache holds k without it).
+        c = self.config
+        factor = super().rope_factor()
+        return dict(num_q_heads=c.num_heads, num_kv_heads=c.num_kv_heads, scale=c.head_dim ** -0.5 * factor * factor)
+
     def _final_norm(self, x):
         return self.norm(x)
 
@@ -47,10 +59,6 @@ class Llama(CausalLM):
         c = self.config
         return KVCache.create(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_kv_heads,
                               max_len=max_len, head_dim=c.head_dim, dtype=dtype or self.dtype)
-
-    def _attn_kw(self):
-        c = self.config
-        return dict(num_q_heads=c.num_heads, num_kv_heads=c.num_kv_heads, scale=c.head_dim ** -0.5)
 
     def _prefill_layers(self, x, cos, sin, cache: KVCache):
         c = self.config
@@ -82,7 +90,7 @@ class Llama(CausalLM):
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
             out = None if whole is None else ops.decoder_layer(
                 x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="llama",
-                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(),
+                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half",
                 unsupported="MLP biases" if c.mlp_bias else "", **self._attn_kw())
             if out is not None:
                 x, kc, vc = out
@@ -91,7 +99,7 @@ class Llama(CausalLM):
                     x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                     norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
                     qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
-                    rotary_dim=c.head_dim, rope_layout="half", rope_factor=self.rope_factor(), impl=a_impl,
+                    rotary_dim=c.head_dim, rope_layout="half", impl=a_impl,
                     **self._attn_kw(),
                 )
                 h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)

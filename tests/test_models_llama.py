@@ -1,5 +1,6 @@
 """Llama conformance against transformers (CPU, fp32): prefill + 16 cached decode steps + greedy."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -118,3 +119,28 @@ def test_sliding_window_config_rules():
                                ).max_position_embeddings == 1024
     assert LlamaConfig.from_hf(dict(base, model_type="llama", attention_bias=True)).o_bias
     assert not LlamaConfig.from_hf(dict(qwen, attention_bias=True)).o_bias  # Qwen2's o_proj has none
+
+
+# YaRN's attention factor (cos and sin times 0.1 ln(factor) + 1, as in Qwen2.5's long-context
+# configs): the Llama model carries it in the softmax scale, so every decode block runs fused.
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("impl", ["xla", "fused", "attention=fused,mlp=xla"])
+@pytest.mark.parametrize("config_class", [transformers.LlamaConfig, transformers.Qwen2Config])
+def test_yarn_attention_factor_matches_transformers(config_class, impl, tmp_path):
+    from flax_models import ops  # noqa: PLC0415
+
+    if impl != "xla" and not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster not available")
+    kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              rope_parameters=YARN)
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl=impl)
+    assert super(type(model), model).rope_factor() == pytest.approx(0.1 * np.log(4.0) + 1)
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["prefill"] <= TOL, err
+    assert err["decode"] <= TOL, err
+    fused_block = {"fused": "decoder_layer", "attention=fused,mlp=xla": "attention_block"}.get(impl)
+    if fused_block:
+        assert f"{fused_block}: jax_cluster (C++ CPU handler, no GPU)" in [str(r) for r in routes], routes
