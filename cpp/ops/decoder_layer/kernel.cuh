@@ -370,6 +370,12 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   }
 
   // ---- sequential: o-proj -> h (and its tile statistics), each unit once its heads are merged
+  if constexpr (kLayerUpPrefetchRows > 0) {
+    if (blockIdx.x < pl.gemv[kGemvUp].units()) {
+      layer_gemv_prefetch_l2<T>(pl.gemv[kGemvUp], w_up(), blockIdx.x % pl.gemv[kGemvUp].tiles,
+                                blockIdx.x / pl.gemv[kGemvUp].tiles, kLayerUpPrefetchRows);
+    }
+  }
   auto x_and_bias = [&](int b, int64_t c) { return to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c); };
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
