@@ -45,6 +45,16 @@ struct DecoderLayerArgs {
   float* ws;
 };
 
+#ifndef JAX_CLUSTER_LAYER_PARALLEL_UP_LATE
+#define JAX_CLUSTER_LAYER_PARALLEL_UP_LATE 0
+#endif
+// Probe builds only (0: compiled out): the parallel residual's MLP-up units run after the
+// block's attention and merge items instead of up front beside QKV (the same units on the
+// same blocks), so the attention chain starts once QKV is in and overlaps the MLP-up stream
+// of the blocks without items. Every wait stays on an earlier phase. Timeline mark 1 is
+// then QKV's end alone.
+inline constexpr bool kLayerParallelUpLate = JAX_CLUSTER_LAYER_PARALLEL_UP_LATE != 0;
+
 // The attention phase's forms: at two blocks per SM (128 registers) the CUDA-core (MHA)
 // token loop keeps 4 token steps per warp in flight instead of 8 (twice the warps per SM)
 // and the tensor-core one (GQA) runs its lean form.
@@ -296,14 +306,16 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
                            tile_counters(kGemvQkv), ready(kGemvQkv), no_wait, norm_of_x(p.norm_w, p.norm_b),
                            qkv_bias, finish_qkv);
   });
-  if (parallel) {
-    each_unit(kGemvUp, pl.gemv[kGemvQkv].units(), [&](int64_t tile, int64_t chunk) {
+  // The parallel residual's MLP up on Norm'(x), its units block-strided after `skip` units.
+  auto parallel_up = [&](int64_t skip) {
+    each_unit(kGemvUp, skip, [&](int64_t tile, int64_t chunk) {
       layer_gemv_unit<T, NB>(pl.gemv[kGemvUp], w_up(), tile, chunk, batch, smem, partials(kGemvUp),
                              tile_counters(kGemvUp), ready(kGemvUp), no_wait,
                              norm_of_x(p.post_norm_w, p.post_norm_b), LayerNoAddend{},
                              [&](int64_t t, const float* vals, int nb) { finish_up(t, vals, nb, nullptr); });
     });
-  }
+  };
+  if (parallel && !kLayerParallelUpLate) parallel_up(pl.gemv[kGemvQkv].units());
   mark(1);
 
   // ---- attention: each item once the QKV tiles of its KV group are in
@@ -348,6 +360,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   auto store_y = [&](int b, int64_t c, float v) { static_cast<T*>(p.y)[b * d + c] = from_float<T>(v); };
   auto attn_in = [=](int b, int64_t k) { return __ldcg(attn + b * hqd + k); };
   if (parallel) {
+    if constexpr (kLayerParallelUpLate) parallel_up(pl.gemv[kGemvQkv].units());
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
       auto wait = [&](int64_t kb, int64_t ke) {
