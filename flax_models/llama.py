@@ -17,6 +17,7 @@ from .base import CausalLM, mha_prefill
 from .cache import KVCache
 from .config import LlamaConfig
 from .layers import Linear, RMSNorm, SwiGLU, rms_norm
+from .rope import attention_factor
 
 
 class LlamaLayer(nnx.Module):
@@ -49,7 +50,7 @@ class Llama(CausalLM):
         # sin multiplies each score by factor^2 and nothing else: carried by the scale, the
         # decode blocks need no factor of their own (and the cache holds k without it).
         c = self.config
-        factor = super().rope_factor()
+        factor = attention_factor(c.rope, c.head_dim)
         return dict(num_q_heads=c.num_heads, num_kv_heads=c.num_kv_heads, scale=c.head_dim ** -0.5 * factor * factor)
 
     def _final_norm(self, x):

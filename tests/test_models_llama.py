@@ -130,13 +130,14 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_pos
 @pytest.mark.parametrize("config_class", [transformers.LlamaConfig, transformers.Qwen2Config])
 def test_yarn_attention_factor_matches_transformers(config_class, impl, tmp_path):
     from flax_models import ops  # noqa: PLC0415
+    from flax_models.rope import attention_factor  # noqa: PLC0415
 
     if impl != "xla" and not ops.fused_available("decoder_layer"):
         pytest.skip("jax_cluster not available")
     kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rope_parameters=YARN)
     hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl=impl)
-    assert super(type(model), model).rope_factor() == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert attention_factor(model.config.rope, 16) == pytest.approx(0.1 * np.log(4.0) + 1)
     with ops.record_routes() as routes:
         err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
     assert err["prefill"] <= TOL, err

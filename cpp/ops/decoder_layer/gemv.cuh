@@ -93,7 +93,7 @@ __device__ void layer_gemv_prefetch_l2(const LayerGemv& g, const LayerWeights<T>
   const int64_t width = g.paired ? kLayerTileCols / 2 : kLayerTileCols, col0 = tile * width;
   const uint32_t bytes = static_cast<uint32_t>(min(width, g.n - col0) * static_cast<int64_t>(sizeof(T)));
   const int parts = g.paired ? 2 : 1;
-  for (int64_t i = threadIdx.x; i < rows * parts; i += blockDim.x) {
+  for (int64_t i = threadIdx.x; i < rows * parts; i += kLayerThreads) {
     const int64_t k = k0 + i / parts;
     const T* row = g.paired ? (i % 2 ? w.b : w.a) + k * w.ld
                             : (k < w.split ? w.a + k * w.ld : w.b + (k - w.split) * w.ld);
