@@ -9,21 +9,53 @@ import jax
 import jax.numpy as jnp
 
 
+# The fp32 scores of one block of queries against every key stay under this many bytes: a
+# long prompt's [T, T] scores per head would not fit (Llama-3-8B at T = 16K: 34 GB per layer).
+PREFILL_SCORE_BYTES = 256 << 20
+MIN_QUERY_BLOCK = 16
+
+
+def query_block(batch: int, q_heads: int, t: int) -> int:
+    """Queries per block of causal_attention: all t when their scores fit PREFILL_SCORE_BYTES,
+    else the largest power of two (at least MIN_QUERY_BLOCK) whose scores do."""
+    if batch * q_heads * t * t * 4 <= PREFILL_SCORE_BYTES:
+        return t
+    block = MIN_QUERY_BLOCK
+    while 2 * block * batch * q_heads * t * 4 <= PREFILL_SCORE_BYTES:
+        block *= 2
+    return block
+
+
 def causal_attention(q, k, v, scale: float):
     """q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] -> [B, T, Hq, Dv] (causal, GQA).
 
     With right-padded prompts no padding mask is needed: a real query at t < length only sees keys
-    at s <= t, which are real too; outputs at padded positions are never used.
+    at s <= t, which are real too; outputs at padded positions are never used. Long prompts run
+    in blocks of queries (query_block), one after another, each against every key: the same
+    math per query, with the scores' memory bounded.
     """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    b, t, hq, _ = q.shape
+    block = query_block(b, hq, t)
+    if block >= t:
+        return _attend_causal(q, k, v, scale, 0)
+    n = -(-t // block)
+    qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))  # padded queries: outputs dropped
+    qb = jnp.moveaxis(qb.reshape(b, n, block, *q.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda a: _attend_causal(a[0], k, v, scale, a[1]), (qb, jnp.arange(n) * block))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block, hq, v.shape[-1])[:, :t]
+
+
+def _attend_causal(q, k, v, scale: float, first):
+    """Queries q [B, C, Hq, D] at positions first.. first + C - 1 against keys [B, T, Hkv, D]."""
+    b, c, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
     s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    mask = jnp.arange(t)[None, :] <= first + jnp.arange(c)[:, None]
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhgts,bshd->bthgd", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
+    return o.reshape(b, c, hq, v.shape[-1]).astype(q.dtype)
 
 
 def decode_attention_core(q, k_cache, v_cache, lengths, scale: float):
