@@ -26,8 +26,9 @@ def query_block(batch: int, q_heads: int, t: int) -> int:
     return block
 
 
-def causal_attention(q, k, v, scale: float):
-    """q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] -> [B, T, Hq, Dv] (causal, GQA).
+def causal_attention(q, k, v, scale: float, window: int | None = None):
+    """q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] -> [B, T, Hq, Dv] (causal, GQA; with
+    a sliding window, query t sees keys t - window < s <= t).
 
     With right-padded prompts no padding mask is needed: a real query at t < length only sees keys
     at s <= t, which are real too; outputs at padded positions are never used. Long prompts run
@@ -37,38 +38,44 @@ def causal_attention(q, k, v, scale: float):
     b, t, hq, _ = q.shape
     block = query_block(b, hq, t)
     if block >= t:
-        return _attend_causal(q, k, v, scale, 0)
+        return _attend_causal(q, k, v, scale, 0, window)
     n = -(-t // block)
     qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))  # padded queries: outputs dropped
     qb = jnp.moveaxis(qb.reshape(b, n, block, *q.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda a: _attend_causal(a[0], k, v, scale, a[1]), (qb, jnp.arange(n) * block))
+    out = jax.lax.map(lambda a: _attend_causal(a[0], k, v, scale, a[1], window), (qb, jnp.arange(n) * block))
     return jnp.moveaxis(out, 0, 1).reshape(b, n * block, hq, v.shape[-1])[:, :t]
 
 
-def _attend_causal(q, k, v, scale: float, first):
+def _attend_causal(q, k, v, scale: float, first, window):
     """Queries q [B, C, Hq, D] at positions first.. first + C - 1 against keys [B, T, Hkv, D]."""
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, d)
     s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = jnp.arange(t)[None, :] <= first + jnp.arange(c)[:, None]
+    pos = first + jnp.arange(c)[:, None]
+    mask = jnp.arange(t)[None, :] <= pos
+    if window is not None:
+        mask &= jnp.arange(t)[None, :] > pos - window
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhgts,bshd->bthgd", p, v, preferred_element_type=jnp.float32)
     return o.reshape(b, c, hq, v.shape[-1]).astype(q.dtype)
 
 
-def decode_attention_core(q, k_cache, v_cache, lengths, scale: float):
+def decode_attention_core(q, k_cache, v_cache, lengths, scale: float, window: int | None = None):
     """One new query per sequence against the cache, the new token already written.
 
     q [B, Hq, D], caches [B, Hkv, S, D|Dv], lengths [B] (tokens before the new one): attends to
-    slots 0..lengths[b] inclusive. Returns [B, Hq, Dv] in q.dtype.
+    slots 0..lengths[b] inclusive (with a sliding window, only the last `window` of them).
+    Returns [B, Hq, Dv] in q.dtype.
     """
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, hkv, hq // hkv, d)
     s = jnp.einsum("bhgd,bhsd->bhgs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(s_max)[None, :] <= lengths[:, None]
+    if window is not None:
+        valid &= jnp.arange(s_max)[None, :] > lengths[:, None] - window
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype)
     o = jnp.einsum("bhgs,bhsd->bhgd", p, v_cache, preferred_element_type=jnp.float32)

@@ -86,7 +86,7 @@ class CausalLM(nnx.Module):
 
 
 def mha_prefill(h, w_qkv, b_qkv, w_o, b_o, k_cache, v_cache, cos, sin, *, num_q_heads, num_kv_heads,
-                head_dim, scale, layout="half"):
+                head_dim, scale, layout="half", window=None):
     """Prefill attention block on normalised input h [B, T, hidden]; writes slots 0..T-1 of the caches.
     Returns (attention output projected [B, T, hidden], k_cache, v_cache)."""
     b, t, _ = h.shape
@@ -99,5 +99,5 @@ def mha_prefill(h, w_qkv, b_qkv, w_o, b_o, k_cache, v_cache, cos, sin, *, num_q_
     k = apply_rope(k, cos[:, None, :], sin[:, None, :], layout)
     k_cache = attn.write_prefix(k_cache, k)
     v_cache = attn.write_prefix(v_cache, v)
-    o = attn.causal_attention(q, k, v, scale)
+    o = attn.causal_attention(q, k, v, scale, window)
     return dense(o.reshape(b, t, hq * d), w_o, b_o), k_cache, v_cache

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-# Mistral and Qwen2 are Llama's layer: Qwen2 with q, k, v biases, either with a sliding
-# attention window (LlamaConfig.from_hf).
+# Mistral and Qwen2 are Llama's layer: Qwen2 with q, k, v biases, either with sliding
+# attention windows (LlamaConfig.from_hf).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -84,18 +84,23 @@ def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _attention_window(cfg: Mapping[str, Any]) -> int | None:
-    """The sliding attention window of a Mistral or Qwen2 config; None where every layer
-    attends to every earlier token."""
+def _sliding_layers(cfg: Mapping[str, Any]) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers attend through it) of a Mistral or Qwen2 config, as transformers
+    reads it: ``layer_types`` where given; Qwen2 with use_sliding_window from layer
+    max_window_layers on; Mistral every layer. (None, ()) where no layer slides."""
     window = cfg.get("sliding_window")
+    layers = int(cfg["num_hidden_layers"])
     if not window:
-        return None
+        return None, ()
     types = cfg.get("layer_types")
     if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    if cfg.get("model_type") == "qwen2":
-        return int(window) if cfg.get("use_sliding_window") else None
-    return int(window)
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif cfg.get("model_type") == "qwen2":
+        first = int(cfg.get("max_window_layers", 28)) if cfg.get("use_sliding_window") else layers
+        sliding = tuple(i >= first for i in range(layers))
+    else:
+        sliding = (True,) * layers
+    return (int(window), sliding) if any(sliding) else (None, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +120,24 @@ class LlamaConfig:
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral's and Qwen2's sliding window: layer i attends to its last sliding_window tokens
+    # (itself included) where sliding_layers[i]
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
 
     @property
     def o_bias(self) -> bool:
         return self.attention_bias if self.o_proj_bias is None else self.o_proj_bias
 
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, None where it attends to every earlier token."""
+        return self.sliding_window if i < len(self.sliding_layers) and self.sliding_layers[i] else None
+
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
-        """Llama, Mistral and Qwen2 configs. A sliding attention window caps the context at the
-        window: up to it, sliding-window attention is attention over every earlier token."""
+        """Llama, Mistral and Qwen2 configs (Mistral's and Qwen2's sliding attention windows
+        included)."""
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Llama: unsupported hidden_act {act!r} (only 'silu')")
@@ -132,7 +145,7 @@ class LlamaConfig:
         bias = bool(cfg.get("attention_bias") or False)
         qwen2 = cfg.get("model_type") == "qwen2"  # q, k, v always with biases, o_proj never
         context = int(cfg.get("max_position_embeddings", 4096))
-        window = _attention_window(cfg)
+        window, sliding = _sliding_layers(cfg)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -147,7 +160,9 @@ class LlamaConfig:
             attention_bias=bias or qwen2,
             o_proj_bias=False if qwen2 else None,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            max_position_embeddings=min(context, window) if window else context,
+            max_position_embeddings=context,
+            sliding_window=window,
+            sliding_layers=sliding,
             eos_token_ids=_eos(cfg),
         )
 

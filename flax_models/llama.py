@@ -1,5 +1,5 @@
 """Llama-2 / Llama-3 decoder (GQA, Llama-3 RoPE scaling, RMSNorm, SwiGLU, tied or untied head);
-Mistral and Qwen2 (q, k, v biases) checkpoints load into it (flax_models.config).
+Mistral and Qwen2 (q, k, v biases, sliding windows) checkpoints load into it (flax_models.config).
 
 Q, K and V projections are stored fused, one [hidden, (Hq + 2 Hkv) D] kernel with columns
 [Q heads | K heads | V heads], the layout jax_cluster.attention_block takes.
@@ -64,10 +64,10 @@ class Llama(CausalLM):
     def _prefill_layers(self, x, cos, sin, cache: KVCache):
         c = self.config
         ks, vs = [], []
-        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, cache.k, cache.v)):
             y, kc, vc = mha_prefill(layer.input_norm(x), layer.qkv.kernel[...], layer.qkv.bias_value(),
                                     layer.o.kernel[...], layer.o.bias_value(), kc, vc, cos, sin,
-                                    head_dim=c.head_dim, **self._attn_kw())
+                                    head_dim=c.head_dim, window=c.layer_window(i), **self._attn_kw())
             x = x + y
             x = ops.swiglu_mlp_xla(layer.post_norm(x), residual=x, **layer.mlp.weights())
             ks.append(kc)
@@ -88,11 +88,12 @@ class Llama(CausalLM):
         a_impl, m_impl = ops.component_impl(impl, "attention"), ops.component_impl(impl, "mlp")
         whole = ops.whole_layer_impl(impl, mlp_has_fused_op=True)
         ks, vs = [], []
-        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, cache.k, cache.v)):
+            window = c.layer_window(i)
+            why = ops.sliding_window_unsupported(window, kc.shape[2]) or ("MLP biases" if c.mlp_bias else "")
             out = None if whole is None else ops.decoder_layer(
                 x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="llama",
-                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half",
-                unsupported="MLP biases" if c.mlp_bias else "", **self._attn_kw())
+                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", unsupported=why, **self._attn_kw())
             if out is not None:
                 x, kc, vc = out
             else:
@@ -100,7 +101,7 @@ class Llama(CausalLM):
                     x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                     norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
                     qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
-                    rotary_dim=c.head_dim, rope_layout="half", impl=a_impl,
+                    rotary_dim=c.head_dim, rope_layout="half", window=window, impl=a_impl,
                     **self._attn_kw(),
                 )
                 h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)

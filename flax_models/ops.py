@@ -235,17 +235,27 @@ def _add_residual(y, residual):
 
 
 # ----------------------------------------------------------------------------- attention block
+def sliding_window_unsupported(window: int | None, capacity: int) -> str:
+    """Why no fused op runs a sliding window over a cache of `capacity` slots ("" where none
+    applies): the kernels attend to every cached token, which is the window's result only
+    while the cache holds no more tokens than the window."""
+    if window is None or capacity <= window:
+        return ""
+    return f"a sliding window of {window} tokens over a cache of {capacity} slots"
+
+
 def attention_block_xla(
     x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, norm_weight=None, norm_bias=None,
     norm="rms", eps=1e-6, qkv_bias=None, o_bias=None, residual=False, rotary_dim, rope_layout="half",
-    num_q_heads, num_kv_heads, scale, rope_factor=1.0,
+    num_q_heads, num_kv_heads, scale, rope_factor=1.0, window=None,
 ):
     """Plain-jnp decode attention block; the semantics the fused op must reproduce.
 
     x [B, hidden] (the residual stream), w_qkv [hidden, (Hq + 2 Hkv) D] with columns
     [Q heads | K heads | V heads], w_o [Hq D, hidden], caches [B, Hkv, S_max, D], lengths [B].
     The new token is written at slot lengths[b], rotated to position lengths[b], and attends to slots
-    0..lengths[b]. Returns (y [B, hidden], k_cache, v_cache); y includes x when residual=True.
+    0..lengths[b] (with a sliding window, the last `window` of them). Returns (y [B, hidden],
+    k_cache, v_cache); y includes x when residual=True.
     """
     b = x.shape[0]
     d = k_cache.shape[-1]
@@ -260,20 +270,25 @@ def attention_block_xla(
     k = apply_rope(k, cos, sin, rope_layout)
     k_cache = attn.write_at(k_cache, k, lengths)
     v_cache = attn.write_at(v_cache, v, lengths)
-    o = attn.decode_attention_core(q, k_cache, v_cache, lengths, scale)
+    o = attn.decode_attention_core(q, k_cache, v_cache, lengths, scale, window)
     y = dense(o.reshape(b, num_q_heads * d), w_o, o_bias)
     if residual:
         y = _add_residual(y, x)
     return y, k_cache, v_cache
 
 
-def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0, **kw):
-    """The whole decode attention block; see :func:`attention_block_xla` for the arguments."""
+def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0,
+                    window=None, **kw):
+    """The whole decode attention block; see :func:`attention_block_xla` for the arguments. A
+    sliding window shorter than the cache has no fused op (sliding_window_unsupported)."""
     op_name = "attention_block"
-    chosen = _choose(impl, op_name, op_name, x.dtype,
-                     unsupported="" if rope_factor == 1.0 else "RoPE attention factor != 1 (YaRN)")
+    why = sliding_window_unsupported(window, k_cache.shape[2])
+    if not why and rope_factor != 1.0:
+        why = "RoPE attention factor != 1 (YaRN)"
+    chosen = _choose(impl, op_name, op_name, x.dtype, unsupported=why)
     if chosen is None:
-        return attention_block_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, rope_factor=rope_factor, **kw)
+        return attention_block_xla(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, rope_factor=rope_factor,
+                                   window=window, **kw)
     op, op_impl = chosen
     return _run(op_name, op_name, op, op_impl, x, w_qkv, w_o, k_cache, v_cache, lengths,
                 jnp.asarray(inv_freq, jnp.float32), **kw)

@@ -65,14 +65,18 @@ def test_llama_fused_with_mlp_biases_names_them(tmp_path):
 
 
 # Mistral and Qwen2 load into the Llama model (flax_models.config): Qwen2's q, k, v biases (no
-# o_proj bias); a sliding window caps the context at the window, inside which it is exact.
+# o_proj bias); sliding windows, here 8 tokens against sequences of up to 28: attention beyond the
+# window, on every layer (Mistral) or from max_window_layers on (Qwen2).
 FAMILY = {
     "qwen2-gqa2-tied": (transformers.Qwen2Config, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                                        num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-gqa4-hd32": (transformers.MistralConfig, dict(hidden_size=128, intermediate_size=160, num_attention_heads=8,
                                                            num_key_value_heads=2, head_dim=32, sliding_window=None)),
-    "mistral-window64": (transformers.MistralConfig, dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                                          num_key_value_heads=4, sliding_window=64)),
+    "mistral-window8": (transformers.MistralConfig, dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                         num_key_value_heads=4, sliding_window=8)),
+    "qwen2-window8-layer1": (transformers.Qwen2Config, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                            num_key_value_heads=2, use_sliding_window=True,
+                                                            sliding_window=8, max_window_layers=1)),
 }
 
 
@@ -82,9 +86,29 @@ def test_llama_family_matches_transformers(name, tmp_path):
     hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path)
     c = model.config
     assert (c.attention_bias, c.o_bias) == ((True, False) if name.startswith("qwen2") else (False, False))
-    assert c.max_position_embeddings == (64 if name == "mistral-window64" else BASE["max_position_embeddings"])
-    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)  # 28 tokens: inside the window
+    assert c.max_position_embeddings == BASE["max_position_embeddings"]
+    assert [c.layer_window(i) for i in range(2)] == {"mistral-window8": [8, 8], "qwen2-window8-layer1": [None, 8]}.get(
+        name, [None, None])
+    err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
     assert err["prefill"] <= TOL, err
+    assert err["decode"] <= TOL, err
+
+
+def test_sliding_window_beyond_the_cache_has_no_fused_op(tmp_path):
+    """A window shorter than the cache: impl="fused" names it, "auto" runs those layers on XLA."""
+    from flax_models import ops  # noqa: PLC0415
+
+    config_class, kw = FAMILY["qwen2-window8-layer1"]
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="fused")
+    with pytest.raises(RuntimeError, match="a sliding window of 8 tokens over a cache of 28 slots"):
+        compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
+    if not ops.fused_available("decoder_layer"):
+        return
+    model.impl = ops.normalize_impl("attention=fused,mlp=xla")
+    with pytest.raises(RuntimeError, match="sliding window"):
+        compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
+    # a cache no longer than the window: attention over every token is the window's, fused
+    err = compare_logits(hf, model, prompt_lengths=(3,), decode_steps=5)
     assert err["decode"] <= TOL, err
 
 
@@ -103,22 +127,28 @@ def test_qwen2_fused_layers_on_cpu_match_transformers(tmp_path):
 
 
 def test_sliding_window_config_rules():
-    """Which configs attend through a window, and the context it caps."""
+    """Which layers attend through a window, read as transformers reads the config."""
     from flax_models.config import LlamaConfig  # noqa: PLC0415
 
-    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
                 max_position_embeddings=4096)
-    assert LlamaConfig.from_hf(dict(base, model_type="mistral", sliding_window=1024)).max_position_embeddings == 1024
-    assert LlamaConfig.from_hf(dict(base, model_type="mistral", sliding_window=None)).max_position_embeddings == 4096
-    qwen = dict(base, model_type="qwen2", sliding_window=1024)
-    assert LlamaConfig.from_hf(dict(qwen, use_sliding_window=False)).max_position_embeddings == 4096
-    assert LlamaConfig.from_hf(dict(qwen, use_sliding_window=True)).max_position_embeddings == 1024
-    types = dict(qwen, use_sliding_window=True, layer_types=["full_attention", "full_attention"])
-    assert LlamaConfig.from_hf(types).max_position_embeddings == 4096
-    assert LlamaConfig.from_hf(dict(types, layer_types=["full_attention", "sliding_attention"])
-                               ).max_position_embeddings == 1024
+
+    def windows(**kw):
+        c = LlamaConfig.from_hf(dict(base, **kw))
+        assert c.max_position_embeddings == 4096  # a window never caps the context
+        return [c.layer_window(i) for i in range(4)]
+
+    assert windows(model_type="mistral", sliding_window=1024) == [1024] * 4
+    assert windows(model_type="mistral", sliding_window=None) == [None] * 4
+    qwen = dict(model_type="qwen2", sliding_window=1024)
+    assert windows(**qwen, use_sliding_window=False) == [None] * 4
+    assert windows(**qwen, use_sliding_window=True) == [None] * 4  # max_window_layers defaults to 28
+    assert windows(**qwen, use_sliding_window=True, max_window_layers=2) == [None, None, 1024, 1024]
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert windows(**qwen, use_sliding_window=True, layer_types=types) == [None, 1024, None, 1024]
+    assert windows(**qwen, use_sliding_window=True, layer_types=["full_attention"] * 4) == [None] * 4
     assert LlamaConfig.from_hf(dict(base, model_type="llama", attention_bias=True)).o_bias
-    assert not LlamaConfig.from_hf(dict(qwen, attention_bias=True)).o_bias  # Qwen2's o_proj has none
+    assert not LlamaConfig.from_hf(dict(base, **qwen, attention_bias=True)).o_bias  # Qwen2's o_proj has none
 
 
 # YaRN's attention factor (cos and sin times 0.1 ln(factor) + 1, as in Qwen2.5's long-context
