@@ -88,6 +88,21 @@ def write_prefix(cache, new):
     return jax.lax.dynamic_update_slice(cache, new, (0, 0, 0, 0))
 
 
+def write_prompt(cache, new, lengths):
+    """cache [B, H, S, D] <- a prompt's new [B, T, H, D] (right-padded; lengths [B] real tokens
+    per row): at slots 0..T-1 where they fit, else (a rolling buffer of S < T slots) each row's
+    last S real tokens, position t at slot t % S. Slots past a shorter row's tokens get padding
+    there, which no step reads before it writes them."""
+    s, t = cache.shape[2], new.shape[1]
+    if t <= s:
+        return write_prefix(cache, new)
+    slot = jnp.arange(s)[None, :]
+    last = jnp.asarray(lengths, jnp.int32)[:, None] - 1
+    src = jnp.minimum(slot + s * jnp.maximum(0, (last - slot) // s), t - 1)  # [B, S]: the newest t = slot mod S
+    kept = jnp.take_along_axis(new, src[:, :, None, None], axis=1)
+    return jnp.swapaxes(kept, 1, 2).astype(cache.dtype)
+
+
 def write_at(cache, new, lengths):
     """cache [B, H, S, D] <- new [B, H, D] at slot lengths[b] of each row (in place when donated)."""
 

@@ -62,9 +62,10 @@ class CausalLM(nnx.Module):
             raise ValueError(f"prompt length {t} exceeds the cache length {cache.max_len}")
         x = self.embed(tokens)
         cos, sin = cos_sin(jnp.arange(t), self.inv_freq(), self.rope_factor())
-        x, cache = self._prefill_layers(x, cos, sin, cache)
-        x = self._final_norm(x)
         lengths = jnp.asarray(lengths, jnp.int32)
+        # the layers read cache.lengths: a rolling buffer keeps each row's last real tokens
+        x, cache = self._prefill_layers(x, cos, sin, dataclasses.replace(cache, lengths=lengths))
+        x = self._final_norm(x)
         if not all_logits:
             x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return self.logits(x), dataclasses.replace(cache, lengths=lengths)
@@ -86,9 +87,10 @@ class CausalLM(nnx.Module):
 
 
 def mha_prefill(h, w_qkv, b_qkv, w_o, b_o, k_cache, v_cache, cos, sin, *, num_q_heads, num_kv_heads,
-                head_dim, scale, layout="half", window=None):
-    """Prefill attention block on normalised input h [B, T, hidden]; writes slots 0..T-1 of the caches.
-    Returns (attention output projected [B, T, hidden], k_cache, v_cache)."""
+                head_dim, scale, layout="half", window=None, lengths=None):
+    """Prefill attention block on normalised input h [B, T, hidden]; writes slots 0..T-1 of the caches
+    (a rolling buffer shorter than T: each row's last tokens, attention.write_prompt, which needs
+    lengths [B]). Returns (attention output projected [B, T, hidden], k_cache, v_cache)."""
     b, t, _ = h.shape
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     qkv = dense(h, w_qkv, b_qkv)
@@ -97,7 +99,7 @@ def mha_prefill(h, w_qkv, b_qkv, w_o, b_o, k_cache, v_cache, cos, sin, *, num_q_
     v = qkv[..., (hq + hkv) * d :].reshape(b, t, hkv, d)
     q = apply_rope(q, cos[:, None, :], sin[:, None, :], layout)
     k = apply_rope(k, cos[:, None, :], sin[:, None, :], layout)
-    k_cache = attn.write_prefix(k_cache, k)
-    v_cache = attn.write_prefix(v_cache, v)
+    k_cache = attn.write_prompt(k_cache, k, lengths)
+    v_cache = attn.write_prompt(v_cache, v, lengths)
     o = attn.causal_attention(q, k, v, scale, window)
     return dense(o.reshape(b, t, hq * d), w_o, b_o), k_cache, v_cache

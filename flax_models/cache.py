@@ -1,5 +1,7 @@
 """Decode caches: per layer k and v [B, H_kv, S_max, head_dim], lengths[b] = tokens already
-cached; the next token goes to slot lengths[b] at RoPE position lengths[b]. MLA keeps one latent
+cached; the next token goes to slot lengths[b] at RoPE position lengths[b]. A layer with a
+sliding window shorter than S_max keeps only the window instead, as a rolling buffer: position t
+in slot t % window (KVCache.rolling). MLA keeps one latent
 per token instead: [B, 1, S_max, kv_lora_rank + rope_dim] (one shared "KV head"), or the same
 rows in pages of a pool shared by the batch (PagedLatentCache).
 
@@ -21,19 +23,37 @@ from . import attention as attn
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: tuple  # per layer [B, H_kv, S_max, D]
-    v: tuple  # per layer [B, H_kv, S_max, Dv]
+    """Per layer k, v [B, H_kv, slots, D]: slots = max_len, or a sliding window's `window` slots
+    where that is fewer (a rolling buffer: a token at position t sits in slot t % window, and the
+    slots hold exactly the window's tokens once it is full; Mistral's rolling cache)."""
+
+    k: tuple  # per layer [B, H_kv, slots, D]
+    v: tuple  # per layer [B, H_kv, slots, Dv]
     lengths: jax.Array  # [B] int32
+    # Static: the tokens a row may hold (positions 0..max_len-1), and each layer's window.
+    max_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    windows: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @classmethod
-    def create(cls, *, num_layers, batch, num_kv_heads, max_len, head_dim, dtype, v_head_dim=None):
-        k = tuple(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros((batch, num_kv_heads, max_len, v_head_dim or head_dim), dtype) for _ in range(num_layers))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+    def create(cls, *, num_layers, batch, num_kv_heads, max_len, head_dim, dtype, v_head_dim=None, windows=()):
+        """windows: per layer its sliding window or None (default: none)."""
+        windows = tuple(windows) or (None,) * num_layers
+        if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must hold a positive window or None per layer ({num_layers}), got {windows}")
+        slots = [max_len if w is None else min(w, max_len) for w in windows]
+        k = tuple(jnp.zeros((batch, num_kv_heads, n, head_dim), dtype) for n in slots)
+        v = tuple(jnp.zeros((batch, num_kv_heads, n, v_head_dim or head_dim), dtype) for n in slots)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len, windows=windows)
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
+    def __post_init__(self):
+        if not self.max_len and self.k and hasattr(self.k[0], "shape"):  # built without create()
+            self.max_len = self.k[0].shape[2]
+
+    def rolling(self, layer: int) -> bool:
+        """Whether the layer's slots are its window's rolling buffer (slot = position % window).
+        A window of max_len slots or more never wraps, and both layouts agree."""
+        w = self.windows[layer] if layer < len(self.windows) else None
+        return w is not None and self.k[layer].shape[2] == w
 
     @property
     def batch(self) -> int:

@@ -8,6 +8,7 @@ Q, K and V projections are stored fused, one [hidden, (Hq + 2 Hkv) D] kernel wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from flax import nnx
@@ -59,7 +60,8 @@ class Llama(CausalLM):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config
         return KVCache.create(num_layers=c.num_layers, batch=batch, num_kv_heads=c.num_kv_heads,
-                              max_len=max_len, head_dim=c.head_dim, dtype=dtype or self.dtype)
+                              max_len=max_len, head_dim=c.head_dim, dtype=dtype or self.dtype,
+                              windows=[c.layer_window(i) for i in range(c.num_layers)])
 
     def _prefill_layers(self, x, cos, sin, cache: KVCache):
         c = self.config
@@ -67,7 +69,8 @@ class Llama(CausalLM):
         for i, (layer, kc, vc) in enumerate(zip(self.layers, cache.k, cache.v)):
             y, kc, vc = mha_prefill(layer.input_norm(x), layer.qkv.kernel[...], layer.qkv.bias_value(),
                                     layer.o.kernel[...], layer.o.bias_value(), kc, vc, cos, sin,
-                                    head_dim=c.head_dim, window=c.layer_window(i), **self._attn_kw())
+                                    head_dim=c.head_dim, window=c.layer_window(i), lengths=cache.lengths,
+                                    **self._attn_kw())
             x = x + y
             x = ops.swiglu_mlp_xla(layer.post_norm(x), residual=x, **layer.mlp.weights())
             ks.append(kc)
@@ -90,19 +93,21 @@ class Llama(CausalLM):
         ks, vs = [], []
         for i, (layer, kc, vc) in enumerate(zip(self.layers, cache.k, cache.v)):
             window = c.layer_window(i)
+            rolling = cache.rolling(i)  # the window's rolling buffer: slot = position % window
             why = ops.sliding_window_unsupported(window, kc.shape[2]) or ("MLP biases" if c.mlp_bias else "")
-            out = None if whole is None else ops.decoder_layer(
+            out = None if whole is None or rolling else ops.decoder_layer(
                 x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="llama",
                 eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", unsupported=why, **self._attn_kw())
             if out is not None:
                 x, kc, vc = out
             else:
-                x, kc, vc = ops.attention_block(
+                block = ops.rolling_window_attention_block if rolling else functools.partial(
+                    ops.attention_block, window=window)
+                x, kc, vc = block(
                     x, layer.qkv.kernel[...], layer.o.kernel[...], kc, vc, cache.lengths, inv_freq,
                     norm_weight=layer.input_norm.weight[...], norm="rms", eps=c.rms_norm_eps,
                     qkv_bias=layer.qkv.bias_value(), o_bias=layer.o.bias_value(), residual=True,
-                    rotary_dim=c.head_dim, rope_layout="half", window=window, impl=a_impl,
-                    **self._attn_kw(),
+                    rotary_dim=c.head_dim, rope_layout="half", impl=a_impl, **self._attn_kw(),
                 )
                 h = rms_norm(x, layer.post_norm.weight[...], c.rms_norm_eps)
                 x = ops.swiglu_mlp(h, residual=x, impl=m_impl, **layer.mlp.weights())

@@ -5,7 +5,8 @@ whole block at once:
 
 =====================  ==========================================================================
 :func:`attention_block`  norm -> QKV -> RoPE -> cache write -> attention -> out-proj (+ residual):
-                         ``jax_cluster.attention_block``
+                         ``jax_cluster.attention_block``; over a sliding window's rolling cache
+                         (:func:`rolling_window_attention_block`), ``jax_cluster.decode_attention``
 :func:`swiglu_mlp`       ``(silu(x Wg) * (x Wu)) Wd`` (+ residual): ``jax_cluster.swiglu``
 :func:`gelu_mlp`         GPT-NeoX's MLP: no fused op of its own (XLA)
 :func:`decoder_layer`    a whole decode layer: ``jax_cluster.decoder_layer`` (component "layer",
@@ -244,6 +245,25 @@ def sliding_window_unsupported(window: int | None, capacity: int) -> str:
     return f"a sliding window of {window} tokens over a cache of {capacity} slots"
 
 
+def _qkv_rotated(x, w_qkv, lengths, inv_freq, *, norm_weight, norm_bias, norm, eps, qkv_bias, head_dim,
+                 rotary_dim, rope_layout, num_q_heads, num_kv_heads, rope_factor):
+    """norm -> QKV -> RoPE at positions lengths[b]: q [B, Hq, D], k and v [B, Hkv, D]."""
+    b, d = x.shape[0], head_dim
+    h = _norm(x, norm, norm_weight, norm_bias, eps)
+    qkv = dense(h, w_qkv, qkv_bias)
+    q = qkv[:, : num_q_heads * d].reshape(b, num_q_heads, d)
+    k = qkv[:, num_q_heads * d : (num_q_heads + num_kv_heads) * d].reshape(b, num_kv_heads, d)
+    v = qkv[:, (num_q_heads + num_kv_heads) * d :].reshape(b, num_kv_heads, d)
+    cos, sin = cos_sin(lengths, jnp.asarray(inv_freq)[: rotary_dim // 2], rope_factor)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout), v
+
+
+def _out_projection(x, o, w_o, o_bias, residual):
+    y = dense(o.reshape(x.shape[0], -1), w_o, o_bias)
+    return _add_residual(y, x) if residual else y
+
+
 def attention_block_xla(
     x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, norm_weight=None, norm_bias=None,
     norm="rms", eps=1e-6, qkv_bias=None, o_bias=None, residual=False, rotary_dim, rope_layout="half",
@@ -257,24 +277,46 @@ def attention_block_xla(
     0..lengths[b] (with a sliding window, the last `window` of them). Returns (y [B, hidden],
     k_cache, v_cache); y includes x when residual=True.
     """
-    b = x.shape[0]
-    d = k_cache.shape[-1]
-    h = _norm(x, norm, norm_weight, norm_bias, eps)
-    qkv = dense(h, w_qkv, qkv_bias)
-    q = qkv[:, : num_q_heads * d].reshape(b, num_q_heads, d)
-    k = qkv[:, num_q_heads * d : (num_q_heads + num_kv_heads) * d].reshape(b, num_kv_heads, d)
-    v = qkv[:, (num_q_heads + num_kv_heads) * d :].reshape(b, num_kv_heads, d)
-    cos, sin = cos_sin(lengths, jnp.asarray(inv_freq)[: rotary_dim // 2], rope_factor)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    q = apply_rope(q, cos, sin, rope_layout)
-    k = apply_rope(k, cos, sin, rope_layout)
+    q, k, v = _qkv_rotated(x, w_qkv, lengths, inv_freq, norm_weight=norm_weight, norm_bias=norm_bias, norm=norm,
+                           eps=eps, qkv_bias=qkv_bias, head_dim=k_cache.shape[-1], rotary_dim=rotary_dim,
+                           rope_layout=rope_layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           rope_factor=rope_factor)
     k_cache = attn.write_at(k_cache, k, lengths)
     v_cache = attn.write_at(v_cache, v, lengths)
     o = attn.decode_attention_core(q, k_cache, v_cache, lengths, scale, window)
-    y = dense(o.reshape(b, num_q_heads * d), w_o, o_bias)
-    if residual:
-        y = _add_residual(y, x)
-    return y, k_cache, v_cache
+    return _out_projection(x, o, w_o, o_bias, residual), k_cache, v_cache
+
+
+def rolling_window_attention_block(
+    x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", norm_weight=None, norm_bias=None,
+    norm="rms", eps=1e-6, qkv_bias=None, o_bias=None, residual=False, rotary_dim, rope_layout="half",
+    num_q_heads, num_kv_heads, scale, rope_factor=1.0,
+):
+    """The decode attention block of a sliding-window layer whose caches are the window's
+    rolling buffer of W slots (KVCache.rolling): the new token, rotated to position
+    lengths[b], goes to slot lengths[b] % W and attends to slots 0..min(lengths[b], W - 1),
+    which hold exactly the window's tokens. Arguments as :func:`attention_block_xla`.
+
+    The fused ops write slot lengths[b] at RoPE position lengths[b], so here XLA projects,
+    rotates and writes, and the attention over the buffer is ``jax_cluster.decode_attention``
+    (q rounded to the cache dtype after scaling, as its split-K form takes it) or jnp."""
+    b, slots, d = x.shape[0], k_cache.shape[2], k_cache.shape[-1]
+    q, k, v = _qkv_rotated(x, w_qkv, lengths, inv_freq, norm_weight=norm_weight, norm_bias=norm_bias, norm=norm,
+                           eps=eps, qkv_bias=qkv_bias, head_dim=d, rotary_dim=rotary_dim, rope_layout=rope_layout,
+                           num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, rope_factor=rope_factor)
+    k_cache = attn.write_at(k_cache, k, lengths % slots)
+    v_cache = attn.write_at(v_cache, v, lengths % slots)
+    last = jnp.minimum(lengths, slots - 1).astype(jnp.int32)  # the buffer's last filled slot
+    chosen = _choose(impl, "attention_block", "decode_attention", x.dtype)
+    if chosen is None:
+        o = attn.decode_attention_core(q, k_cache, v_cache, last, scale)
+    else:
+        op, op_impl = chosen
+        qg = (q.astype(jnp.float32) * scale).astype(k_cache.dtype).reshape(b, num_kv_heads, -1, d)
+        o = _run("attention_block", "decode_attention", op, op_impl, qg, k_cache, v_cache, last,
+                 _auto_why="a sliding window's rolling cache: XLA's projections around "
+                           "jax_cluster.decode_attention").reshape(b, num_q_heads, d).astype(x.dtype)
+    return _out_projection(x, o, w_o, o_bias, residual), k_cache, v_cache
 
 
 def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, impl="auto", rope_factor=1.0,

@@ -1,8 +1,8 @@
 """flax_models on the GPU with the fused kernels, on small models whose shapes the kernels
-take but no preset has (Qwen2.5-style GQA 7, Qwen2.5's YaRN, head_dim 80 with partial
-rotary, head_dim 256, DeepSeek-V2 with q LoRA and group-limited routing): prefill, then
-decode steps with impl="fused" against the same steps on XLA's ops, from the same caches,
-in bfloat16. Every block must say it ran on jax_cluster (no silent fallback)."""
+take but no preset has (Qwen2.5-style GQA 7, Qwen2.5's YaRN, Mistral's sliding window over a
+rolling cache, head_dim 80 with partial rotary, head_dim 256, DeepSeek-V2 with q LoRA and
+group-limited routing): prefill, then decode steps with impl="fused" against the same steps
+on XLA's ops, from the same caches, in bfloat16. Every block must say it ran on jax_cluster (no silent fallback)."""
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,11 @@ MODELS = {
                                    num_kv_heads=2, head_dim=64, attention_bias=True, o_proj_bias=False,
                                    rope=RopeConfig(theta=1e6, rope_type="yarn", factor=4.0,
                                                    original_max_position_embeddings=32)),
+    # Mistral's sliding window past its end (window 8 < the 11-token prompt): layer 0's cache is
+    # the window's rolling buffer (jax_cluster.decode_attention), layer 1 attends to every token
+    "mistral-window8-rolling": LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
+                                           num_heads=8, num_kv_heads=2, head_dim=64, rope=ROPE, sliding_window=8,
+                                           sliding_layers=(True, False)),
     "llama-gqa3-hd128": LlamaConfig(vocab_size=256, hidden_size=384, intermediate_size=1000, num_layers=2,
                                     num_heads=6, num_kv_heads=2, head_dim=128, rope=ROPE),
     "pythia-hd80": GPTNeoXConfig(vocab_size=256, hidden_size=320, intermediate_size=1280, num_layers=2, num_heads=4,

@@ -94,36 +94,65 @@ def test_llama_family_matches_transformers(name, tmp_path):
     assert err["decode"] <= TOL, err
 
 
-def test_sliding_window_beyond_the_cache_has_no_fused_op(tmp_path):
-    """A window shorter than the cache: impl="fused" names it, "auto" runs those layers on XLA."""
-    from flax_models import ops  # noqa: PLC0415
-
+def test_sliding_window_cache_is_a_rolling_buffer(tmp_path):
+    """A windowed layer keeps its window's slots only (position t at slot t % window); the rest
+    keep max_len; the cache still bounds positions by max_len."""
     config_class, kw = FAMILY["qwen2-window8-layer1"]
-    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="fused")
-    with pytest.raises(RuntimeError, match="a sliding window of 8 tokens over a cache of 28 slots"):
-        compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
-    if not ops.fused_available("decoder_layer"):
-        return
-    model.impl = ops.normalize_impl("attention=fused,mlp=xla")
-    with pytest.raises(RuntimeError, match="sliding window"):
-        compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
-    # a cache no longer than the window: attention over every token is the window's, fused
-    err = compare_logits(hf, model, prompt_lengths=(3,), decode_steps=5)
-    assert err["decode"] <= TOL, err
+    _, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path)
+    cache = model.init_cache(2, 100)
+    assert [k.shape[2] for k in cache.k] == [100, 8] and [v.shape[2] for v in cache.v] == [100, 8]
+    assert cache.max_len == 100 and [cache.rolling(i) for i in range(2)] == [False, True]
+    short = model.init_cache(2, 6)  # never past the window: the plain layout
+    assert [k.shape[2] for k in short.k] == [6, 6] and not short.rolling(1)
 
 
-def test_qwen2_fused_layers_on_cpu_match_transformers(tmp_path):
-    """Qwen2's q, k, v biases through jax_cluster.decoder_layer's C++ CPU handler."""
+@pytest.mark.parametrize("name", ["mistral-window8", "qwen2-window8-layer1"])
+def test_sliding_window_fused_matches_transformers(name, tmp_path):
+    """Past the window: prompts of 5 and 12 tokens (longer than the window of 8) and 16 steps,
+    the windowed layers' attention on jax_cluster.decode_attention's C++ handler over the
+    rolling buffer (the fused blocks write slot lengths[b]: they cannot)."""
     from flax_models import ops  # noqa: PLC0415
 
-    if not ops.fused_available("decoder_layer"):
-        pytest.skip("jax_cluster.decoder_layer not available")
-    config_class, kw = FAMILY["qwen2-gqa2-tied"]
-    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="fused")
+    if not ops.fused_available("decode_attention"):
+        pytest.skip("jax_cluster.decode_attention not available")
+    config_class, kw = FAMILY[name]
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="attention=fused,mlp=xla")
     with ops.record_routes() as routes:
-        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
-    assert err["decode"] <= TOL, err
-    assert [str(r) for r in routes] == ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"]
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
+    assert err["prefill"] <= TOL and err["decode"] <= TOL, err
+    assert sorted(str(r) for r in routes) == ["attention_block: jax_cluster (C++ CPU handler, no GPU)",
+                                              "swiglu: xla (impl=xla)"]
+
+
+def test_sliding_window_over_a_full_cache_has_no_fused_op(tmp_path):
+    """A cache built without its windows (every layer max_len slots) still decodes right on XLA,
+    masking the window; the fused blocks, which attend to every cached slot, refuse it."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from flax_models import ops  # noqa: PLC0415
+    from flax_models.cache import KVCache  # noqa: PLC0415
+
+    config_class, kw = FAMILY["mistral-window8"]
+    _, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path)
+    c = model.config
+    make = dict(num_layers=c.num_layers, batch=2, num_kv_heads=c.num_kv_heads, max_len=40, head_dim=c.head_dim,
+                dtype=model.dtype)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 12)), jnp.int32)
+    lengths = jnp.asarray([12, 7], jnp.int32)  # past the window, and short of it
+    steps = jnp.asarray(rng.integers(0, c.vocab_size, (24, 2)), jnp.int32)  # three windows on
+    runs = {}
+    for name, cache in (("rolling", model.init_cache(2, 40)), ("full", KVCache.create(**make))):
+        logits, cache = model.prefill(tokens, lengths, cache)
+        out = [logits]
+        for tok in steps:
+            logits, cache = model.decode(tok, cache, impl="xla")
+            out.append(logits)
+        runs[name] = np.stack(out)
+    np.testing.assert_allclose(runs["rolling"], runs["full"], rtol=1e-5, atol=1e-5)
+    if ops.fused_available("decoder_layer"):
+        with pytest.raises(RuntimeError, match="a sliding window of 8 tokens over a cache of 40 slots"):
+            model.decode(tokens[:, 0], KVCache.create(**make), impl="fused")
 
 
 def test_sliding_window_config_rules():
