@@ -2,8 +2,8 @@
 per case, so a failure names its config and reruns it. The hand-written configs of
 test_models_{llama,gpt_neox,deepseek_v2}.py pin the edges on purpose; these cover what nobody
 picked (head dims like 20 or 40, GQA ratios 3 and 5, odd vocabularies, partial rotary,
-every RoPE scaling, routing variants), each decoded on XLA's ops and on jax_cluster's C++
-CPU handlers (impl="fused")."""
+every RoPE scaling, sliding windows shorter than the sequence, routing variants), each
+decoded on XLA's ops and on jax_cluster's C++ CPU handlers (impl="fused")."""
 
 import random
 
@@ -44,10 +44,12 @@ def llama_family(seed: int):
     if family == "qwen2":
         kw["rope_parameters"] = {"rope_type": r.choice(["default", "yarn"]), "rope_theta": 1e6, "factor": 4.0,
                                  "original_max_position_embeddings": 64}
-        return transformers.Qwen2Config(**kw)
+        # a window shorter than the 16-token sequences from layer max_window_layers on: rolling caches
+        return transformers.Qwen2Config(**kw, use_sliding_window=r.random() < 0.5, sliding_window=r.choice([5, 12]),
+                                        max_window_layers=r.choice([0, 1]))
     kw["rope_parameters"] = _rope(r, ["default", "linear", "llama3", "yarn"])
     if family == "mistral":
-        return transformers.MistralConfig(**kw, sliding_window=None)
+        return transformers.MistralConfig(**kw, sliding_window=r.choice([None, 5, 12]))
     return transformers.LlamaConfig(**kw, attention_bias=r.random() < 0.3)
 
 
