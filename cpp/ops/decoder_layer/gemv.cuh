@@ -83,6 +83,14 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
 // attention chain, latency-bound on small layers, leaves HBM idle (docs/decoder_layer.md).
 inline constexpr int64_t kLayerUpPrefetchRows = JAX_CLUSTER_LAYER_UP_PREFETCH_ROWS;
 
+#ifndef JAX_CLUSTER_LAYER_O_PREFETCH_ROWS
+#define JAX_CLUSTER_LAYER_O_PREFETCH_ROWS 0
+#endif
+// Probe builds only (0: compiled out): the sequential residual's blocks, once their QKV units
+// are done, ask L2 for the first this-many K rows of their first o-proj unit, so that W_o
+// streams during the attention items instead of after the merges (docs/decoder_layer.md).
+inline constexpr int64_t kLayerOPrefetchRows = JAX_CLUSTER_LAYER_O_PREFETCH_ROWS;
+
 // Asks L2 for the first `max_rows` K rows of unit (tile, chunk)'s weights: one bulk
 // prefetch per row segment (paired: gate's and up's 128 columns, else the tile's 256), from
 // all threads. A hint only: nothing waits for it and nothing it reads is used.

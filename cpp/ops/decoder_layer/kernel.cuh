@@ -316,6 +316,12 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
     });
   };
   if (parallel && !kLayerParallelUpLate) parallel_up(pl.gemv[kGemvQkv].units());
+  if constexpr (kLayerOPrefetchRows > 0) {  // this block's first o-proj unit (each_unit's order)
+    if (!parallel && blockIdx.x < pl.gemv[kGemvO].units()) {
+      layer_gemv_prefetch_l2<T>(pl.gemv[kGemvO], w_o(), blockIdx.x % pl.gemv[kGemvO].tiles,
+                                blockIdx.x / pl.gemv[kGemvO].tiles, kLayerOPrefetchRows);
+    }
+  }
   mark(1);
 
   // ---- attention: each item once the QKV tiles of its KV group are in
