@@ -1,10 +1,11 @@
 """End-to-end decode: time per output token of whole models (random weights) with flax_models.
 
-Llama-2-7B, Llama-3-8B, Llama-3.2-1B, Pythia-2.8B, Pythia-6.9B and DeepSeek-V2-Lite shapes, batch 1
-and 16, contexts 1K/4K/16K (tokens already in the KV cache), impl="xla" (plain jnp) vs the
+Llama-2-7B, Llama-3-8B, Mistral-7B, Llama-3.2-1B, Pythia-1B/2.8B/6.9B and DeepSeek-V2-Lite shapes,
+batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV cache), impl="xla" (plain jnp) vs the
 jax_cluster ops that exist for the model (attention_block or mla_decode; swiglu, moe_decode: "fused") and,
 for Llama and GPT-NeoX, whole layers on jax_cluster.decoder_layer's one-launch kernel ("one_launch";
-skipped, with the kernel's reason, where it does not cover the batch). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
+skipped, with the kernel's reason, where it does not cover the batch; left out where a sliding
+window's cache rolls, docs/models.md). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
 (jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
 values.
@@ -13,7 +14,8 @@ Roofline: floor = (weight bytes + KV bytes read per step) / HBM bandwidth, the b
 measured in the same run (best of an elementwise pass and a read-only reduction); roofline_fraction = floor / measured time.
 For DeepSeek-V2 the weights a step reads are the dense ones plus the ACTIVE routed experts
 (top-k per MoE layer at batch 1; at batch B the expected distinct experts E (1 - (1 - k/E)^B)
-under uniform routing), and the KV bytes are the latent cache's.
+under uniform routing), and the KV bytes are the latent cache's; a sliding window reads at most
+its window's tokens per layer.
 Cases that do not fit in device memory are listed as skipped. With --data-parallel N the
 batch's rows (tokens, cache) are sharded over N devices and the weights replicated
 (docs/sharding.md); a device's floor is then (weight bytes + its rows' KV bytes) / bandwidth.
@@ -53,9 +55,10 @@ from flax_models.loading import parse_dtype  # noqa: E402
 from flax_models.presets import PRESETS, random_model  # noqa: E402
 
 MODELS = {"llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b", "llama3.2-1b": "llama-3.2-1b",
-          "pythia-1b": "pythia-1b",
+          "mistral-7b": "mistral-7b", "pythia-1b": "pythia-1b",
           "pythia-2.8b": "pythia-2.8b", "pythia-6.9b": "pythia-6.9b", "deepseek-v2-lite": "deepseek-v2-lite"}
-SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-pythia": "tiny-pythia", "tiny-deepseek": "tiny-deepseek"}
+SMOKE_MODELS = {"tiny-llama": "tiny-llama", "tiny-mistral": "tiny-mistral", "tiny-pythia": "tiny-pythia",
+                "tiny-deepseek": "tiny-deepseek"}
 
 
 def fused_impl(cfg=None):
@@ -72,9 +75,13 @@ def fused_impl(cfg=None):
     return {**comp, "layer": "xla"} if on in comp.values() else None  # per-op blocks; whole layers: one_launch
 
 
-def one_launch_impl(cfg):
-    """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX), or None."""
+def one_launch_impl(cfg, cache_len):
+    """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX), or None
+    (also where a sliding window's cache rolls: those layers have no one-launch form)."""
     if getattr(cfg, "architecture", None) not in ("llama", "gpt_neox") or not ops.fused_available("decoder_layer"):
+        return None
+    window = getattr(cfg, "layer_window", lambda i: None)
+    if any(window(i) and window(i) <= cache_len for i in range(cfg.num_layers)):
         return None
     return {"layer": "fused"}
 
@@ -88,7 +95,9 @@ def param_bytes(model) -> int:
 def kv_bytes_per_step(cfg, batch, ctx, itemsize) -> int:
     if hasattr(cfg, "kv_lora_rank"):  # MLA: one latent row per token and layer
         return cfg.num_layers * batch * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
-    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx * cfg.head_dim * itemsize
+    window = getattr(cfg, "layer_window", lambda i: None)  # a sliding window reads its last tokens only
+    tokens = sum(min(ctx, window(i) or ctx) for i in range(cfg.num_layers))
+    return 2 * batch * cfg.num_kv_heads * tokens * cfg.head_dim * itemsize
 
 
 def weight_bytes_per_step(cfg, wbytes, batch, itemsize) -> int:
@@ -246,7 +255,7 @@ def main(argv=None) -> int:
                 read = weight_bytes_per_step(cfg, wbytes, batch // dp, jnp.dtype(dtype).itemsize)  # per device
                 floor_s = (read + kv) / bw
                 fused = fused_impl(cfg)
-                layer = one_launch_impl(cfg)
+                layer = one_launch_impl(cfg, cache_slots(ctx + steps))
                 variants = ([("xla", "xla")] + ([("fused", fused)] if fused else [])
                             + ([("one_launch", layer)] if layer else []))
                 xla_s = None

@@ -18,6 +18,10 @@ PRESETS = {
     # tiny models: run anywhere in seconds
     "tiny-llama": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                               num_kv_heads=2, head_dim=16, rope=RopeConfig(theta=10000.0)),
+    # Mistral's sliding window (16 tokens): generations past it decode over rolling caches
+    "tiny-mistral": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16, rope=RopeConfig(theta=10000.0), sliding_window=16,
+                                sliding_layers=(True, True)),
     "tiny-pythia": GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                                  rotary_dim=4, rope=RopeConfig(theta=10000.0)),
     "tiny-deepseek": DeepseekV2Config(
@@ -41,6 +45,11 @@ PRESETS = {
     "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, rope=RopeConfig(theta=500000.0),
                               rms_norm_eps=1e-5, max_position_embeddings=8192, eos_token_ids=(128001,)),
+    # Mistral-7B-v0.1: every layer attends to its last 4096 tokens (a rolling cache of 4096 slots)
+    "mistral-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, rope=RopeConfig(theta=10000.0),
+                              rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096,
+                              sliding_layers=(True,) * 32, eos_token_ids=(2,)),
     # tied embeddings, llama3 RoPE scaling: a model small enough that op boundaries dominate a step
     "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                                 num_heads=32, num_kv_heads=8, head_dim=64,
