@@ -15,13 +15,19 @@ PREFILL_SCORE_BYTES = 256 << 20
 MIN_QUERY_BLOCK = 16
 
 
-def query_block(batch: int, q_heads: int, t: int) -> int:
+def query_block(batch: int, q_heads: int, t: int, window: int | None = None) -> int:
     """Queries per block of causal_attention: all t when their scores fit PREFILL_SCORE_BYTES,
-    else the largest power of two (at least MIN_QUERY_BLOCK) whose scores do."""
-    if batch * q_heads * t * t * 4 <= PREFILL_SCORE_BYTES:
+    else the largest power of two (at least MIN_QUERY_BLOCK) whose scores do. With a sliding
+    window a block's queries see at most block + window - 1 keys, and only those are scored."""
+
+    def score_bytes(block: int) -> int:
+        keys = t if window is None else min(t, block + window - 1)
+        return batch * q_heads * block * keys * 4
+
+    if score_bytes(t) <= PREFILL_SCORE_BYTES:
         return t
     block = MIN_QUERY_BLOCK
-    while 2 * block * batch * q_heads * t * 4 <= PREFILL_SCORE_BYTES:
+    while 2 * block < t and score_bytes(2 * block) <= PREFILL_SCORE_BYTES:
         block *= 2
     return block
 
@@ -32,30 +38,42 @@ def causal_attention(q, k, v, scale: float, window: int | None = None):
 
     With right-padded prompts no padding mask is needed: a real query at t < length only sees keys
     at s <= t, which are real too; outputs at padded positions are never used. Long prompts run
-    in blocks of queries (query_block), one after another, each against every key: the same
-    math per query, with the scores' memory bounded.
+    in blocks of queries (query_block), one after another: the same math per query, with the
+    scores' memory bounded. A block attends to every key, or with a sliding window to the
+    keys its queries' windows reach (a long prompt's work then grows with T x window, not T^2).
     """
     b, t, hq, _ = q.shape
-    block = query_block(b, hq, t)
+    block = query_block(b, hq, t, window)
     if block >= t:
-        return _attend_causal(q, k, v, scale, 0, window)
+        return _attend_causal(q, k, v, scale, 0, 0, window)
     n = -(-t // block)
+    span = t if window is None else min(t, block + window - 1)  # the keys one block reads
     qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))  # padded queries: outputs dropped
     qb = jnp.moveaxis(qb.reshape(b, n, block, *q.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda a: _attend_causal(a[0], k, v, scale, a[1], window), (qb, jnp.arange(n) * block))
+
+    def one(a):
+        queries, first = a
+        start = jnp.clip(first - (span - block), 0, t - span)  # keys [start, start + span)
+        keys = jax.lax.dynamic_slice_in_dim(k, start, span, axis=1)
+        values = jax.lax.dynamic_slice_in_dim(v, start, span, axis=1)
+        return _attend_causal(queries, keys, values, scale, first, start, window)
+
+    out = jax.lax.map(one, (qb, jnp.arange(n) * block))
     return jnp.moveaxis(out, 0, 1).reshape(b, n * block, hq, v.shape[-1])[:, :t]
 
 
-def _attend_causal(q, k, v, scale: float, first, window):
-    """Queries q [B, C, Hq, D] at positions first.. first + C - 1 against keys [B, T, Hkv, D]."""
+def _attend_causal(q, k, v, scale: float, first, key_first, window):
+    """Queries q [B, C, Hq, D] at positions first.. first + C - 1 against keys [B, L, Hkv, D] at
+    positions key_first.. key_first + L - 1."""
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, d)
     s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
     pos = first + jnp.arange(c)[:, None]
-    mask = jnp.arange(t)[None, :] <= pos
+    key_pos = key_first + jnp.arange(t)[None, :]
+    mask = key_pos <= pos
     if window is not None:
-        mask &= jnp.arange(t)[None, :] > pos - window
+        mask &= key_pos > pos - window
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhgts,bshd->bthgd", p, v, preferred_element_type=jnp.float32)

@@ -442,6 +442,25 @@ def test_long_prompt_attention_in_query_blocks_equals_one_block(monkeypatch, t, 
     np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,window", [(300, 37), (129, 100), (64, 8)])
+def test_long_prompt_sliding_window_in_query_blocks_reads_the_window_only(monkeypatch, t, window):
+    """With a sliding window each block of queries scores only the keys its windows reach
+    (block + window - 1 of them, clipped at either end of the prompt), and gives what one
+    block over every key gives."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, t, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, t, 2, 24)), jnp.float32)
+    attend = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, 0.25, window))
+    whole = attend(q, k, v)
+    monkeypatch.setattr(attention, "PREFILL_SCORE_BYTES", 2 * 4 * 16 * min(t, 16 + window - 1) * 4)
+    assert attention.query_block(2, 4, t, window) == 16
+    blocked = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, 0.25, window))
+    np.testing.assert_allclose(blocked(q, k, v), whole, rtol=1e-5, atol=1e-5)
+    span = min(t, 16 + window - 1)
+    assert f"f32[2,2,2,16,{span}]" in str(jax.make_jaxpr(blocked)(q, k, v))  # the scores of one block
+
+
 def test_long_prompt_attention_memory_is_bounded():
     """A 16K-token prompt with 32 query heads: one layer's attention compiles to under 1.5 GB
     of temporaries (its [T, T] fp32 scores alone would be 34 GB)."""
