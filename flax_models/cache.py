@@ -1,9 +1,9 @@
 """Decode caches: per layer k and v [B, H_kv, S_max, head_dim], lengths[b] = tokens already
 cached; the next token goes to slot lengths[b] at RoPE position lengths[b]. A layer with a
-sliding window shorter than S_max keeps only the window instead, as a rolling buffer: position t
-in slot t % window (KVCache.rolling). MLA keeps one latent
-per token instead: [B, 1, S_max, kv_lora_rank + rope_dim] (one shared "KV head"), or the same
-rows in pages of a pool shared by the batch (PagedLatentCache).
+sliding window shorter than S_max keeps only the window, as a rolling buffer: position t in
+slot t % window (KVCache.rolling). MLA keeps one latent per token instead: [B, 1, S_max,
+kv_lora_rank + rope_dim] (one shared "KV head"), or the same rows in pages of a pool shared by
+the batch (PagedLatentCache).
 
 Caches are pytrees (jax.tree_util.register_dataclass), passed to jitted steps with donation so the
 updates happen in place.
