@@ -4,7 +4,7 @@
 # benchmarks/probes/decoder_layer_kernel.cu compiled with its own -D flags (the kernel's
 # probe knobs, docs/decoder_layer.md); every run also checks the kernel against the CPU
 # handler, so a knob that breaks the result shows as "FAIL" (the probe's exit code).
-#   VARIANTS="base= up128=-DJAX_CLUSTER_LAYER_UP_PREFETCH_ROWS=128" \
+#   VARIANTS="base= seg128=-DJAX_CLUSTER_LAYER_STAGE_SEGMENT_ROWS=128" \
 #     [LAYERS="llama 1 2048 8192 32 8 64 1024;..."] [REPS=2] [LAUNCHES=20] \
 #     bash benchmarks/probes/ab_decoder_layer.sh
 # A variant "name=@/path/to/binary" uses a probe built elsewhere (build on the CPU machine,

@@ -75,40 +75,6 @@ __host__ __device__ constexpr int layer_gemv_smem_floats() {
   return kLayerStageFloats + NB * 16 + kLayerRowGroups * NB * kLayerTileCols + NB * kLayerTileCols + 32;
 }
 
-#ifndef JAX_CLUSTER_LAYER_UP_PREFETCH_ROWS
-#define JAX_CLUSTER_LAYER_UP_PREFETCH_ROWS 0
-#endif
-// Probe builds only (0: compiled out): a block that reaches the o-proj phase asks L2 for the
-// first this-many K rows of its first MLP-up unit's weights, so that bytes stream while the
-// attention chain, latency-bound on small layers, leaves HBM idle (docs/decoder_layer.md).
-inline constexpr int64_t kLayerUpPrefetchRows = JAX_CLUSTER_LAYER_UP_PREFETCH_ROWS;
-
-#ifndef JAX_CLUSTER_LAYER_O_PREFETCH_ROWS
-#define JAX_CLUSTER_LAYER_O_PREFETCH_ROWS 0
-#endif
-// Probe builds only (0: compiled out): the sequential residual's blocks, once their QKV units
-// are done, ask L2 for the first this-many K rows of their first o-proj unit, so that W_o
-// streams during the attention items instead of after the merges (docs/decoder_layer.md).
-inline constexpr int64_t kLayerOPrefetchRows = JAX_CLUSTER_LAYER_O_PREFETCH_ROWS;
-
-// Asks L2 for the first `max_rows` K rows of unit (tile, chunk)'s weights: one bulk
-// prefetch per row segment (paired: gate's and up's 128 columns, else the tile's 256), from
-// all threads. A hint only: nothing waits for it and nothing it reads is used.
-template <typename T>
-__device__ void layer_gemv_prefetch_l2(const LayerGemv& g, const LayerWeights<T>& w, int64_t tile, int64_t chunk,
-                                       int64_t max_rows) {
-  const int64_t k0 = chunk * g.chunk_rows, rows = min(min(g.chunk_rows, g.k - k0), max_rows);
-  const int64_t width = g.paired ? kLayerTileCols / 2 : kLayerTileCols, col0 = tile * width;
-  const uint32_t bytes = static_cast<uint32_t>(min(width, g.n - col0) * static_cast<int64_t>(sizeof(T)));
-  const int parts = g.paired ? 2 : 1;
-  for (int64_t i = threadIdx.x; i < rows * parts; i += kLayerThreads) {
-    const int64_t k = k0 + i / parts;
-    const T* row = g.paired ? (i % 2 ? w.b : w.a) + k * w.ld
-                            : (k < w.split ? w.a + k * w.ld : w.b + (k - w.split) * w.ld);
-    ptx::prefetch_l2(row + col0, bytes);
-  }
-}
-
 // A GEMV whose epilogue adds nothing to its sums before finish (layer_gemv_unit's addend).
 struct LayerNoAddend {};
 

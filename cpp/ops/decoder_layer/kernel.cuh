@@ -45,16 +45,6 @@ struct DecoderLayerArgs {
   float* ws;
 };
 
-#ifndef JAX_CLUSTER_LAYER_PARALLEL_UP_LATE
-#define JAX_CLUSTER_LAYER_PARALLEL_UP_LATE 0
-#endif
-// Probe builds only (0: compiled out): the parallel residual's MLP-up units run after the
-// block's attention and merge items instead of up front beside QKV (the same units on the
-// same blocks), so the attention chain starts once QKV is in and overlaps the MLP-up stream
-// of the blocks without items. Every wait stays on an earlier phase. Timeline mark 1 is
-// then QKV's end alone.
-inline constexpr bool kLayerParallelUpLate = JAX_CLUSTER_LAYER_PARALLEL_UP_LATE != 0;
-
 // The attention phase's forms: at two blocks per SM (128 registers) the CUDA-core (MHA)
 // token loop keeps 4 token steps per warp in flight instead of 8 (twice the warps per SM)
 // and the tensor-core one (GQA) runs its lean form.
@@ -315,13 +305,7 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
                              [&](int64_t t, const float* vals, int nb) { finish_up(t, vals, nb, nullptr); });
     });
   };
-  if (parallel && !kLayerParallelUpLate) parallel_up(pl.gemv[kGemvQkv].units());
-  if constexpr (kLayerOPrefetchRows > 0) {  // this block's first o-proj unit (each_unit's order)
-    if (!parallel && blockIdx.x < pl.gemv[kGemvO].units()) {
-      layer_gemv_prefetch_l2<T>(pl.gemv[kGemvO], w_o(), blockIdx.x % pl.gemv[kGemvO].tiles,
-                                blockIdx.x / pl.gemv[kGemvO].tiles, kLayerOPrefetchRows);
-    }
-  }
+  if (parallel) parallel_up(pl.gemv[kGemvQkv].units());
   mark(1);
 
   // ---- attention: each item once the QKV tiles of its KV group are in
@@ -366,7 +350,6 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   auto store_y = [&](int b, int64_t c, float v) { static_cast<T*>(p.y)[b * d + c] = from_float<T>(v); };
   auto attn_in = [=](int b, int64_t k) { return __ldcg(attn + b * hqd + k); };
   if (parallel) {
-    if constexpr (kLayerParallelUpLate) parallel_up(pl.gemv[kGemvQkv].units());
     auto in = [=](int b, int64_t k) { return k < hqd ? __ldcg(attn + b * hqd + k) : __ldcg(act + b * f + k - hqd); };
     each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
       auto wait = [&](int64_t kb, int64_t ke) {
@@ -389,12 +372,6 @@ __global__ void __launch_bounds__(kLayerThreads, kLayerBlocksPerSm) decoder_laye
   }
 
   // ---- sequential: o-proj -> h (and its tile statistics), each unit once its heads are merged
-  if constexpr (kLayerUpPrefetchRows > 0) {
-    if (blockIdx.x < pl.gemv[kGemvUp].units()) {
-      layer_gemv_prefetch_l2<T>(pl.gemv[kGemvUp], w_up(), blockIdx.x % pl.gemv[kGemvUp].tiles,
-                                blockIdx.x / pl.gemv[kGemvUp].tiles, kLayerUpPrefetchRows);
-    }
-  }
   auto x_and_bias = [&](int b, int64_t c) { return to_float(x[b * d + c]) + weight_at<T>(p.o_bias, c); };
   each_unit(kGemvO, 0, [&](int64_t tile, int64_t chunk) {
     layer_gemv_unit<T, NB>(pl.gemv[kGemvO], w_o(), tile, chunk, batch, smem, partials(kGemvO), tile_counters(kGemvO),
