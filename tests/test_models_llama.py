@@ -155,6 +155,20 @@ def test_sliding_window_over_a_full_cache_has_no_fused_op(tmp_path):
             model.decode(tokens[:, 0], KVCache.create(**make), impl="fused")
 
 
+def test_qwen2_fused_layers_on_cpu_match_transformers(tmp_path):
+    """Qwen2's q, k, v biases through jax_cluster.decoder_layer's C++ CPU handler."""
+    from flax_models import ops  # noqa: PLC0415
+
+    if not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster.decoder_layer not available")
+    config_class, kw = FAMILY["qwen2-gqa2-tied"]
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="fused")
+    with ops.record_routes() as routes:
+        err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=8)
+    assert err["decode"] <= TOL, err
+    assert [str(r) for r in routes] == ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"]
+
+
 def test_sliding_window_config_rules():
     """Which layers attend through a window, read as transformers reads the config."""
     from flax_models.config import LlamaConfig  # noqa: PLC0415
