@@ -75,13 +75,18 @@ def fused_impl(cfg=None):
     return {**comp, "layer": "xla"} if on in comp.values() else None  # per-op blocks; whole layers: one_launch
 
 
+def layer_windows(cfg) -> list:
+    """Each layer's sliding window, or None where it attends to every token (non-Llama: None)."""
+    window = getattr(cfg, "layer_window", lambda i: None)
+    return [window(i) for i in range(cfg.num_layers)]
+
+
 def one_launch_impl(cfg, cache_len):
     """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX), or None
     (also where a sliding window's cache rolls: those layers have no one-launch form)."""
     if getattr(cfg, "architecture", None) not in ("llama", "gpt_neox") or not ops.fused_available("decoder_layer"):
         return None
-    window = getattr(cfg, "layer_window", lambda i: None)
-    if any(window(i) and window(i) <= cache_len for i in range(cfg.num_layers)):
+    if any(w is not None and w <= cache_len for w in layer_windows(cfg)):
         return None
     return {"layer": "fused"}
 
@@ -95,8 +100,7 @@ def param_bytes(model) -> int:
 def kv_bytes_per_step(cfg, batch, ctx, itemsize) -> int:
     if hasattr(cfg, "kv_lora_rank"):  # MLA: one latent row per token and layer
         return cfg.num_layers * batch * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
-    window = getattr(cfg, "layer_window", lambda i: None)  # a sliding window reads its last tokens only
-    tokens = sum(min(ctx, window(i) or ctx) for i in range(cfg.num_layers))
+    tokens = sum(ctx if w is None else min(ctx, w) for w in layer_windows(cfg))  # a window: its last tokens
     return 2 * batch * cfg.num_kv_heads * tokens * cfg.head_dim * itemsize
 
 
