@@ -95,9 +95,10 @@ class Llama(CausalLM):
             window = c.layer_window(i)
             rolling = cache.rolling(i)  # the window's rolling buffer: slot = position % window
             why = ops.sliding_window_unsupported(window, kc.shape[2]) or ("MLP biases" if c.mlp_bias else "")
-            out = None if whole is None or rolling else ops.decoder_layer(
+            out = None if whole is None else ops.decoder_layer(
                 x, self._layer_weights(layer), kc, vc, cache.lengths, inv_freq, impl=whole, family="llama",
-                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", unsupported=why, **self._attn_kw())
+                eps=c.rms_norm_eps, rotary_dim=c.head_dim, rope_layout="half", rolling=rolling, unsupported=why,
+                **self._attn_kw())
             if out is not None:
                 x, kc, vc = out
             else:

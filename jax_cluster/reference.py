@@ -53,6 +53,20 @@ def _norm_f32(x, norm, weight, bias, eps):
     return h
 
 
+def append_slots(lengths, max_seq: int, rolling: bool = False):
+    """Where a decode step's new token goes: (valid, position, slot, last) per row. The token
+    is RoPE'd at `position` (lengths[b]) and written at `slot`, and the attention covers slots
+    0..last. A plain cache: slot = last = lengths[b], valid in [0, S_max). A sliding window's
+    rolling buffer (slot = position % S_max; once full it holds exactly the window): slot =
+    lengths[b] % S_max, last = min(lengths[b], S_max - 1), any lengths[b] >= 0 valid. Invalid
+    rows: position 0, last -1."""
+    valid = (lengths >= 0) if rolling else (lengths >= 0) & (lengths < max_seq)
+    pos = jnp.where(valid, lengths, 0)
+    slot = pos % max_seq if rolling else pos
+    last = jnp.where(valid, jnp.minimum(pos, max_seq - 1), -1)
+    return valid, pos, slot, last
+
+
 def decode_attention(q, k_cache, v_cache, lengths):
     """out [B, Hkv, G, Dh] = softmax(q . K[..., 0..lengths[b], :]) V (q already scaled), fp32
     math; NaN for rows whose lengths are outside [0, S_max)."""
@@ -66,36 +80,37 @@ def decode_attention(q, k_cache, v_cache, lengths):
 
 
 def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_heads, scale,
-                            rotary_dim=None, rope_layout="half"):
+                            rotary_dim=None, rope_layout="half", rolling=False):
     """decode_attention for a step's new token (fp32 math): RoPE on q and k of qkv [B,
     (Hq + 2 Hkv) Dh] at position lengths[b], k and v written at slot lengths[b], attention
-    over slots 0..lengths[b]; returns (out [B, Hkv, G, Dh] in the caches' dtype, k_cache,
-    v_cache). Rows with lengths outside [0, S_max) give NaN and leave the caches alone."""
+    over slots 0..lengths[b] (rolling: a sliding window's rolling buffer, append_slots);
+    returns (out [B, Hkv, G, Dh] in the caches' dtype, k_cache, v_cache). Invalid rows
+    (lengths outside [0, S_max); rolling: negative) give NaN and leave the caches alone."""
     batch, hkv, max_seq, dh = k_cache.shape
     rotary_dim = dh if rotary_dim is None else rotary_dim
     qkv = qkv.astype(jnp.float32)
-    valid = (lengths >= 0) & (lengths < max_seq)
-    pos = jnp.where(valid, lengths, 0)
+    valid, pos, slot, last = append_slots(lengths, max_seq, rolling)
     q = _rope(qkv[:, : num_q_heads * dh].reshape(batch, num_q_heads, dh), pos[:, None], inv_freq,
               rotary_dim, rope_layout)
     k = _rope(qkv[:, num_q_heads * dh:(num_q_heads + hkv) * dh].reshape(batch, hkv, dh), pos[:, None],
               inv_freq, rotary_dim, rope_layout)
     v = qkv[:, (num_q_heads + hkv) * dh:].reshape(batch, hkv, dh)
-    new = (jnp.arange(max_seq)[None, :] == pos[:, None]) & valid[:, None]  # [B, S]
+    new = (jnp.arange(max_seq)[None, :] == slot[:, None]) & valid[:, None]  # [B, S]
     k_cache = jnp.where(new[:, None, :, None], k.astype(k_cache.dtype)[:, :, None], k_cache)
     v_cache = jnp.where(new[:, None, :, None], v.astype(v_cache.dtype)[:, :, None], v_cache)
     q = (q * scale).reshape(batch, hkv, num_q_heads // hkv, dh)
-    out = decode_attention(q, k_cache, v_cache, lengths).astype(k_cache.dtype)
+    out = decode_attention(q, k_cache, v_cache, last).astype(k_cache.dtype)
     return out, k_cache, v_cache
 
 
 def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                     num_kv_heads, norm="rms", norm_weight=None, norm_bias=None, eps=1e-6,
                     qkv_bias=None, o_bias=None, residual=False, rotary_dim=None,
-                    rope_layout="half", scale=None):
+                    rope_layout="half", scale=None, rolling=False):
     """One decode step of an attention block (fp32 math); returns (y, k_cache, v_cache).
 
-    Rows with lengths outside [0, S_max) produce NaN and leave the caches alone."""
+    rolling: the caches are a sliding window's rolling buffer (append_slots). Invalid rows
+    (lengths outside [0, S_max); rolling: negative) produce NaN and leave the caches alone."""
     batch, hidden = x.shape
     _, hkv, max_seq, dh = k_cache.shape
     rotary_dim = dh if rotary_dim is None else rotary_dim
@@ -108,17 +123,16 @@ def attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q
     q = qkv[:, : num_q_heads * dh].reshape(batch, num_q_heads, dh)
     k = qkv[:, num_q_heads * dh : (num_q_heads + num_kv_heads) * dh].reshape(batch, num_kv_heads, dh)
     v = qkv[:, (num_q_heads + num_kv_heads) * dh :].reshape(batch, num_kv_heads, dh)
-    valid = (lengths >= 0) & (lengths < max_seq)
-    pos = jnp.where(valid, lengths, 0)
+    valid, pos, slot, last = append_slots(lengths, max_seq, rolling)
     q = _rope(q, pos[:, None], inv_freq, rotary_dim, rope_layout)
     k = _rope(k, pos[:, None], inv_freq, rotary_dim, rope_layout)
-    new = (jnp.arange(max_seq)[None, :] == pos[:, None]) & valid[:, None]  # [B, S]
+    new = (jnp.arange(max_seq)[None, :] == slot[:, None]) & valid[:, None]  # [B, S]
     k_cache = jnp.where(new[:, None, :, None], k.astype(k_cache.dtype)[:, :, None], k_cache)
     v_cache = jnp.where(new[:, None, :, None], v.astype(v_cache.dtype)[:, :, None], v_cache)
     kf = jnp.repeat(k_cache.astype(jnp.float32), group, axis=1)  # [B, Hq, S, Dh]
     vf = jnp.repeat(v_cache.astype(jnp.float32), group, axis=1)
     s = jnp.einsum("bhd,bhsd->bhs", q, kf, precision="highest") * scale
-    s = jnp.where((jnp.arange(max_seq)[None, :] <= pos[:, None])[:, None], s, -jnp.inf)
+    s = jnp.where((jnp.arange(max_seq)[None, :] <= last[:, None])[:, None], s, -jnp.inf)
     o = jnp.einsum("bhs,bhsd->bhd", jax.nn.softmax(s, axis=-1), vf, precision="highest")
     y = jnp.dot(o.reshape(batch, -1), w_o.astype(jnp.float32), precision="highest")
     if o_bias is not None:
@@ -381,7 +395,7 @@ def moe_decode(x, router, w_gate, w_up, w_down, *, top_k: int, topk_method: str 
 
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps,
                   rotary_dim=None, rope_layout="half", scale=None, parallel_residual=False,
-                  gelu_approximate=False):
+                  gelu_approximate=False, rolling=False):
     """One decode step of a whole decoder layer in fp32; returns (y in x.dtype, k_cache, v_cache).
 
     family "llama":    h = x + Attn(RMSNorm(x));  y = h + SwiGLU(RMSNorm(h))
@@ -393,7 +407,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family, nu
     weights: norm, qkv, o, post_norm, and w_gate, w_up, w_down (llama) or w_in, w_out (gpt_neox);
     optional norm_bias, post_norm_bias (LayerNorm), qkv_bias, o_bias, b_in, b_out. Every
     intermediate stays fp32 (the contract of a one-launch layer); only the new cache entries
-    and y are rounded. Rows with lengths outside [0, S_max) give NaN and leave the caches alone.
+    and y are rounded. rolling: the caches are a sliding window's rolling buffer (append_slots).
+    Invalid rows (lengths outside [0, S_max); rolling: negative) give NaN and leave the caches alone.
     """
     f32 = jnp.float32
     w = {k: None if v is None else jnp.asarray(v, f32) for k, v in weights.items()}
@@ -405,7 +420,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family, nu
         x32, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, norm=norm, norm_weight=w["norm"], norm_bias=w.get("norm_bias"), eps=eps,
         qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), rotary_dim=rotary_dim, rope_layout=rope_layout,
-        scale=scale)
+        scale=scale, rolling=rolling)
     h = x32 + a
     mlp_in = x32 if (family == "gpt_neox" and parallel_residual) else h
     hn = _norm_f32(mlp_in, norm, w["post_norm"], w.get("post_norm_bias"), eps)

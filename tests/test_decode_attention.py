@@ -349,6 +349,76 @@ def test_append_vmap_folds_into_rows(rng):
     assert jaxpr.count("jax_cluster_decode_attention_append") == 1 and "while" not in jaxpr
 
 
+# ---------------------------------------------------------------- rolling buffers
+def windowed_history(rng, lengths, window, steps, hkv, group, dh, dtype):
+    """A decode run over a sliding window two ways: the new tokens' qkv per step, the rolling
+    buffers (window slots, position t in slot t % window) holding the window before the first
+    step, and what each step must give: the attention of q (RoPE'd at its position) over the
+    last `window` positions of the whole history, read from a plain cache of every position."""
+    b = len(lengths)
+    total = int(max(lengths)) + steps
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    hist_k, hist_v = f(b, hkv, total, dh), f(b, hkv, total, dh)
+    slots = np.zeros((b, window), np.int64)  # the position each rolling slot holds before step 0
+    for r, n in enumerate(lengths):
+        for t in range(max(0, n - window), n):
+            slots[r, t % window] = t
+    rows = np.arange(b)[:, None]
+    roll_k = hist_k[rows, :, slots].transpose(0, 2, 1, 3)
+    roll_v = hist_v[rows, :, slots].transpose(0, 2, 1, 3)
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, dh, 2) / dh), jnp.float32)
+    qkvs = [jnp.asarray(rng.standard_normal((b, (group + 2) * hkv * dh)), jnp.float32) for _ in range(steps)]
+    hq, scale, expected = group * hkv, dh ** -0.5, []
+    for i, qkv in enumerate(qkvs):
+        pos = jnp.asarray(lengths, jnp.int32) + i
+        q = reference._rope(qkv[:, :hq * dh].reshape(b, hq, dh), pos[:, None], inv_freq, dh, "half")
+        k = reference._rope(qkv[:, hq * dh:(hq + hkv) * dh].reshape(b, hkv, dh), pos[:, None], inv_freq, dh, "half")
+        v = qkv[:, (hq + hkv) * dh:].reshape(b, hkv, dh)
+        hist_k = hist_k.at[np.arange(b), :, pos].set(k.astype(dtype))
+        hist_v = hist_v.at[np.arange(b), :, pos].set(v.astype(dtype))
+        first = np.maximum(np.asarray(pos) - window + 1, 0)
+        n = np.asarray(pos) - first + 1
+        idx = np.minimum(first[:, None] + np.arange(window)[None, :], total - 1)  # padded past n
+        win_k, win_v = hist_k[rows, :, idx].transpose(0, 2, 1, 3), hist_v[rows, :, idx].transpose(0, 2, 1, 3)
+        qg = (q * scale).reshape(b, hkv, group, dh)
+        expected.append(reference.decode_attention(qg, win_k, win_v, jnp.asarray(n - 1, jnp.int32)))
+    return qkvs, roll_k, roll_v, inv_freq, expected
+
+
+@pytest.mark.parametrize("impl, splits", [("cuda", 1), ("cuda", 3), ("xla", None), ("reference", None)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_append_rolling_attends_the_window_of_the_history(rng, impl, splits, group):
+    """rolling=True over a window of 5 slots: rows that start empty, short of the window and
+    past it, carried 9 steps (the buffer wraps); each step equals the window of the plain
+    history, and the buffers end holding the last 5 positions."""
+    window, lengths = 5, [0, 3, 11]
+    qkvs, kc, vc, inv_freq, expected = windowed_history(rng, lengths, window, 9, 2, group, 16, "float32")
+    step = jax.jit(lambda qkv, kc, vc, lengths: decode_attention_append(
+        qkv, kc, vc, lengths, inv_freq, num_q_heads=2 * group, scale=0.25, rolling=True, impl=impl,
+        config=_config(splits)))
+    for i, (qkv, want) in enumerate(zip(qkvs, expected)):
+        out, kc, vc = step(qkv, kc, vc, jnp.asarray(lengths, jnp.int32) + i)
+        assert rel_l2(out, want) <= TOLERANCE["float32"], (i, rel_l2(out, want))
+
+
+def test_append_rolling_rows_and_errors(rng):
+    """Over a rolling buffer any length >= 0 is a position (no S_max bound); a negative one is
+    an error when known, a NaN row that writes nothing when traced."""
+    qkv, k, v, _, inv = make_append(rng, 2, 2, 2, 16, 4, "float32", [0, 0])
+    kw = dict(num_q_heads=4, scale=0.25, rolling=True)
+    out, k2, _ = decode_attention_append(qkv, k, v, jnp.asarray([100, 7], jnp.int32), inv, **kw, impl="cuda")
+    assert np.isfinite(np.asarray(out)).all()
+    changed = np.asarray(k2 != k).any(axis=(1, 3))
+    assert [list(np.flatnonzero(c)) for c in changed] == [[0], [3]]  # slots 100 % 4 and 7 % 4
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        decode_attention_append(qkv, k, v, jnp.asarray([-1, 2], jnp.int32), inv, **kw)
+    for impl in ("cuda", "xla", "reference"):
+        f = jax.jit(lambda lengths, i=impl: decode_attention_append(qkv, k, v, lengths, inv, **kw, impl=i))
+        out, k2, v2 = f(jnp.asarray([-1, 9], jnp.int32))
+        assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all(), impl
+        assert (np.asarray(k2[0]) == np.asarray(k[0])).all() and (np.asarray(v2[0]) == np.asarray(v[0])).all(), impl
+
+
 def test_append_bad_arguments(rng):
     qkv, k, v, lengths, inv = make_append(rng, 2, 2, 2, 16, 9, "float32", [1, 2])
     kw = dict(num_q_heads=4, scale=0.25)
@@ -380,6 +450,25 @@ def test_gpu_append_vs_reference(rng, dtype, case, splits):
     lengths[0], lengths[-1] = s - 1, 0
     check_append(make_append(rng, b, hkv, g, dh, s, dtype, lengths), device=_gpu(), splits=splits, group=g,
                  impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group, dh", [(1, 128), (4, 64), (8, 128)])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_gpu_append_rolling_attends_the_window_of_the_history(rng, dtype, group, dh, splits):
+    """The CUDA kernels (CUDA-core MHA, tensor-core GQA) over a rolling buffer of 300 slots,
+    carried 4 steps from rows empty, short of the window, at its edge and wrapped: each step
+    the window of the plain history."""
+    window, lengths = 300, [0, 150, 298, 1234]
+    qkvs, kc, vc, inv_freq, expected = windowed_history(rng, lengths, window, 4, 2, group, dh, dtype)
+    kc, vc = jax.device_put((kc, vc), _gpu())
+    step = jax.jit(lambda qkv, kc, vc, lengths: decode_attention_append(
+        qkv, kc, vc, lengths, inv_freq, num_q_heads=2 * group, scale=dh ** -0.5, rolling=True, impl="cuda",
+        config=_config(splits)))
+    for i, (qkv, want) in enumerate(zip(qkvs, expected)):
+        out, kc, vc = step(jax.device_put(qkv, _gpu()), kc, vc, jnp.asarray(lengths, jnp.int32) + i)
+        assert rel_l2(out, want) <= TOLERANCE[dtype], (i, rel_l2(out, want))
 
 
 @pytest.mark.gpu

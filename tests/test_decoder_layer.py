@@ -255,6 +255,35 @@ def test_cpu_handler_invalid_rows_and_vmap(rng):
         assert rel_l2(ys[i], ry) <= TOLERANCE["float32"]
 
 
+@pytest.mark.filterwarnings("ignore:.*no kernel for dtype float32")
+@pytest.mark.parametrize("impl", ["cuda", "xla", "auto"])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt_neox", dict(parallel_residual=True))])
+def test_rolling_buffer_matches_reference(rng, impl, family, extra):
+    """rolling=True (a sliding window's rolling buffer of S_MAX slots): rows short of the buffer,
+    just past it and wrapped several times; the new k, v go to slot lengths % S_MAX only, and
+    the C++ handler ("cuda" on CPU) and the per-op path ("xla", "auto") match the reference.
+    Short of the buffer it is the plain step; a negative length is an error when known."""
+    if impl == "cuda" and jax.default_backend() == "gpu":
+        pytest.skip("the CPU handler")
+    args, kw = case(rng, family, jnp.float32, hkv=4 if family == "gpt_neox" else 2,
+                    rotary=8 if family == "gpt_neox" else 16, bias=family == "gpt_neox")
+    lengths = [5, S_MAX + 1, 3 * S_MAX + 7]
+    args = dict(args, lengths=jnp.asarray(lengths, jnp.int32))
+    y, kc, vc = jax.jit(functools.partial(decoder_layer, impl=impl, rolling=True, **kw, **extra))(**args)
+    ry, rk, rv = jax.jit(functools.partial(decoder_layer, impl="reference", rolling=True, **kw, **extra))(**args)
+    assert np.isfinite(np.asarray(y)).all()
+    assert rel_l2(y, ry) <= TOLERANCE["float32"], rel_l2(y, ry)
+    changed = np.asarray(kc != args["k_cache"]).any(axis=(1, 3))
+    assert [list(np.flatnonzero(c)) for c in changed] == [[n % S_MAX] for n in lengths]
+    assert rel_l2(kc, rk) <= TOLERANCE["float32"] and rel_l2(vc, rv) <= TOLERANCE["float32"]
+    short = dict(args, lengths=jnp.asarray([0, 9, S_MAX - 1], jnp.int32))
+    for got, want in zip(decoder_layer(**short, impl="reference", rolling=True, **kw, **extra),
+                         decoder_layer(**short, impl="reference", **kw, **extra)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        decoder_layer(**dict(args, lengths=jnp.asarray([-1, 0, 0], jnp.int32)), rolling=True, **kw, **extra)
+
+
 # ----------------------------------------------------------------------------- auto's choice of path
 @pytest.fixture
 def fake_gpu_tuner(monkeypatch, tmp_path):

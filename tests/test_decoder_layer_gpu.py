@@ -106,6 +106,26 @@ def test_bitwise_reproducible():
             np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=lambda c: f"{c[0]}-h{c[3]}x{c[4]}")
+@pytest.mark.parametrize("s_max", [64, 1300])
+def test_rolling_buffer(config, s_max):
+    """rolling=True: rows short of the buffer, at its last slot, one past it and wrapped many
+    times (the skipped slot at the start, the middle and the end of a split); the kernel's
+    step against the reference, its new k, v at slot lengths % S_max only, and the same bits
+    as the plain step where the buffer is not yet full."""
+    family, d, f, hq, hkv, dh, rotary, bias, extra = config
+    args, kw = make_case(s_max, family, jnp.bfloat16, batch=5, d=d, f=f, hq=hq, hkv=hkv, dh=dh, s_max=s_max,
+                         rotary=rotary, bias=bias)
+    lengths = [7, s_max - 1, s_max, 5 * s_max + s_max // 2, 9 * s_max + s_max - 2]
+    rolled = dict(args, lengths=jnp.asarray(lengths, jnp.int32))
+    y, kc, _ = check_against_reference(rolled, kw, jnp.bfloat16, rolling=True, **extra)
+    changed = np.asarray(kc != rolled["k_cache"]).any(axis=(1, 3))
+    assert [list(np.flatnonzero(c)) for c in changed] == [[n % s_max] for n in lengths]
+    short = dict(args, lengths=jnp.asarray([7, s_max - 1, 0, 3, 1], jnp.int32))
+    for a, b in zip(run("cuda", short, kw, rolling=True, **extra), run("cuda", short, kw, **extra)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_invalid_rows_are_nan_and_write_nothing():
     args, kw = make_case(3, "llama", jnp.bfloat16, batch=3, d=256, f=512, hq=4, hkv=2, dh=64, s_max=64)
     bad = dict(args, lengths=jnp.asarray([-1, 7, 64], jnp.int32))

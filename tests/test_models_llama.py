@@ -107,21 +107,24 @@ def test_sliding_window_cache_is_a_rolling_buffer(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mistral-window8", "qwen2-window8-layer1"])
-def test_sliding_window_fused_matches_transformers(name, tmp_path):
-    """Past the window: prompts of 5 and 12 tokens (longer than the window of 8) and 16 steps,
-    the windowed layers' attention on jax_cluster.decode_attention's C++ handler over the
-    rolling buffer (the fused blocks write slot lengths[b]: they cannot)."""
+@pytest.mark.parametrize("impl", ["attention=fused,mlp=xla", "fused"])
+def test_sliding_window_fused_matches_transformers(name, impl, tmp_path):
+    """Past the window: prompts of 5 and 12 tokens (longer than the window of 8) and 16 steps
+    over the rolling buffers. Per component, the windowed layers' attention runs
+    jax_cluster.decode_attention's C++ handler (the fused attention block writes slot
+    lengths[b]: it cannot); as whole layers, jax_cluster.decoder_layer's (rolling=True)."""
     from flax_models import ops  # noqa: PLC0415
 
-    if not ops.fused_available("decode_attention"):
-        pytest.skip("jax_cluster.decode_attention not available")
+    if not ops.fused_available("decode_attention") or not ops.fused_available("decoder_layer"):
+        pytest.skip("jax_cluster's decode ops not available")
     config_class, kw = FAMILY[name]
-    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl="attention=fused,mlp=xla")
+    hf, model = hf_roundtrip(config_class(**BASE, **kw), tmp_path, impl=impl)
     with ops.record_routes() as routes:
         err = compare_logits(hf, model, prompt_lengths=(5, 12), decode_steps=16)
     assert err["prefill"] <= TOL and err["decode"] <= TOL, err
-    assert sorted(str(r) for r in routes) == ["attention_block: jax_cluster (C++ CPU handler, no GPU)",
-                                              "swiglu: xla (impl=xla)"]
+    want = (["attention_block: jax_cluster (C++ CPU handler, no GPU)", "swiglu: xla (impl=xla)"] if impl != "fused"
+            else ["decoder_layer: jax_cluster (C++ CPU handler, no GPU)"])
+    assert sorted(str(r) for r in routes) == want
 
 
 def test_sliding_window_over_a_full_cache_has_no_fused_op(tmp_path):

@@ -146,15 +146,18 @@ def _attend_xla(q, k_cache, v_cache, lengths):
     return jnp.where(valid[:, None, None, None], out, jnp.nan).astype(q.dtype)
 
 
-def _check_lengths(op: str, lengths, batch: int, max_seq: int) -> None:
+def _check_lengths(op: str, lengths, batch: int, max_seq: int, rolling: bool = False) -> None:
     """Shape and dtype; the values too where they are known (under jit they are traced: an
-    out-of-range row then gives NaN and writes nothing)."""
+    out-of-range row then gives NaN and writes nothing). Over a rolling buffer any length >= 0
+    is valid."""
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"{op}: lengths must be int32 [{batch}], got {jnp.dtype(lengths.dtype).name} "
                          f"{tuple(lengths.shape)}")
     if not isinstance(lengths, jax.core.Tracer):
         lens = np.asarray(lengths)
-        if lens.size and (lens.min() < 0 or lens.max() >= max_seq):
+        if rolling and lens.size and lens.min() < 0:
+            raise ValueError(f"{op}: lengths must be >= 0; got min {lens.min()}")
+        if not rolling and lens.size and (lens.min() < 0 or lens.max() >= max_seq):
             raise ValueError(f"{op}: lengths must be in [0, S_max={max_seq}); got min {lens.min()}, "
                              f"max {lens.max()}")
 
@@ -191,7 +194,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
 
 
 def _append_abstract(qkv, k_cache, v_cache, lengths, inv_freq, *, splits, num_q_heads, rotary_dim,
-                     rope_layout, scale):
+                     rope_layout, scale, rolling):
     b, hkv, _, dh = k_cache.shape
     q_shape = (b, hkv, num_q_heads // hkv, dh)
     return (ShapedArray(q_shape, k_cache.dtype), ShapedArray(k_cache.shape, k_cache.dtype),
@@ -217,32 +220,37 @@ _APPEND = ffi_primitive("decode_attention_append", abstract_eval=_append_abstrac
 
 
 def _append_xla(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_heads, scale, rotary_dim,
-                rope_layout):
+                rope_layout, rolling=False):
     """decode_attention_append with XLA's ops (RoPE in fp32, the cache write one scatter)."""
     batch, hkv, max_seq, dh = k_cache.shape
-    valid = (lengths >= 0) & (lengths < max_seq)
-    pos = jnp.where(valid, lengths, 0)
+    valid, pos, slot, last = reference.append_slots(lengths, max_seq, rolling)
     rope = lambda v: reference._rope(v, pos[:, None], inv_freq, rotary_dim, rope_layout)  # noqa: E731
     q = rope(qkv[:, :num_q_heads * dh].reshape(batch, num_q_heads, dh))
     k = rope(qkv[:, num_q_heads * dh:(num_q_heads + hkv) * dh].reshape(batch, hkv, dh))
     v = qkv[:, (num_q_heads + hkv) * dh:].reshape(batch, hkv, dh)
-    slot = jnp.where(valid, pos, max_seq)[:, None]  # invalid rows point past S_max: dropped
+    slot = jnp.where(valid, slot, max_seq)[:, None]  # invalid rows point past S_max: dropped
     rows, heads = jnp.arange(batch)[:, None], jnp.arange(hkv)[None, :]
     k_cache = k_cache.at[rows, heads, slot].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, heads, slot].set(v.astype(v_cache.dtype), mode="drop")
     q = (q * scale).astype(k_cache.dtype).reshape(batch, hkv, num_q_heads // hkv, dh)
-    return _attend_xla(q, k_cache, v_cache, lengths), k_cache, v_cache
+    return _attend_xla(q, k_cache, v_cache, last), k_cache, v_cache
 
 
 def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_heads: int,
                             scale: float, rotary_dim: int | None = None, rope_layout: str = "half",
-                            impl: str = "auto", config: DecodeAttentionConfig | None = None):
+                            rolling: bool = False, impl: str = "auto",
+                            config: DecodeAttentionConfig | None = None):
     """(out [B, Hkv, G, Dh], k_cache, v_cache): one decode step's attention with its new
     token (see the module docstring). qkv float32 [B, (Hq + 2 Hkv) Dh], columns [Q heads |
     K heads | V heads] (the projection's output, bias included); caches [B, Hkv, S_max, Dh]
     (fp16/bf16 on a GPU), updated at slot lengths[b] only; lengths int32 [B] (the cached
     tokens; rows outside [0, S_max) get NaN and write nothing); inv_freq float32
-    [rotary_dim / 2]; scale multiplies q . k."""
+    [rotary_dim / 2]; scale multiplies q . k.
+
+    rolling=True: the caches are a sliding window's rolling buffer of S_max slots (position t
+    in slot t % S_max; once full they hold exactly the window): the new token, RoPE'd at
+    position lengths[b], goes to slot lengths[b] % S_max and attends the min(lengths[b],
+    S_max - 1) + 1 filled slots; any lengths[b] >= 0 is valid."""
     op = "decode_attention_append"
     if k_cache.ndim != 4 or v_cache.shape != k_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"{op}: caches must be two [B, Hkv, S_max, Dh] arrays of one dtype; got "
@@ -255,7 +263,7 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
     if qkv.shape != (b, (num_q_heads + 2 * hkv) * dh) or qkv.dtype != jnp.float32:
         raise ValueError(f"{op}: qkv must be float32 [{b}, {(num_q_heads + 2 * hkv) * dh}], "
                          f"got {jnp.dtype(qkv.dtype).name} {tuple(qkv.shape)}")
-    _check_lengths(op, lengths, b, k_cache.shape[2])
+    _check_lengths(op, lengths, b, k_cache.shape[2], bool(rolling))
     rotary_dim = dh if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 <= rotary_dim <= dh or inv_freq.shape != (rotary_dim // 2,) \
             or inv_freq.dtype != jnp.float32:
@@ -268,12 +276,14 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
     if b == 0:  # no rows: nothing to launch, the caches unchanged
         return jnp.zeros((0, hkv, num_q_heads // hkv, dh), k_cache.dtype), k_cache, v_cache
     splits = _use_kernel(op, impl, k_cache, group, config, append=True, rotary_dim=rotary_dim)
-    kw = dict(num_q_heads=num_q_heads, scale=scale, rotary_dim=rotary_dim, rope_layout=rope_layout)
+    kw = dict(num_q_heads=num_q_heads, scale=scale, rotary_dim=rotary_dim, rope_layout=rope_layout,
+              rolling=bool(rolling))
     if impl == "reference":
         return reference.decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, **kw)
     if splits is None:
         return _append_xla(qkv, k_cache, v_cache, lengths, inv_freq, **kw)
     append = functools.partial(_APPEND.bind, splits=splits, num_q_heads=int(num_q_heads), rotary_dim=int(rotary_dim),
-                               rope_layout=ROPE_LAYOUTS[rope_layout], scale=np.float32(scale))
+                               rope_layout=ROPE_LAYOUTS[rope_layout], scale=np.float32(scale),
+                               rolling=bool(rolling))
     return row_partitioned(lambda *a: append(*a)[:3], (True,) * 4 + (False,), (True,) * 3)(
         qkv, k_cache, v_cache, lengths, inv_freq)

@@ -6,7 +6,8 @@
 
 Attn is attention_block's norm -> QKV (+ bias) -> RoPE (first rotary_dim features, "half" or
 "interleaved") -> cache write at lengths[b] -> attention over 0..lengths[b] -> out-proj
-(+ bias); MLP is SwiGLU (llama) or GeLU(h W_in + b_in) W_out + b_out (gpt_neox, exact erf or
+(+ bias) (rolling=True: over a sliding window's rolling buffer, the write at lengths[b] % S_max
+and the attention over the filled slots); MLP is SwiGLU (llama) or GeLU(h W_in + b_in) W_out + b_out (gpt_neox, exact erf or
 tanh). The fp32 contract is jax_cluster.reference.decoder_layer.
 
 `impl` has the meaning of every op (docs/architecture.md): "cuda" is the custom call
@@ -36,6 +37,7 @@ from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import check_array, check_eps, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
 from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops.attention_block import ROPE_LAYOUTS, attention_block, timed_context
+from jax_cluster.ops.decode_attention import decode_attention_append
 from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["autotune", "decoder_layer"]
@@ -99,7 +101,8 @@ _PRIM = ffi_primitive("decoder_layer", abstract_eval=_abstract, batching_rule=_b
 
 
 def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_heads, num_kv_heads, eps,
-                 rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate, return_workspace=False):
+                 rotary_dim, rope_layout, scale, parallel_residual, gelu_approximate, rolling=False,
+                 return_workspace=False):
     empty = jnp.zeros((0,), x.dtype)
     weights = [w.get(k) for k in _OPERANDS] + [None if k is None else w.get(k) for k in _MLP_OPERANDS[family]]
     operands = [empty if a is None else a for a in weights]  # every one of x's dtype (_check)
@@ -108,7 +111,7 @@ def _custom_call(x, w, k_cache, v_cache, lengths, inv_freq, *, family, num_q_hea
         _PRIM.bind, num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads),
         rotary_dim=int(dh if rotary_dim is None else rotary_dim), rope_layout={"half": 0, "interleaved": 1}[rope_layout],
         norm=1 if family == "llama" else 2, mlp=_MLP_KIND[(family, bool(gelu_approximate) and family == "gpt_neox")],
-        parallel_residual=bool(parallel_residual and family == "gpt_neox"), eps=np.float32(eps),
+        parallel_residual=bool(parallel_residual and family == "gpt_neox"), rolling=bool(rolling), eps=np.float32(eps),
         scale=np.float32(dh ** -0.5 if scale is None else scale))
     args = (x, *operands, k_cache, v_cache, lengths, inv_freq)
     if return_workspace:  # the per-phase timeline (benchmarks): one device
@@ -134,6 +137,30 @@ def _norm(x, kind, weight, bias, eps):
     return y.astype(x.dtype)
 
 
+def _rolling_attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads, num_kv_heads,
+                             norm, norm_weight, norm_bias, eps, qkv_bias, o_bias, residual, rotary_dim,
+                             rope_layout, scale, impl):
+    """The per-op attention block over a rolling buffer: XLA's norm and projections around
+    decode_attention_append (RoPE, the write at lengths[b] % S_max, the attention; its kernels
+    under impl "cuda" / "auto", XLA's ops under "xla"). Invalid rows give NaN."""
+    del num_kv_heads
+    dh = k_cache.shape[-1]
+    hn = _norm(x, norm, norm_weight, norm_bias, eps)
+    qkv = jnp.matmul(hn, w_qkv.astype(x.dtype), preferred_element_type=jnp.float32)
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias.astype(jnp.float32)
+    o, k_cache, v_cache = decode_attention_append(
+        qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
+        scale=dh ** -0.5 if scale is None else scale, rotary_dim=rotary_dim, rope_layout=rope_layout, rolling=True,
+        impl=impl)
+    y = jnp.matmul(o.reshape(x.shape[0], -1).astype(x.dtype), w_o.astype(x.dtype), preferred_element_type=jnp.float32)
+    if o_bias is not None:
+        y = y + o_bias.astype(jnp.float32)
+    if residual:
+        y = y + x.astype(jnp.float32)
+    return y.astype(x.dtype), k_cache, v_cache
+
+
 def _dense(x, w, b=None):
     y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
@@ -142,7 +169,7 @@ def _dense(x, w, b=None):
 _DTYPES = tuple(jnp.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32))
 
 
-def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim):
+def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim, rolling):
     if family not in FAMILIES:
         raise ValueError(f"{op}: family must be one of {FAMILIES}, got {family!r}")
     if x.ndim != 2:
@@ -189,7 +216,9 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
         check_array(op, f"weights[{name!r}]", w.get(name), shapes[name])
     if not isinstance(lengths, jax.core.Tracer):  # the rest of the shapes: attention_block's checks
         lens = np.asarray(lengths)
-        if lens.size and (lens.min() < 0 or lens.max() >= k_cache.shape[2]):
+        if rolling and lens.size and lens.min() < 0:
+            raise ValueError(f"{op}: lengths must be >= 0; got min {lens.min()}")
+        if not rolling and lens.size and (lens.min() < 0 or lens.max() >= k_cache.shape[2]):
             raise ValueError(f"{op}: lengths must be in [0, S_max={k_cache.shape[2]}); got min {lens.min()}, "
                              f"max {lens.max()}")
 
@@ -197,7 +226,7 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
                   num_kv_heads: int, eps: float, rotary_dim: int | None = None, rope_layout: str = "half",
                   scale: float | None = None, parallel_residual: bool = False, gelu_approximate: bool = False,
-                  impl: str = "auto", one_launch: bool | None = None):
+                  rolling: bool = False, impl: str = "auto", one_launch: bool | None = None):
     """(y [B, D], k_cache, v_cache): one decode step of a whole layer (see the module docstring).
 
     weights: norm, qkv [D, (Hq + 2 Hkv) Dh] (columns [Q heads | K heads | V heads]), o
@@ -205,6 +234,10 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     w_out [F, D] (gpt_neox); optional qkv_bias, o_bias, b_in, b_out; norm_bias and
     post_norm_bias for gpt_neox's LayerNorms. Caches [B, Hkv, S_max, Dh] (donate them);
     lengths int32 [B] (tokens already cached); inv_freq float32 [rotary_dim / 2].
+    rolling: the caches are a sliding window's rolling buffer of S_max slots (position t in
+    slot t % S_max, so once full they hold exactly the window; any lengths[b] >= 0 is valid).
+    Under impl="auto" such a step runs the one-launch kernel wherever it covers the shapes
+    (the tuner times plain caches), else XLA's projections around decode_attention_append.
     one_launch: under impl="auto" on a GPU, None (default) runs the path the tuner measured
     faster for this shape (the per-op kernels where the one-launch kernel does not cover it),
     True the one-launch kernel where it covers the shapes, False the per-op kernels.
@@ -214,7 +247,7 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
     if not isinstance(weights, Mapping):
         raise TypeError(f"{op}: weights must be a mapping of names to arrays, got {type(weights).__name__}")
     w = dict(weights)
-    _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim)
+    _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, num_kv_heads, rotary_dim, rolling)
     if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"{op}: rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
     check_eps(op, "eps", eps)
@@ -222,12 +255,12 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         return jnp.zeros(x.shape, x.dtype), k_cache, v_cache
     kw = dict(family=family, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, rotary_dim=rotary_dim,
               rope_layout=rope_layout, scale=scale, parallel_residual=parallel_residual,
-              gelu_approximate=gelu_approximate)
+              gelu_approximate=gelu_approximate, rolling=bool(rolling))
     if impl == "reference":
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     gpu = on_gpu()
     if impl == "auto" and gpu and one_launch is None:
-        one_launch = _pick(x, w, k_cache, **kw) == "one_launch"
+        one_launch = rolling or _pick(x, w, k_cache, **kw) == "one_launch"
     if impl == "cuda" or (impl == "auto" and gpu and one_launch):
         why = _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
                                 gelu_approximate) if gpu else ""
@@ -238,7 +271,8 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         warn_once((op, why), f"{op}: the one-launch layer kernel cannot run this call ({why}); impl='auto' runs "
                   "the per-op kernels", stacklevel=3)
     norm = "rms" if family == "llama" else "layer"
-    h, k_cache, v_cache = attention_block(
+    block = _rolling_attention_block if rolling else attention_block
+    h, k_cache, v_cache = block(
         x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, norm=norm, norm_weight=w["norm"], norm_bias=w.get("norm_bias"), eps=eps,
         qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), residual=True, rotary_dim=rotary_dim,

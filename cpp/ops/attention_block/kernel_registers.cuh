@@ -48,11 +48,12 @@ constexpr int kRegistersMinBlocks = attention_min_blocks_per_sm(DH, MH);
 template <int DH, int MH>
 constexpr int kRegistersTokenSteps = MH <= 2 ? 8 : MH == 4 && kRegistersMinBlocks<DH, MH> == 2 ? 2 : 4;
 
-// Attention of the block's queries over cached tokens [t0, t1); U token steps per warp in
-// flight (the batch-tiled kernel, built for one block per SM, passes its own).
+// Attention of the block's queries over cached tokens [t0, t1) but `skip` (a rolling
+// buffer's slot whose token the step replaces; -1: none); U token steps per warp in flight
+// (the batch-tiled kernel, built for one block per SM, passes its own).
 template <typename T, int DH, int MH, int U = kRegistersTokenSteps<DH, MH>>
 __device__ void attend_cached(const AttentionBlockParams& p, const Ctx& c, int hpc,
-                              const float* qkv, int t0, int t1, float* warp_states) {
+                              const float* qkv, int t0, int t1, float* warp_states, int skip = -1) {
   constexpr int NV = DH / 8;                   // 16-byte vectors per row
   constexpr int LPT = NV <= 8 ? 8 : NV <= 16 ? 16 : 32;  // lanes per token (power of two)
   static_assert(NV <= 32, "a token's row is at most one warp's 16-byte loads");
@@ -75,7 +76,7 @@ __device__ void attend_cached(const AttentionBlockParams& p, const Ctx& c, int h
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = first + u * TPW + slot;
-      ok[u] = t < t1;
+      ok[u] = t < t1 && t != skip;
       if (ok[u] && active) {
         kr[u] = ptx::ldg_stream(K + static_cast<int64_t>(t) * DH);
         vr[u] = ptx::ldg_stream(V + static_cast<int64_t>(t) * DH);

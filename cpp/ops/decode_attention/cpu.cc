@@ -19,11 +19,12 @@ void decode_attention(const DecodeAttentionParams& p) {
   auto rope = [&](float* x, int32_t at) { cpu::rope(x, at, p.inv_freq, p.rotary_dim, p.rope_layout); };
   for (int64_t b = 0; b < p.batch; ++b) {
     const int32_t length = p.lengths[b];
-    const bool valid = length >= 0 && length < p.max_seq;
-    const int64_t len = valid ? length + 1 : 0, per = (len + S - 1) / S;
+    const AppendSlots slots = append_slots(length, p.max_seq, p.qkv != nullptr && p.rolling);
+    const bool valid = slots.valid;
+    const int64_t len = slots.attended, per = (len + S - 1) / S;
     for (int64_t g = 0; g < p.num_kv_heads; ++g) {
       const int64_t bg = b * p.num_kv_heads + g, row0 = bg * p.max_seq;
-      if (p.qkv != nullptr && valid) {  // the new k, v into the caches at slot length first
+      if (p.qkv != nullptr && valid) {  // the new k, v into the caches at their slot first
         const float* row = p.qkv + b * cols;
         for (int64_t d = 0; d < D; ++d) {
           k_new[d] = row[(hq + g) * D + d];
@@ -31,8 +32,8 @@ void decode_attention(const DecodeAttentionParams& p) {
         }
         rope(k_new.data(), length);
         for (int64_t d = 0; d < D; ++d) {
-          store(p.dtype, const_cast<void*>(p.k_cache), (row0 + length) * D + d, k_new[d]);
-          store(p.dtype, const_cast<void*>(p.v_cache), (row0 + length) * D + d, v_new[d]);
+          store(p.dtype, const_cast<void*>(p.k_cache), (row0 + slots.slot) * D + d, k_new[d]);
+          store(p.dtype, const_cast<void*>(p.v_cache), (row0 + slots.slot) * D + d, v_new[d]);
         }
       }
       for (int64_t h = 0; h < G; ++h) {

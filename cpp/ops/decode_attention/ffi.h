@@ -22,6 +22,7 @@ struct DecodeAttentionAttrs {
 struct DecodeAttentionAppendAttrs {
   int64_t splits, num_q_heads, rotary_dim, rope_layout;
   float scale;
+  bool rolling;  // the caches are a sliding window's rolling buffer (DecodeAttentionParams)
 };
 
 namespace decode_attention_ffi {
@@ -137,6 +138,7 @@ inline ffi::ErrorOr<DecodeAttentionParams> decode_attention_append_params(
   p->rotary_dim = a.rotary_dim;
   p->rope_layout = static_cast<RopeLayout>(a.rope_layout);
   p->scale = a.scale;
+  p->rolling = a.rolling;
   if (auto e = decode_attention_check(*p); !e.empty()) return fail(kOp, e);  // rotary_dim
   return p;
 }
@@ -154,4 +156,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cluster::DecodeAttentionAttrs,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_cluster::DecodeAttentionAppendAttrs, xla::ffi::StructMember<int64_t>("splits"),
     xla::ffi::StructMember<int64_t>("num_q_heads"), xla::ffi::StructMember<int64_t>("rotary_dim"),
-    xla::ffi::StructMember<int64_t>("rope_layout"), xla::ffi::StructMember<float>("scale"));
+    xla::ffi::StructMember<int64_t>("rope_layout"), xla::ffi::StructMember<float>("scale"),
+    xla::ffi::StructMember<bool>("rolling"));

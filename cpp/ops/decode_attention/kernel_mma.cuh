@@ -126,7 +126,7 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
     for (int ks = 0; ks < KS; ++ks) qreg[ks] = q_fragment(ks, gq, cq);
   }
 
-  const int t0 = sb.t0, t_end = min(sb.t1, sb.c.len);
+  const int t0 = sb.t0, t_end = min(sb.t1, sb.c.len), skip = sb.skip;
   // Tokens per warp chunk, in 8s: the lean form at head_dim 128 takes 8 (the mma's other 8
   // rows are zeros), so that a chunk's K and V fit beside O in 128 registers.
   constexpr int kRows = kLean && DH > 96 ? 1 : 2;
@@ -149,7 +149,7 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = first + gq + 8 * r;
-      const bool ok = t < t_end && r < kRows;
+      const bool ok = t < t_end && r < kRows && t != skip;
       const T* p = base + static_cast<int64_t>(t) * DH;
 #pragma unroll
       for (int j = 0; j < J32; ++j) rows[r][j] = ok ? ptx::ldg_stream_256(p + 32 * j + 8 * cq) : make_uint4(0, 0, 0, 0);
@@ -184,8 +184,8 @@ __device__ void decode_attention_mma_split_block(const DecodeAttentionParams& dp
       mma16816<T>(s, a, f.z, f.w);
     }
     const int tok = first + gq;
-    if (tok >= t_end) s[0] = s[1] = -INFINITY;
-    if (kRows == 1 || tok + 8 >= t_end) s[2] = s[3] = -INFINITY;
+    if (tok >= t_end || tok == skip) s[0] = s[1] = -INFINITY;
+    if (kRows == 1 || tok + 8 >= t_end || tok + 8 == skip) s[2] = s[3] = -INFINITY;
   };
   // The online softmax's step with the chunk's scores, and O^T += V^T P^T.
   auto absorb = [&](float (&s)[4], const Chunk& ch) {

@@ -33,13 +33,15 @@ constexpr int kSplitTokenSteps = 8;
 
 // What a split block knows once its prologue ran: the attention_block helpers' view of the
 // step (p, c: caches, geometry, RoPE), its row's length and its token slice [t0, t1) of the
-// length + 1 attended (in append mode the last one, at slot length, is the new token, not
-// read from the caches).
+// slots attended (length + 1; in append mode the one at new_at, slot length, is the new
+// token, not read from the caches; over a rolling buffer new_at is length % S_max and, once
+// the buffer is full, a slot in the middle whose cached token is skipped).
 struct SplitBlock {
   AttentionBlockParams p;
   int s;  // the split
   Ctx c;
   int length, t0, t1;
+  int new_at, skip;  // append mode: the new token's slot; a cached slot not read (-1: none)
   bool valid, append;
   int64_t bg;  // row * Hkv + KV head
 };
@@ -111,12 +113,18 @@ __device__ SplitBlock begin_split(const DecodeAttentionParams& dp, float* q, Spl
     const int e = threadIdx.x + i * kThreads;
     if (e < n) q[e] = vals[i];
   }
-  sb.valid = sb.length >= 0 && sb.length < dp.max_seq;
-  const int len = sb.valid ? sb.length + 1 : 0;  // entries attended (invalid rows: none)
+  const AppendSlots slots = append_slots(sb.length, dp.max_seq, sb.append && dp.rolling);
+  sb.valid = slots.valid;
+  const int len = static_cast<int>(slots.attended);  // entries attended (invalid rows: none)
   const int per = (len + splits - 1) / splits;
   sb.t0 = min(len, s * per);
   sb.t1 = min(len, sb.t0 + per);
-  c.len = sb.append ? sb.length : len;  // cached tokens read from the caches
+  sb.new_at = sb.append ? static_cast<int>(slots.slot) : -1;
+  // Cached tokens read: [0, len) but the new token's slot (the last one unless the rolling
+  // buffer is full, where the slot's old token is skipped).
+  const bool last = sb.new_at == len - 1;
+  c.len = sb.append && last ? len - 1 : len;
+  sb.skip = sb.append && !last && sb.valid ? sb.new_at : -1;
   __syncthreads();
   if (sb.append) {  // RoPE on q and k (apply_rope's math, one sincos per frequency)
     __shared__ float2 rot[DH / 2];
@@ -158,7 +166,7 @@ template <typename T, int DH, int kThreads, int kWarps>
 __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& sb,
                              const float* q, const float* warp_states) {
   const int G = static_cast<int>(dp.group);
-  const bool has_new = sb.append && sb.t0 <= sb.length && sb.length < sb.t1;
+  const bool has_new = sb.append && sb.t0 <= sb.new_at && sb.new_at < sb.t1;
   if (dp.splits > 1) {
     float* out = dp.partial + (sb.bg * dp.splits + sb.s) * G * (DH + 2);
     merge_warp_states_each<DH, kThreads, kWarps, kMaxH>(
@@ -186,7 +194,7 @@ __device__ void finish_split(const DecodeAttentionParams& dp, const SplitBlock& 
     }
   }
   if (sb.append && sb.valid) {
-    const int64_t slot = (sb.bg * dp.max_seq + sb.length) * DH;
+    const int64_t slot = (sb.bg * dp.max_seq + sb.new_at) * DH;
     for (int e = threadIdx.x; e < 2 * DH; e += kThreads) {
       T* cache = static_cast<T*>(const_cast<void*>(e < DH ? dp.k_cache : dp.v_cache));
       cache[slot + e % DH] = from_float<T>(q[G * DH + e]);
@@ -200,8 +208,7 @@ template <typename T, int DH, int U = kSplitTokenSteps>
 __device__ void decode_attention_split_block(const DecodeAttentionParams& dp, SplitItem item, float* q,
                                              float* warp_states) {
   const SplitBlock sb = begin_split<T, DH, kBlockThreads>(dp, q, item);
-  attend_cached<T, DH, 1, U>(sb.p, sb.c, 1, q, sb.t0, min(sb.t1, sb.c.len),
-                                            warp_states);
+  attend_cached<T, DH, 1, U>(sb.p, sb.c, 1, q, sb.t0, min(sb.t1, sb.c.len), warp_states, sb.skip);
   ptx::griddep_launch_dependents();
   finish_split<T, DH, kBlockThreads, kBlockWarps>(dp, sb, q, warp_states);
 }
@@ -228,14 +235,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                                       split_smem + split_q_floats<DH>());
 }
 
-// The new token's k, v of (row, KV head) bg into the caches at slot lengths[b] (append mode,
-// several splits: split 0 left them in the workspace), by threads tid of n.
+// The new token's k, v of (row, KV head) bg into the caches at its slot (lengths[b], or
+// lengths[b] % S_max over a rolling buffer; append mode, several splits: split 0 left them in
+// the workspace), by threads tid of n.
 template <typename T, int DH>
 __device__ void write_new_kv(const DecodeAttentionParams& dp, int64_t bg, int tid, int n) {
-  const int length = dp.lengths[bg / dp.num_kv_heads];
-  if (dp.qkv == nullptr || length < 0 || length >= dp.max_seq) return;
+  const AppendSlots slots = append_slots(dp.lengths[bg / dp.num_kv_heads], dp.max_seq, dp.rolling);
+  if (dp.qkv == nullptr || !slots.valid) return;
   const float* kv = dp.partial + decode_attention_partial_floats(dp) + bg * 2 * DH;
-  const int64_t slot = (bg * dp.max_seq + length) * DH;
+  const int64_t slot = (bg * dp.max_seq + slots.slot) * DH;
   for (int e = tid; e < 2 * DH; e += n) {
     T* cache = static_cast<T*>(const_cast<void*>(e < DH ? dp.k_cache : dp.v_cache));
     cache[slot + e % DH] = from_float<T>(__ldcg(kv + e));
@@ -243,16 +251,17 @@ __device__ void write_new_kv(const DecodeAttentionParams& dp, int64_t bg, int ti
 }
 
 // Element d of query head `head` of (row, KV head) bg: the splits' states merged in split
-// order, o / l; NaN for rows whose length is outside [0, S_max).
+// order, o / l; NaN for rows whose length is invalid (outside [0, S_max), or negative over a
+// rolling buffer).
 template <int DH>
 __device__ float merge_splits(const DecodeAttentionParams& dp, int64_t bg, int head, int d) {
-  const int length = dp.lengths[bg / dp.num_kv_heads];
+  const bool valid = append_slots(dp.lengths[bg / dp.num_kv_heads], dp.max_seq, dp.qkv != nullptr && dp.rolling).valid;
   const int64_t stride = dp.group * (DH + 2);
   const float* st = dp.partial + bg * dp.splits * stride + head * (DH + 2);
   const float o_l = merge_partial_states(
       dp.splits, [&](int64_t s) { return __ldcg(st + s * stride + DH + 1); },
       [&](int64_t s) { return __ldcg(st + s * stride + DH); }, [&](int64_t s) { return __ldcg(st + s * stride + d); });
-  return length >= 0 && length < dp.max_seq ? o_l : NAN;
+  return valid ? o_l : NAN;
 }
 
 // Threads of the merge kernel's block: one per (head, d) up to the block's limit (eight

@@ -42,7 +42,27 @@ struct DecodeAttentionParams {
   int64_t rotary_dim = 0;
   RopeLayout rope_layout = RopeLayout::kHalf;
   float scale = 1.f;
+  // Append mode over a sliding window's rolling buffer (slot = position % S_max, the caches
+  // holding exactly the window once full): the new token, RoPE'd at position lengths[b], goes
+  // to slot lengths[b] % S_max and the attention covers the min(lengths[b], S_max - 1) + 1
+  // filled slots with the new token in place of the slot's old one. Any length >= 0 is valid.
+  bool rolling = false;
 };
+
+// Append mode: the slot the new token of a row at position `length` goes to, the slots
+// attended (the new token's included) and whether the length is valid.
+struct AppendSlots {
+  int64_t slot, attended;
+  bool valid;
+};
+JAX_CLUSTER_HOST_DEVICE inline AppendSlots append_slots(int64_t length, int64_t max_seq, bool rolling) {
+  if (!rolling) {
+    const bool valid = length >= 0 && length < max_seq;
+    return {length, valid ? length + 1 : 0, valid};
+  }
+  if (length < 0) return {0, 0, false};
+  return {length % max_seq, length < max_seq ? length + 1 : max_seq, true};
+}
 
 // Which split kernel streams the tokens: MHA on CUDA cores (K/V straight into registers),
 // GQA on tensor cores (mma.sync for the whole group), where the CUDA-core loop would do G

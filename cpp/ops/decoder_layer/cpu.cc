@@ -8,6 +8,7 @@
 #include "cpu/matmul.h"
 #include "cpu/numerics.h"
 #include "cpu/rope.h"
+#include "ops/decode_attention/params.h"  // append_slots
 
 namespace jax_cluster::cpu {
 namespace {
@@ -46,15 +47,17 @@ float gelu(float v, bool tanh_form) {
 void attend(const DecoderLayerParams& p, int64_t b, const float* x, float* a) {
   const int64_t d = p.hidden, dh = p.head_dim, hq = p.num_q_heads, hkv = p.num_kv_heads;
   const int64_t cols = (hq + 2 * hkv) * dh, group = hq / hkv, len = p.lengths[b];
-  std::vector<float> h(d), qkv(cols, 0.f), o(hq * dh, 0.f), s(len + 1);
+  const AppendSlots slots = append_slots(len, p.max_seq, p.rolling);  // the new token's slot
+  const int64_t last = slots.attended - 1;                             // slots 0..last attended
+  std::vector<float> h(d), qkv(cols, 0.f), o(hq * dh, 0.f), s(last + 1);
   normalize(p, x, p.norm_w, p.norm_b, h.data());
   matmul_accumulate(p.dtype, h.data(), 1, d, p.w_qkv, cols, qkv.data());
   add_bias(p.dtype, p.qkv_bias, qkv.data(), cols);
   for (int64_t head = 0; head < hq + hkv; ++head) {  // RoPE on the query and key heads
     rope(qkv.data() + head * dh, static_cast<int>(len), p.inv_freq, p.rotary_dim, p.rope_layout);
   }
-  for (int64_t g = 0; g < hkv; ++g) {  // the new k, v into slot len, rounded
-    const int64_t row = ((b * hkv + g) * p.max_seq + len) * dh;
+  for (int64_t g = 0; g < hkv; ++g) {  // the new k, v into their slot, rounded
+    const int64_t row = ((b * hkv + g) * p.max_seq + slots.slot) * dh;
     for (int64_t i = 0; i < dh; ++i) {
       store(p.dtype, p.k_cache, row + i, qkv[(hq + g) * dh + i]);
       store(p.dtype, p.v_cache, row + i, qkv[(hq + hkv + g) * dh + i]);
@@ -63,14 +66,14 @@ void attend(const DecoderLayerParams& p, int64_t b, const float* x, float* a) {
   for (int64_t head = 0; head < hq; ++head) {
     const int64_t g = head / group, base = (b * hkv + g) * p.max_seq * dh;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t <= len; ++t) {
+    for (int64_t t = 0; t <= last; ++t) {
       float dot = 0.f;
       for (int64_t i = 0; i < dh; ++i) dot += qkv[head * dh + i] * load(p.dtype, p.k_cache, base + t * dh + i);
       s[t] = dot * p.scale;
       m = std::max(m, s[t]);
     }
     float l = 0.f;
-    for (int64_t t = 0; t <= len; ++t) {
+    for (int64_t t = 0; t <= last; ++t) {
       const float w = std::exp(s[t] - m);
       l += w;
       for (int64_t i = 0; i < dh; ++i) o[head * dh + i] += w * load(p.dtype, p.v_cache, base + t * dh + i);
@@ -107,7 +110,7 @@ void decoder_layer(const DecoderLayerParams& p) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> x(d), a(d), h(d), m(d);
   for (int64_t b = 0; b < p.batch; ++b) {
-    if (p.lengths[b] < 0 || p.lengths[b] >= p.max_seq) {  // NaN row, caches untouched
+    if (!append_slots(p.lengths[b], p.max_seq, p.rolling).valid) {  // NaN row, caches untouched
       for (int64_t i = 0; i < d; ++i) store(p.dtype, p.y, b * d + i, nan);
       continue;
     }

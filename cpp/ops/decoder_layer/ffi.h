@@ -16,7 +16,7 @@ namespace jax_cluster {
 
 struct DecoderLayerAttrs {
   int64_t num_q_heads, num_kv_heads, rotary_dim, rope_layout, norm, mlp;
-  bool parallel_residual;
+  bool parallel_residual, rolling;
   float eps, scale;
 };
 
@@ -40,6 +40,7 @@ inline ffi::ErrorOr<DecoderLayerParams> decode_decoder_layer(const FfiBuffers& c
   p.dtype = *dtype;
   p.mlp = static_cast<MlpKind>(a.mlp);
   p.parallel_residual = a.parallel_residual;
+  p.rolling = a.rolling;
   p.inter = call.in(kDlW1).dimensions().size() == 2 ? call.in(kDlW1).dimensions()[1] : 0;
   if (auto e = decoder_layer_check(p); !e.empty()) return fail(e);
   if (auto e = check_decode_inputs(p, kc, vc, lengths, inv_freq, call.out(1)->untyped_data(),
@@ -96,4 +97,4 @@ JAX_CLUSTER_FFI_ATTRS(jax_cluster::DecoderLayerAttrs, xla::ffi::StructMember<int
                       xla::ffi::StructMember<int64_t>("num_kv_heads"), xla::ffi::StructMember<int64_t>("rotary_dim"),
                       xla::ffi::StructMember<int64_t>("rope_layout"), xla::ffi::StructMember<int64_t>("norm"),
                       xla::ffi::StructMember<int64_t>("mlp"), xla::ffi::StructMember<bool>("parallel_residual"),
-                      xla::ffi::StructMember<float>("eps"), xla::ffi::StructMember<float>("scale"));
+                      xla::ffi::StructMember<bool>("rolling"), xla::ffi::StructMember<float>("eps"), xla::ffi::StructMember<float>("scale"));

@@ -32,6 +32,7 @@ DecodeAttentionParams attention_params(const DecoderLayerParams& p, const Decode
   dp.rotary_dim = p.rotary_dim;
   dp.rope_layout = p.rope_layout;
   dp.scale = p.scale;
+  dp.rolling = p.rolling;
   return dp;
 }
 

@@ -28,6 +28,9 @@ struct DecoderLayerParams {
   NormKind norm;  // both norms: kRms (Llama) or kLayer (GPT-NeoX)
   MlpKind mlp;
   bool parallel_residual;
+  // The caches are a sliding window's rolling buffer (slot = position % S_max): the new token
+  // goes to slot lengths[b] % S_max and attends the filled slots (DecodeAttentionParams).
+  bool rolling;
   float eps, scale;
   const void* x;                           // [B, D]
   const void* norm_w; const void* norm_b;  // [D] (norm_b: kLayer)
