@@ -6,6 +6,8 @@
 //   S_max - 1; attention covers slots 0..length)
 // DA_APPEND=1: append mode (decode_attention_append's kernels: q from an fp32 QKV row,
 // RoPE, the new k, v written at slot length); timed only (the check covers the plain mode).
+// DA_ROLLING=1 (with DA_APPEND): over a rolling buffer, every row at position length + 2 S_max
+// (the new token at slot length, the slot after it the oldest one).
 // Prints us per call (best of 5 x 20 back-to-back calls, split + merge kernel), the rate at
 // which it reads the K/V bytes of length + 1 tokens, and the largest error of the checked pairs.
 #include <algorithm>
@@ -64,6 +66,10 @@ int main(int argc, char** argv) {
     timed.inv_freq = upload(inv);
     timed.rotary_dim = dh;
     timed.scale = 1.f;
+    if (std::getenv("DA_ROLLING")) {
+      timed.rolling = true;
+      timed.lengths = upload(std::vector<int32_t>(p.batch, len + 2 * static_cast<int>(p.max_seq)));
+    }
   }
   CHECK(cudaStreamSynchronize(stream));
   std::vector<__half> out(qn);

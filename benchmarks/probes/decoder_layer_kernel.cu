@@ -7,6 +7,8 @@
 //   /tmp/dl family B D F Hq Hkv Dh S_max   (family: llama, neox (parallel residual) or
 //   neox_seq; row b's length is (b * 7919) % S_max; neox: biases, rotary_dim = Dh / 4)
 // Prints the relative L2 error of y and the largest cache difference; exits 1 above 1e-2 / 5e-2.
+// LAYER_ROLLING=1: the caches are a rolling buffer (rolling = true) and row b's position is
+// (b * 7919) % (3 S_max), so rows wrap past the buffer.
 // LAYER_TIME=n: then times n launches with every row's length S_max - 1 and prints the mean
 // launch, its bytes over the time, and the median block's time at each phase boundary.
 #include <algorithm>
@@ -84,8 +86,10 @@ int main(int argc, char** argv) {
   const int64_t rot = llama ? DH : DH / 4;
   std::vector<float> inv_freq(rot / 2);
   for (int64_t i = 0; i < rot / 2; ++i) inv_freq[i] = std::pow(10000.f, -2.f * i / rot);
+  const char* rolling_env = std::getenv("LAYER_ROLLING");
+  const bool rolling = rolling_env != nullptr && std::atoi(rolling_env) != 0;
   std::vector<int32_t> lengths(B);
-  for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>((b * 7919) % S);
+  for (int64_t b = 0; b < B; ++b) lengths[b] = static_cast<int32_t>((b * 7919) % (rolling ? 3 * S : S));
   const char* time_env = std::getenv("LAYER_TIME");
   const int timed = time_env != nullptr ? std::atoi(time_env) : 0;
 
@@ -96,6 +100,7 @@ int main(int argc, char** argv) {
   p.norm = llama ? NormKind::kRms : NormKind::kLayer;
   p.mlp = llama ? MlpKind::kSwiglu : MlpKind::kGelu;
   p.parallel_residual = family == "neox";
+  p.rolling = rolling;
   p.eps = 1e-5f, p.scale = 1.f / std::sqrt(static_cast<float>(DH));
   if (auto e = decoder_layer_check(p) + decoder_layer_cuda_check(p); !e.empty()) {
     std::printf("not covered: %s\n", e.c_str());

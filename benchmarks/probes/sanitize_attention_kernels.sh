@@ -171,6 +171,7 @@ done
 for cfg in "${da_configs[@]}"; do
   check "decode_attention $cfg" "$da" $cfg
   DA_APPEND=1 check "decode_attention append $cfg" "$da" $cfg
+  DA_APPEND=1 DA_ROLLING=1 check "decode_attention rolling $cfg 7" "$da" $cfg 7  # a middle slot skipped
 done
 for cfg in "${ml_configs[@]}"; do
   check "mla_decode $cfg" "$ml" $cfg
@@ -186,5 +187,8 @@ for cfg in "${mr_configs[@]}"; do
 done
 for cfg in "${dl_configs[@]}"; do
   check "decoder_layer $cfg" "$dl" $cfg
+done
+for cfg in "${dl_configs[1]}" "${dl_configs[2]}" "${dl_configs[4]}"; do  # rows wrapped past a rolling buffer
+  LAYER_ROLLING=1 check "decoder_layer rolling $cfg" "$dl" $cfg
 done
 exit $failed
