@@ -4,8 +4,8 @@ Llama-2-7B, Llama-3-8B, Mistral-7B, Llama-3.2-1B, Pythia-1B/2.8B/6.9B and DeepSe
 batch 1 and 16, contexts 1K/4K/16K (tokens already in the KV cache), impl="xla" (plain jnp) vs the
 jax_cluster ops that exist for the model (attention_block or mla_decode; swiglu, moe_decode: "fused") and,
 for Llama and GPT-NeoX, whole layers on jax_cluster.decoder_layer's one-launch kernel ("one_launch";
-skipped, with the kernel's reason, where it does not cover the batch; left out where a sliding
-window's cache rolls, docs/models.md). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
+skipped, with the kernel's reason, where it does not cover the batch; a sliding window's
+rolling cache included, docs/models.md). Each measurement runs `steps` decode steps inside ONE jit (lax.fori_loop, greedy sampling
 in the loop, KV cache donated), timed per call in a loop of back-to-back calls
 (jax_cluster.tuning.steady_seconds), so dispatch is excluded. The cache is filled with random
 values.
@@ -81,12 +81,10 @@ def layer_windows(cfg) -> list:
     return [window(i) for i in range(cfg.num_layers)]
 
 
-def one_launch_impl(cfg, cache_len):
-    """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX), or None
-    (also where a sliding window's cache rolls: those layers have no one-launch form)."""
+def one_launch_impl(cfg):
+    """Whole layers on jax_cluster.decoder_layer's one-launch kernel (Llama and GPT-NeoX; a sliding
+    window's rolling cache included), or None."""
     if getattr(cfg, "architecture", None) not in ("llama", "gpt_neox") or not ops.fused_available("decoder_layer"):
-        return None
-    if any(w is not None and w <= cache_len for w in layer_windows(cfg)):
         return None
     return {"layer": "fused"}
 
@@ -259,7 +257,7 @@ def main(argv=None) -> int:
                 read = weight_bytes_per_step(cfg, wbytes, batch // dp, jnp.dtype(dtype).itemsize)  # per device
                 floor_s = (read + kv) / bw
                 fused = fused_impl(cfg)
-                layer = one_launch_impl(cfg, cache_slots(ctx + steps))
+                layer = one_launch_impl(cfg)
                 variants = ([("xla", "xla")] + ([("fused", fused)] if fused else [])
                             + ([("one_launch", layer)] if layer else []))
                 xla_s = None
