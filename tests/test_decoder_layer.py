@@ -6,6 +6,7 @@ jax_cluster.decoder_layer's per-op path ("auto", "xla") against the reference an
 it raises before anything runs."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -338,6 +339,22 @@ def test_auto_runs_the_path_the_tuner_measured_faster(rng, fake_gpu_tuner, famil
     assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", **kw) and len(asked) == n
     other, _ = kernel_case(rng, family, batch=2)  # another shape is measured for itself
     assert "jax_cluster_decoder_layer" not in lowered(other, impl="auto", **kw) and len(asked) > n
+
+
+@pytest.mark.filterwarnings("ignore:.*no kernel for dtype")
+def test_auto_over_a_rolling_buffer_runs_the_kernel_where_it_covers(rng, fake_gpu_tuner):
+    """rolling=True under impl="auto" on a GPU: the one-launch kernel wherever it covers the
+    shapes, without asking the tuner (it times plain caches); else, without a warning, XLA's
+    projections around decode_attention_append."""
+    times, asked = fake_gpu_tuner
+    args, kw = kernel_case(rng, "llama")
+    args = dict(args, lengths=jnp.asarray([3, S_MAX, 5 * S_MAX + 2], jnp.int32))
+    assert "jax_cluster_decoder_layer" in lowered(args, impl="auto", rolling=True, **kw) and not asked
+    wide, _ = kernel_case(rng, "llama", batch=9)  # more rows than the kernel takes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = lowered(wide, impl="auto", rolling=True, **kw)
+    assert "jax_cluster_decoder_layer" not in text and "jax_cluster_decode_attention_append" in text and not asked
 
 
 def test_auto_times_every_capacity_of_a_bucket_alike(rng, fake_gpu_tuner):

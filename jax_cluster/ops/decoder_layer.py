@@ -260,7 +260,9 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         return reference.decoder_layer(x, w, k_cache, v_cache, lengths, inv_freq, **kw)
     gpu = on_gpu()
     if impl == "auto" and gpu and one_launch is None:
-        one_launch = rolling or _pick(x, w, k_cache, **kw) == "one_launch"
+        one_launch = (not _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
+                                            gelu_approximate) if rolling
+                      else _pick(x, w, k_cache, **kw) == "one_launch")
     if impl == "cuda" or (impl == "auto" and gpu and one_launch):
         why = _one_launch_error(family, x, w, k_cache, num_q_heads, num_kv_heads, parallel_residual,
                                 gelu_approximate) if gpu else ""
