@@ -163,8 +163,10 @@ class FakeJaxCluster:
 
     @classmethod
     def decoder_layer(cls, x, w, k_cache, v_cache, lengths, inv_freq, *, impl, family, eps, rotary_dim,
-                      rope_layout, num_q_heads, num_kv_heads, scale):
-        """Llama only: the per-op blocks, as jax_cluster.decoder_layer's impl="auto" runs them."""
+                      rope_layout, num_q_heads, num_kv_heads, scale, rolling):
+        """Llama only: the per-op blocks, as jax_cluster.decoder_layer's impl="auto" runs them
+        (plain caches: the models here have no sliding window)."""
+        assert not rolling
         cls.calls.append(("decoder_layer", impl))
         h, k_cache, v_cache = cls.attention_block(
             x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, impl=impl, norm_weight=w["norm"], norm="rms",
