@@ -76,6 +76,17 @@ struct DecoderLayerPlan {
 inline constexpr int kLayerTimelineMarks = 7;
 inline constexpr int64_t kLayerTimelineMaxBlocks = 1024;
 
+#ifndef JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES
+#define JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES 65536.0
+#endif
+#ifndef JAX_CLUSTER_LAYER_SPLIT_BYTES
+#define JAX_CLUSTER_LAYER_SPLIT_BYTES 32768.0
+#endif
+// The plan's cost model: a unit's fixed cost (pipeline fill, staging, reduction) in bytes of
+// weights, and what splitting K adds (the partials' round trip). A probe build may set others.
+inline constexpr double kLayerUnitFixedBytes = JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES;
+inline constexpr double kLayerSplitBytes = JAX_CLUSTER_LAYER_SPLIT_BYTES;
+
 // K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
 // units over the grid best (a unit's time ~ its rows), within the staging limit of `batch`
 // staged rows (layer_staged_rows: the kernel stages all of its NB rows, zeros past the batch).
@@ -88,8 +99,8 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
     // A unit's time ~ its bytes plus a fixed cost (pipeline fill, staging, reduction) worth
     // ~64 KB of weights; splitting K adds the partials' round trip.
-    const double unit = static_cast<double>(rows) * g.tile_cols * 2 + 65536.0;
-    const double cost = static_cast<double>(waves) * unit + (c > 1 ? 32768.0 : 0.0);
+    const double unit = static_cast<double>(rows) * g.tile_cols * 2 + kLayerUnitFixedBytes;
+    const double cost = static_cast<double>(waves) * unit + (c > 1 ? kLayerSplitBytes : 0.0);
     if (cost < best) {
       best = cost;
       g.chunks = c;
@@ -124,8 +135,8 @@ inline double layer_max_block_load(const LayerGemv& a, const LayerGemv& b, int64
   };
   for (const LayerGemv* g : {&a, &b}) {
     const int64_t last_rows = g->k - (g->chunks - 1) * g->chunk_rows;
-    add(g->tiles * (g->chunks - 1), static_cast<double>(g->chunk_rows) * g->tile_cols * 2 + 65536.0);
-    add(g->tiles, static_cast<double>(last_rows) * g->tile_cols * 2 + 65536.0);
+    add(g->tiles * (g->chunks - 1), static_cast<double>(g->chunk_rows) * g->tile_cols * 2 + kLayerUnitFixedBytes);
+    add(g->tiles, static_cast<double>(last_rows) * g->tile_cols * 2 + kLayerUnitFixedBytes);
   }
   double most = 0.0;
   for (int64_t i = 0; i < grid; ++i) most = most > loads[i] ? most : loads[i];
