@@ -464,3 +464,49 @@ def test_kernel_plan_stays_inside_its_workspace(shape, batch):
             assert size["qkv"] >= batch * (hq + 2 * hkv) * dh and size["attn"] >= batch * hq * dh
             assert size["h_stats"] >= lay["gemvs"][2]["tiles"] * batch * 2 and size["act"] >= batch * f
             assert size["timeline"] * 4 >= 8 * (1 + 1024 * base["timeline_marks"])
+
+
+def _most_per_block(gemvs, grid):
+    """The most weight (plus 64 KB per unit) any block streams when the GEMVs' units are handed
+    out block-strided in one sequence, chunk-major (the kernel's each_unit)."""
+    loads = np.zeros(grid)
+    at = 0
+    for g in gemvs:
+        for chunk in range(g["chunks"]):
+            rows = min(g["chunk_rows"], g["k"] - chunk * g["chunk_rows"])
+            for _ in range(g["tiles"]):
+                loads[at % grid] += rows * g["tile_cols"] * 2 + 65536
+                at += 1
+    return loads.max()
+
+
+@pytest.mark.parametrize("shape", [
+    # d, f, hq, dh: GPT-NeoX with the parallel residual
+    (4096, 16384, 32, 128),   # pythia-6.9b
+    (2560, 10240, 32, 80),    # pythia-2.8b
+    (2048, 8192, 8, 256),     # pythia-1b
+    (1024, 4096, 16, 64),     # pythia-410m
+])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_parallel_up_front_plan_balances_the_blocks(shape, batch):
+    """The parallel residual's first phase hands out QKV's units and then MLP up's in one
+    block-strided sequence: the plan's chunk counts leave no block more to stream than any
+    other choice of up to 16 chunks each would."""
+    from jax_cluster import _extension
+
+    d, f, hq, dh = shape
+    grid = 264
+    lay = dict(_extension.plans().decoder_layer(batch, d, hq, hq, dh, 4096, f, 1, True, "float16",
+                                                grid=grid)["layout"])
+    qkv, up = lay["gemvs"][0], lay["gemvs"][1]
+    staged = lay["staged_rows"]
+    best = float("inf")
+    for c1 in range(1, 17):
+        for c2 in range(1, 17):
+            pair = []
+            for g, c in ((qkv, c1), (up, c2)):
+                rows = -(-(-(-g["k"] // c)) // 32) * 32
+                pair.append(dict(g, chunk_rows=rows, chunks=-(-g["k"] // rows)))
+            if all(staged * p["chunk_rows"] <= lay["stage_floats"] for p in pair):
+                best = min(best, _most_per_block(pair, grid))
+    assert _most_per_block([qkv, up], grid) <= best

@@ -19,6 +19,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "jax_cluster/types.h"
 #include "ops/decoder_layer/params.h"
@@ -71,6 +76,17 @@ struct DecoderLayerPlan {
 inline constexpr int kLayerTimelineMarks = 7;
 inline constexpr int64_t kLayerTimelineMaxBlocks = 1024;
 
+#ifndef JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES
+#define JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES 65536.0
+#endif
+#ifndef JAX_CLUSTER_LAYER_SPLIT_BYTES
+#define JAX_CLUSTER_LAYER_SPLIT_BYTES 32768.0
+#endif
+// The plan's cost model: a unit's fixed cost (pipeline fill, staging, reduction) in bytes of
+// weights, and what splitting K adds (the partials' round trip). A probe build may set others.
+inline constexpr double kLayerUnitFixedBytes = JAX_CLUSTER_LAYER_UNIT_FIXED_BYTES;
+inline constexpr double kLayerSplitBytes = JAX_CLUSTER_LAYER_SPLIT_BYTES;
+
 // K chunks for a GEMV of `tiles` tiles over k rows: the split that balances tiles x chunks
 // units over the grid best (a unit's time ~ its rows), within the staging limit of `batch`
 // staged rows (layer_staged_rows: the kernel stages all of its NB rows, zeros past the batch).
@@ -83,8 +99,8 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     const int64_t waves = (g.tiles * c + extra_units + grid - 1) / grid;
     // A unit's time ~ its bytes plus a fixed cost (pipeline fill, staging, reduction) worth
     // ~64 KB of weights; splitting K adds the partials' round trip.
-    const double unit = static_cast<double>(rows) * g.tile_cols * 2 + 65536.0;
-    const double cost = static_cast<double>(waves) * unit + (c > 1 ? 32768.0 : 0.0);
+    const double unit = static_cast<double>(rows) * g.tile_cols * 2 + kLayerUnitFixedBytes;
+    const double cost = static_cast<double>(waves) * unit + (c > 1 ? kLayerSplitBytes : 0.0);
     if (cost < best) {
       best = cost;
       g.chunks = c;
@@ -92,6 +108,81 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
     }
   }
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
+}
+
+#ifndef JAX_CLUSTER_LAYER_BALANCE_UP_FRONT
+#define JAX_CLUSTER_LAYER_BALANCE_UP_FRONT 1
+#endif
+// The parallel residual's first phase hands QKV's units and then MLP up's to the blocks in
+// one block-strided sequence. Planned apart, each GEMV balances its own waves, and the two
+// together can leave some blocks a unit more than others; this picks both chunk counts for
+// the least weight any block streams (plus each unit's fixed cost).
+inline constexpr bool kLayerBalanceUpFront = JAX_CLUSTER_LAYER_BALANCE_UP_FRONT;
+
+// The most any block streams when GEMVs a then b (chunked as given) are handed out
+// block-strided over `grid` blocks: units counted per block by ranges of equal units.
+inline double layer_max_block_load(const LayerGemv& a, const LayerGemv& b, int64_t grid, double* loads) {
+  for (int64_t i = 0; i < grid; ++i) loads[i] = 0.0;
+  int64_t at = 0;
+  // count of i in [s, e) with i % grid == blk, added `bytes` each
+  auto add = [&](int64_t units, double bytes) {
+    const int64_t s = at, e = at + units;
+    for (int64_t blk = 0; blk < grid; ++blk) {
+      const int64_t first = s + ((blk - s % grid) % grid + grid) % grid;  // first i >= s on blk
+      if (first < e) loads[blk] += static_cast<double>((e - 1 - first) / grid + 1) * bytes;
+    }
+    at = e;
+  };
+  for (const LayerGemv* g : {&a, &b}) {
+    const int64_t last_rows = g->k - (g->chunks - 1) * g->chunk_rows;
+    add(g->tiles * (g->chunks - 1), static_cast<double>(g->chunk_rows) * g->tile_cols * 2 + kLayerUnitFixedBytes);
+    add(g->tiles, static_cast<double>(last_rows) * g->tile_cols * 2 + kLayerUnitFixedBytes);
+  }
+  double most = 0.0;
+  for (int64_t i = 0; i < grid; ++i) most = most > loads[i] ? most : loads[i];
+  return most;
+}
+
+// The chunk counts of the parallel residual's QKV and MLP up with the least load on any
+// block (fewer units on a tie), searched over up to 16 chunks each. Memoised per shape and
+// grid: the search is ~0.1 ms, and the plan is made at every call.
+inline void plan_parallel_up_front(LayerGemv& qkv, LayerGemv& up, int64_t batch, int64_t grid) {
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t>;
+  static std::mutex mutex;
+  static std::map<Key, std::pair<int64_t, int64_t>> memo;  // chunk_rows of QKV, MLP up
+  const Key key{batch, qkv.k, qkv.n, up.k, up.n, up.paired, grid};
+  auto chunked = [](LayerGemv g, int64_t rows) {
+    g.chunk_rows = rows;
+    g.chunks = (g.k + rows - 1) / rows;
+    return g;
+  };
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = memo.find(key);
+  if (found == memo.end()) {
+    std::vector<double> loads(static_cast<size_t>(grid));
+    double best = layer_max_block_load(qkv, up, grid, loads.data());
+    int64_t best_units = qkv.units() + up.units();
+    std::pair<int64_t, int64_t> pick{qkv.chunk_rows, up.chunk_rows};
+    for (int64_t c1 = 1; c1 <= 16; ++c1) {
+      const int64_t r1 = ((qkv.k + c1 - 1) / c1 + 31) / 32 * 32;
+      if (batch * r1 > kLayerStageFloats) continue;
+      for (int64_t c2 = 1; c2 <= 16; ++c2) {
+        const int64_t r2 = ((up.k + c2 - 1) / c2 + 31) / 32 * 32;
+        if (batch * r2 > kLayerStageFloats) continue;
+        const LayerGemv a = chunked(qkv, r1), b = chunked(up, r2);
+        const double load = layer_max_block_load(a, b, grid, loads.data());
+        const int64_t units = a.units() + b.units();
+        if (load < best || (load == best && units < best_units)) {
+          best = load;
+          best_units = units;
+          pick = {r1, r2};
+        }
+      }
+    }
+    found = memo.emplace(key, pick).first;
+  }
+  qkv = chunked(qkv, found->second.first);
+  up = chunked(up, found->second.second);
 }
 
 static_assert(kLayerMaxChunks * kLayerStageFloats == kDecoderLayerMaxStagedInputs,
@@ -121,6 +212,7 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
   if (p.parallel_residual) {  // QKV and MLP up share the first phase
     plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
     plan_gemv(pl.gemv[kGemvUp], layer_staged_rows(b), grid, pl.gemv[kGemvQkv].units());
+    if (kLayerBalanceUpFront) plan_parallel_up_front(pl.gemv[kGemvQkv], pl.gemv[kGemvUp], layer_staged_rows(b), grid);
     pl.gemv[kGemvDown] = {};
   } else {
     plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
