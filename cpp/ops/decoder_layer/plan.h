@@ -110,14 +110,10 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
 
-#ifndef JAX_CLUSTER_LAYER_BALANCE_UP_FRONT
-#define JAX_CLUSTER_LAYER_BALANCE_UP_FRONT 1
-#endif
 // The parallel residual's first phase hands QKV's units and then MLP up's to the blocks in
 // one block-strided sequence. Planned apart, each GEMV balances its own waves, and the two
-// together can leave some blocks a unit more than others; this picks both chunk counts for
-// the least weight any block streams (plus each unit's fixed cost).
-inline constexpr bool kLayerBalanceUpFront = JAX_CLUSTER_LAYER_BALANCE_UP_FRONT;
+// together can leave some blocks a unit more than others; plan_parallel_up_front picks both
+// chunk counts for the least weight any block streams (plus each unit's fixed cost).
 
 // The most any block streams when GEMVs a then b (chunked as given) are handed out
 // block-strided over `grid` blocks: units counted per block by ranges of equal units.
@@ -212,7 +208,7 @@ inline DecoderLayerPlan plan_decoder_layer(const DecoderLayerParams& p, int64_t 
   if (p.parallel_residual) {  // QKV and MLP up share the first phase
     plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
     plan_gemv(pl.gemv[kGemvUp], layer_staged_rows(b), grid, pl.gemv[kGemvQkv].units());
-    if (kLayerBalanceUpFront) plan_parallel_up_front(pl.gemv[kGemvQkv], pl.gemv[kGemvUp], layer_staged_rows(b), grid);
+    plan_parallel_up_front(pl.gemv[kGemvQkv], pl.gemv[kGemvUp], layer_staged_rows(b), grid);  // from these
     pl.gemv[kGemvDown] = {};
   } else {
     plan_gemv(pl.gemv[kGemvQkv], layer_staged_rows(b), grid, 0);
