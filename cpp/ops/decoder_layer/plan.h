@@ -110,11 +110,6 @@ inline void plan_gemv(LayerGemv& g, int64_t batch, int64_t grid, int64_t extra_u
   g.chunks = (g.k + g.chunk_rows - 1) / g.chunk_rows;  // no empty chunk
 }
 
-// The parallel residual's first phase hands QKV's units and then MLP up's to the blocks in
-// one block-strided sequence. Planned apart, each GEMV balances its own waves, and the two
-// together can leave some blocks a unit more than others; plan_parallel_up_front picks both
-// chunk counts for the least weight any block streams (plus each unit's fixed cost).
-
 // The most any block streams when GEMVs a then b (chunked as given) are handed out
 // block-strided over `grid` blocks: units counted per block by ranges of equal units.
 inline double layer_max_block_load(const LayerGemv& a, const LayerGemv& b, int64_t grid, double* loads) {
@@ -139,9 +134,12 @@ inline double layer_max_block_load(const LayerGemv& a, const LayerGemv& b, int64
   return most;
 }
 
-// The chunk counts of the parallel residual's QKV and MLP up with the least load on any
-// block (fewer units on a tie), searched over up to 16 chunks each. Memoised per shape and
-// grid: the search is ~0.1 ms, and the plan is made at every call.
+// The parallel residual's first phase hands QKV's units and then MLP up's to the blocks in
+// one block-strided sequence. Planned apart, each GEMV balances its own waves, and the two
+// together can leave some blocks a unit more than others; this picks both chunk counts for
+// the least weight any block streams, plus each unit's fixed cost (fewer units on a tie),
+// searched over up to 16 chunks each from the separate plans. Memoised per shape and grid:
+// the search is ~0.1 ms, and the plan is made at every call.
 inline void plan_parallel_up_front(LayerGemv& qkv, LayerGemv& up, int64_t batch, int64_t grid) {
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t>;
   static std::mutex mutex;
