@@ -141,13 +141,15 @@ def attention_block_pallas(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *
 
 def attention_block_split_k(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads,
                              num_kv_heads, norm, norm_weight, norm_bias, eps, qkv_bias, o_bias,
-                             residual, rotary_dim, rope_layout, scale, splits=None):
+                             residual, rotary_dim, rope_layout, scale, splits=None, rolling=False,
+                             impl="cuda"):
     """The decode step with our split-K kernels for the RoPE, the cache write and the
     attention (decode_attention_append) between XLA's two projections: for batches where
     one fused cluster per row would re-read the weights per row. (Running the projections
     on jax_cluster.linear instead lost to XLA's dots at every measured shape:
     docs/attention_block.md.) Rows with lengths outside [0, S_max) get NaN from the
-    attention kernel (it propagates through W_o) and write nothing."""
+    attention kernel (it propagates through W_o) and write nothing. rolling and impl go to
+    decode_attention_append (decoder_layer's per-op step over a rolling buffer)."""
     from jax_cluster.ops.decode_attention import DecodeAttentionConfig, decode_attention_append
     del num_kv_heads
     f32, dt = jnp.float32, x.dtype
@@ -157,8 +159,8 @@ def attention_block_split_k(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, 
         qkv = qkv + qkv_bias.astype(f32)
     o, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads, scale=scale,
-        rotary_dim=rotary_dim, rope_layout=rope_layout, impl="cuda",
-        config=DecodeAttentionConfig(splits=splits))
+        rotary_dim=rotary_dim, rope_layout=rope_layout, rolling=rolling, impl=impl,
+        config=None if splits is None else DecodeAttentionConfig(splits=splits))
     y = jnp.dot(o.reshape(x.shape[0], -1), w_o, preferred_element_type=f32)
     if o_bias is not None:
         y = y + o_bias.astype(f32)

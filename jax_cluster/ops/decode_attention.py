@@ -146,7 +146,7 @@ def _attend_xla(q, k_cache, v_cache, lengths):
     return jnp.where(valid[:, None, None, None], out, jnp.nan).astype(q.dtype)
 
 
-def _check_lengths(op: str, lengths, batch: int, max_seq: int, rolling: bool = False) -> None:
+def check_lengths(op: str, lengths, batch: int, max_seq: int, rolling: bool = False) -> None:
     """Shape and dtype; the values too where they are known (under jit they are traced: an
     out-of-range row then gives NaN and writes nothing). Over a rolling buffer any length >= 0
     is valid."""
@@ -180,7 +180,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "auto",
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"{op}: q, k_cache and v_cache must share a dtype; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _check_lengths(op, lengths, b, k_cache.shape[2])
+    check_lengths(op, lengths, b, k_cache.shape[2])
     check_call(op, impl, config, DecodeAttentionConfig)
     if b == 0:  # no rows: nothing to launch
         return jnp.zeros(q.shape, q.dtype)
@@ -263,7 +263,7 @@ def decode_attention_append(qkv, k_cache, v_cache, lengths, inv_freq, *, num_q_h
     if qkv.shape != (b, (num_q_heads + 2 * hkv) * dh) or qkv.dtype != jnp.float32:
         raise ValueError(f"{op}: qkv must be float32 [{b}, {(num_q_heads + 2 * hkv) * dh}], "
                          f"got {jnp.dtype(qkv.dtype).name} {tuple(qkv.shape)}")
-    _check_lengths(op, lengths, b, k_cache.shape[2], bool(rolling))
+    check_lengths(op, lengths, b, k_cache.shape[2], bool(rolling))
     rotary_dim = dh if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 <= rotary_dim <= dh or inv_freq.shape != (rotary_dim // 2,) \
             or inv_freq.dtype != jnp.float32:

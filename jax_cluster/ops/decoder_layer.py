@@ -37,7 +37,8 @@ from jax_cluster import _extension, reference, tuning
 from jax_cluster._ffi import check_array, check_eps, check_impl, ffi_primitive, fold_batch_axis, on_gpu, warn_once
 from jax_cluster._sharding import row_partitioned
 from jax_cluster.ops.attention_block import ROPE_LAYOUTS, attention_block, timed_context
-from jax_cluster.ops.decode_attention import decode_attention_append
+from jax_cluster.ops.attention_block_unfused import attention_block_split_k
+from jax_cluster.ops.decode_attention import check_lengths
 from jax_cluster.ops.swiglu import swiglu
 
 __all__ = ["autotune", "decoder_layer"]
@@ -137,30 +138,6 @@ def _norm(x, kind, weight, bias, eps):
     return y.astype(x.dtype)
 
 
-def _rolling_attention_block(x, w_qkv, w_o, k_cache, v_cache, lengths, inv_freq, *, num_q_heads, num_kv_heads,
-                             norm, norm_weight, norm_bias, eps, qkv_bias, o_bias, residual, rotary_dim,
-                             rope_layout, scale, impl):
-    """The per-op attention block over a rolling buffer: XLA's norm and projections around
-    decode_attention_append (RoPE, the write at lengths[b] % S_max, the attention; its kernels
-    under impl "cuda" / "auto", XLA's ops under "xla"). Invalid rows give NaN."""
-    del num_kv_heads
-    dh = k_cache.shape[-1]
-    hn = _norm(x, norm, norm_weight, norm_bias, eps)
-    qkv = jnp.matmul(hn, w_qkv.astype(x.dtype), preferred_element_type=jnp.float32)
-    if qkv_bias is not None:
-        qkv = qkv + qkv_bias.astype(jnp.float32)
-    o, k_cache, v_cache = decode_attention_append(
-        qkv, k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
-        scale=dh ** -0.5 if scale is None else scale, rotary_dim=rotary_dim, rope_layout=rope_layout, rolling=True,
-        impl=impl)
-    y = jnp.matmul(o.reshape(x.shape[0], -1).astype(x.dtype), w_o.astype(x.dtype), preferred_element_type=jnp.float32)
-    if o_bias is not None:
-        y = y + o_bias.astype(jnp.float32)
-    if residual:
-        y = y + x.astype(jnp.float32)
-    return y.astype(x.dtype), k_cache, v_cache
-
-
 def _dense(x, w, b=None):
     y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
@@ -214,13 +191,7 @@ def _check(op, family, x, w, k_cache, v_cache, lengths, inv_freq, num_q_heads, n
               "w_out": (ff, d), "b_out": (d,)}
     for name in _MLP_KEYS[family]:
         check_array(op, f"weights[{name!r}]", w.get(name), shapes[name])
-    if not isinstance(lengths, jax.core.Tracer):  # the rest of the shapes: attention_block's checks
-        lens = np.asarray(lengths)
-        if rolling and lens.size and lens.min() < 0:
-            raise ValueError(f"{op}: lengths must be >= 0; got min {lens.min()}")
-        if not rolling and lens.size and (lens.min() < 0 or lens.max() >= k_cache.shape[2]):
-            raise ValueError(f"{op}: lengths must be in [0, S_max={k_cache.shape[2]}); got min {lens.min()}, "
-                             f"max {lens.max()}")
+    check_lengths(op, lengths, b, k_cache.shape[2], rolling)  # the rest of the shapes: attention_block's checks
 
 
 def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: str, num_q_heads: int,
@@ -273,12 +244,14 @@ def decoder_layer(x, weights, k_cache, v_cache, lengths, inv_freq, *, family: st
         warn_once((op, why), f"{op}: the one-launch layer kernel cannot run this call ({why}); impl='auto' runs "
                   "the per-op kernels", stacklevel=3)
     norm = "rms" if family == "llama" else "layer"
-    block = _rolling_attention_block if rolling else attention_block
+    # over a rolling buffer: XLA's projections around decode_attention_append (its kernels, or
+    # XLA's ops under impl="xla")
+    block = functools.partial(attention_block_split_k, rolling=True) if rolling else attention_block
     h, k_cache, v_cache = block(
         x, w["qkv"], w["o"], k_cache, v_cache, lengths, inv_freq, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, norm=norm, norm_weight=w["norm"], norm_bias=w.get("norm_bias"), eps=eps,
         qkv_bias=w.get("qkv_bias"), o_bias=w.get("o_bias"), residual=True, rotary_dim=rotary_dim,
-        rope_layout=rope_layout, scale=scale, impl=impl)
+        rope_layout=rope_layout, scale=k_cache.shape[-1] ** -0.5 if scale is None else scale, impl=impl)
     src = x if (family == "gpt_neox" and parallel_residual) else h
     hn = _norm(src, norm, w["post_norm"], w.get("post_norm_bias"), eps)
     if family == "llama":
